@@ -1,0 +1,501 @@
+"""Nox sessions for the gpipe monorepo (run ``nox -l`` to list them).
+
+Packages are discovered from ``packages/*/pyproject.toml``; each one's sibling dependency
+closure comes from its ``[project].dependencies``, so a new package needs no change here.
+torch is only installed from a local wheel in one of pip's find-links directories (such as
+/opt/wheels) and is pinned for the rest of each session; it is never resolved from an index.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+PACKAGES_DIR = ROOT / "packages"
+DIST_DIR = ROOT / "dist"
+DOCS_DIR = ROOT / "docs"
+
+PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
+TORCH_VERSIONS = ["2.13.0"]
+# The interpreter and torch used by every session other than the test matrix.
+DEV_PYTHON = "3.11"
+DEV_TORCH = TORCH_VERSIONS[0]
+
+# Tool pins, so that lint and type results do not drift with new releases.
+RUFF = "ruff==0.17.5"
+MYPY = "mypy>=2.4,<2.5"
+SPHINX = ["sphinx>=8", "myst-parser>=4"]
+TEST_DEPS = ["pytest>=8", "hypothesis>=6"]
+# Stub distributions for third-party dependencies that ship no type information.
+STUBS = {"tqdm": "types-tqdm"}
+
+nox.options.sessions = ["tests", "lint", "typecheck", "docs", "build"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.default_venv_backend = "venv"
+# A Python version that is not installed skips its cells instead of failing the run, also
+# under CI=true (where nox would otherwise default to an error).
+nox.options.error_on_missing_interpreters = False
+# Never fetch interpreters from the network (newer nox downloads missing ones by default).
+if hasattr(nox.options, "download_python"):
+    nox.options.download_python = "never"
+
+
+# --------------------------------------------------------------------------------------------
+# Package discovery
+# --------------------------------------------------------------------------------------------
+
+
+def _normalize(name: str) -> str:
+    """PEP 503 normalization of a distribution name."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirement_name(requirement: str) -> str:
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    if match is None:
+        raise ValueError(f"cannot parse requirement: {requirement!r}")
+    return _normalize(match.group(1))
+
+
+@dataclass(frozen=True)
+class Package:
+    """One distribution under ``packages/``."""
+
+    name: str
+    path: Path
+    import_name: str
+    version: str
+    siblings: tuple[str, ...]
+    external: tuple[str, ...]
+
+    @property
+    def rel(self) -> str:
+        return self.path.relative_to(ROOT).as_posix()
+
+    @property
+    def src(self) -> Path:
+        return self.path / "src"
+
+    @property
+    def tests(self) -> Path:
+        return self.path / "tests"
+
+
+def _read_version(package_dir: Path, project: dict, tool: dict) -> str:
+    if "version" in project:
+        return str(project["version"])
+    version_path = tool.get("hatch", {}).get("version", {}).get("path")
+    if version_path is None:
+        raise ValueError(f"{package_dir}: no static version and no [tool.hatch.version].path")
+    text = (package_dir / version_path).read_text(encoding="utf-8")
+    match = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", text, re.MULTILINE)
+    if match is None:
+        raise ValueError(f"{package_dir / version_path}: no __version__ found")
+    return match.group(1)
+
+
+def _read_import_name(package_dir: Path, name: str, tool: dict) -> str:
+    wheel = tool.get("hatch", {}).get("build", {}).get("targets", {}).get("wheel", {})
+    packages = wheel.get("packages") or []
+    if packages:
+        return Path(packages[0]).name
+    return name.replace("-", "_")
+
+
+@functools.cache
+def discover_packages() -> tuple[Package, ...]:
+    """Every package under ``packages/``, in dependency (topological) order."""
+    raw: dict[str, tuple[Path, dict, dict]] = {}
+    for pyproject in sorted(PACKAGES_DIR.glob("*/pyproject.toml")):
+        data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+        project = data.get("project", {})
+        name = _normalize(project["name"])
+        raw[name] = (pyproject.parent, project, data.get("tool", {}))
+
+    packages: dict[str, Package] = {}
+    for name, (path, project, tool) in raw.items():
+        siblings: list[str] = []
+        external: list[str] = []
+        for requirement in project.get("dependencies", []):
+            if _requirement_name(requirement) in raw:
+                siblings.append(_requirement_name(requirement))
+            else:
+                external.append(requirement)
+        packages[name] = Package(
+            name=name,
+            path=path,
+            import_name=_read_import_name(path, name, tool),
+            version=_read_version(path, project, tool),
+            siblings=tuple(siblings),
+            external=tuple(external),
+        )
+
+    # Kahn's algorithm, alphabetical among packages that are ready at the same time.
+    ordered: list[Package] = []
+    done: set[str] = set()
+    while len(ordered) < len(packages):
+        ready = sorted(
+            name
+            for name, package in packages.items()
+            if name not in done and all(s in done for s in package.siblings)
+        )
+        if not ready:
+            left = sorted(set(packages) - done)
+            raise RuntimeError(f"dependency cycle among packages: {left}")
+        for name in ready:
+            ordered.append(packages[name])
+            done.add(name)
+    return tuple(ordered)
+
+
+def closure(package: Package) -> list[Package]:
+    """``package`` and every sibling it needs, transitively, in dependency order."""
+    by_name = {p.name: p for p in discover_packages()}
+    needed: set[str] = set()
+    stack = [package.name]
+    while stack:
+        name = stack.pop()
+        if name not in needed:
+            needed.add(name)
+            stack.extend(by_name[name].siblings)
+    return [p for p in discover_packages() if p.name in needed]
+
+
+def external_requirements(packages: list[Package] | tuple[Package, ...]) -> list[str]:
+    """The non-sibling requirements of ``packages``, torch excluded (it is installed first)."""
+    requirements: list[str] = []
+    for package in packages:
+        for requirement in package.external:
+            if _requirement_name(requirement) != "torch" and requirement not in requirements:
+                requirements.append(requirement)
+    return requirements
+
+
+# --------------------------------------------------------------------------------------------
+# torch, from local wheels only
+# --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def find_links_dirs() -> tuple[Path, ...]:
+    """Local directories in pip's ``find-links`` setting (configuration files or environment)."""
+    values: list[str] = []
+    try:
+        listing = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+    except OSError:
+        listing = ""
+    for line in listing.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip().endswith("find-links"):
+            values.append(value.strip().strip("'\""))
+    values.append(os.environ.get("PIP_FIND_LINKS", ""))
+
+    dirs: list[Path] = []
+    for value in values:
+        for item in value.split():
+            item = item.removeprefix("file://")
+            path = Path(item)
+            if path.is_dir() and path not in dirs:
+                dirs.append(path)
+    return tuple(dirs)
+
+
+def _python_in(session: nox.Session) -> str:
+    bin_dir = Path(session.bin)
+    for name in ("python", "python.exe"):
+        if (bin_dir / name).exists():
+            return str(bin_dir / name)
+    return "python"
+
+
+def installed_torch_version(session: nox.Session, python: str | None = None) -> str | None:
+    """The torch version importable by ``python`` (the session's by default), or None."""
+    output = session.run(
+        python or _python_in(session),
+        "-c",
+        "import importlib.metadata as m\n"
+        "try:\n    print(m.version('torch'))\nexcept m.PackageNotFoundError:\n    print('-')",
+        silent=True,
+        external=True,
+    )
+    version = str(output).strip().splitlines()[-1] if output else "-"
+    return None if version == "-" else version
+
+
+def local_torch_wheel(session: nox.Session, version: str, python: str | None = None) -> Path | None:
+    """A wheel of torch ``version`` in a find-links directory that ``python`` can install.
+
+    pip itself decides which file matches the interpreter (``--dry-run --no-index``), so no
+    index is contacted and nothing is installed.
+    """
+    dirs = find_links_dirs()
+    if not any(dirs):
+        return None
+    candidates = [w for d in dirs for w in d.glob(f"torch-{version}*.whl")]
+    candidates = [w for w in candidates if re.match(rf"torch-{re.escape(version)}(\+|-)", w.name)]
+    if not candidates:
+        return None
+    report = Path(session.create_tmp()) / "torch-report.json"
+    report.unlink(missing_ok=True)
+    args = ["--no-index", "--no-deps", "--dry-run", "--ignore-installed", "--quiet"]
+    for d in dirs:
+        args += ["--find-links", str(d)]
+    session.run(
+        python or _python_in(session),
+        "-m",
+        "pip",
+        "install",
+        *args,
+        "--report",
+        str(report),
+        f"torch=={version}",
+        silent=True,
+        external=True,
+        success_codes=[0, 1],
+    )
+    if not report.exists():
+        return None
+    for item in json.loads(report.read_text(encoding="utf-8")).get("install", []):
+        url = item.get("download_info", {}).get("url", "")
+        if url.startswith("file://"):
+            return Path(url.removeprefix("file://"))
+    return None
+
+
+def torch_unavailable_reason(version: str, session: nox.Session) -> str:
+    dirs = ", ".join(str(d) for d in find_links_dirs()) or "none configured"
+    return (
+        f"no torch=={version} wheel for Python {session.python or 'default'} in pip's "
+        f"find-links directories ({dirs}) and torch=={version} is not installed; torch is "
+        "never downloaded from an index"
+    )
+
+
+def install_torch(
+    session: nox.Session, version: str, *, python: str | None = None, skip: bool = False
+) -> None:
+    """Install torch ``version`` from a local wheel and pin it for the rest of the session.
+
+    When no local wheel fits and that torch is not already installed, the session is skipped
+    (``skip=True``) or fails, with the reason. torch is never resolved from an index.
+    """
+    have = installed_torch_version(session, python)
+    if have is None or have.split("+")[0] != version:
+        wheel = local_torch_wheel(session, version, python)
+        if wheel is None:
+            reason = torch_unavailable_reason(version, session)
+            if skip:
+                session.skip(reason)
+            session.error(reason)
+        session.run(
+            python or _python_in(session), "-m", "pip", "install", "--quiet", str(wheel),
+            external=True,
+        )  # fmt: skip
+    constraints = Path(session.create_tmp()) / "constraints.txt"
+    constraints.write_text(f"torch=={version}\n", encoding="utf-8")
+    # Every later pip call in this session (build isolation included) keeps this torch.
+    session.env["PIP_CONSTRAINT"] = str(constraints)
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def build_wheels(session: nox.Session, packages: list[Package] | tuple[Package, ...]) -> dict:
+    """Build a wheel of each package (from the working tree) into the session's tmp dir."""
+    out = Path(session.create_tmp()) / "wheels"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    session.run(
+        "python", "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(out),
+        *[p.rel for p in packages],
+    )  # fmt: skip
+    wheels: dict[str, Path] = {}
+    for package in packages:
+        # Wheel file names use the distribution name with dashes turned into underscores.
+        found = sorted(out.glob(f"{package.name.replace('-', '_')}-{package.version}-*.whl"))
+        if not found:
+            session.error(f"no wheel built for {package.name} in {out}")
+        wheels[package.name] = found[-1]
+    return wheels
+
+
+def uninstall_gpipe(session: nox.Session) -> None:
+    """Remove every installed distribution whose name starts with ``gpipe``."""
+    output = session.run(
+        "python",
+        "-c",
+        "import importlib.metadata as m\n"
+        "print(' '.join(sorted({d.metadata['Name'] for d in m.distributions()"
+        " if d.metadata['Name'] and d.metadata['Name'].lower().startswith('gpipe')})))",
+        silent=True,
+    )
+    names = str(output or "").split()
+    if names:
+        session.run("python", "-m", "pip", "uninstall", "--quiet", "--yes", *names)
+
+
+def install_all_packages(session: nox.Session) -> None:
+    """Install every package from the working tree (non-editable) and its external deps."""
+    packages = discover_packages()
+    wheels = build_wheels(session, packages)
+    uninstall_gpipe(session)
+    session.install("--no-deps", *[str(wheels[p.name]) for p in packages])
+    external = external_requirements(packages)
+    if external:
+        session.install(*external)
+    session.run("python", "-m", "pip", "check")
+
+
+# --------------------------------------------------------------------------------------------
+# Sessions
+# --------------------------------------------------------------------------------------------
+
+
+@nox.session
+@nox.parametrize("torch", TORCH_VERSIONS)
+@nox.parametrize("python", PYTHONS)
+def tests(session: nox.Session, torch: str) -> None:
+    """Each package's tests, with only its own dependency closure installed."""
+    install_torch(session, torch, skip=True)
+    session.install(*TEST_DEPS)
+    packages = discover_packages()
+    for package in packages:
+        if not package.tests.is_dir() or not any(package.tests.rglob("test_*.py")):
+            session.error(f"{package.name} has no tests (expected {package.rel}/tests/test_*.py)")
+    wheels = build_wheels(session, packages)
+
+    for package in packages:
+        needed = closure(package)
+        session.log(f"{package.name}: closure {[p.name for p in needed]}")
+        uninstall_gpipe(session)
+        session.install("--no-deps", *[str(wheels[p.name]) for p in needed])
+        external = external_requirements(needed)
+        if external:
+            session.install(*external)
+        session.run("python", "-m", "pip", "check")
+        session.run("python", "-m", "pytest", f"{package.rel}/tests", *session.posargs)
+    uninstall_gpipe(session)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the repository."""
+    session.install(RUFF)
+    session.run("ruff", "check", ".", *session.posargs)
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=DEV_PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on every package's source tree."""
+    install_torch(session, DEV_TORCH)
+    packages = discover_packages()
+    external = external_requirements(packages)
+    stubs = [STUBS[_requirement_name(r)] for r in external if _requirement_name(r) in STUBS]
+    session.install(MYPY, *external, *stubs)
+    # Sibling imports resolve to the working tree, for packages added after pyproject.toml's
+    # mypy_path was last edited too.
+    session.env["MYPYPATH"] = os.pathsep.join(str(p.src) for p in packages)
+    for package in packages:
+        session.run(
+            "mypy", "--strict", f"{package.rel}/src/{package.import_name}", *session.posargs
+        )
+
+
+@nox.session(python=DEV_PYTHON)
+def docs(session: nox.Session) -> None:
+    """Sphinx HTML build; every warning and every unresolved reference is an error."""
+    install_torch(session, DEV_TORCH)
+    session.install(*SPHINX)
+    install_all_packages(session)
+    out = DOCS_DIR / "_build" / "html"
+    session.run(
+        "sphinx-build", "-W", "-n", "--keep-going", "-E", "-b", "html",
+        str(DOCS_DIR), str(out), *session.posargs,
+    )  # fmt: skip
+
+
+@nox.session(python=DEV_PYTHON)
+def build(session: nox.Session) -> None:
+    """Build every package; install the meta-package from dist/ into a fresh venv."""
+    session.install("build")
+    packages = discover_packages()
+    shutil.rmtree(DIST_DIR, ignore_errors=True)
+    DIST_DIR.mkdir()
+    for package in packages:
+        session.run("python", "-m", "build", "--outdir", str(DIST_DIR), package.rel)
+    for package in packages:
+        base = f"{package.name.replace('-', '_')}-{package.version}"
+        for artifact in (f"{base}.tar.gz", f"{base}-py3-none-any.whl"):
+            if not (DIST_DIR / artifact).is_file():
+                session.error(f"missing build artifact dist/{artifact}")
+
+    venv_dir = Path(session.create_tmp()) / "fresh-venv"
+    shutil.rmtree(venv_dir, ignore_errors=True)
+    session.run("python", "-m", "venv", str(venv_dir))
+    bin_dir = venv_dir / ("Scripts" if sys.platform == "win32" else "bin")
+    python = str(bin_dir / "python")
+    install_torch(session, DEV_TORCH, python=python)
+
+    # Pin every sibling to the version just built: names such as "gpipe" are taken on PyPI by
+    # unrelated projects, so an unpinned request could resolve to one of those.
+    constraints = Path(session.create_tmp()) / "build-constraints.txt"
+    constraints.write_text(
+        f"torch=={DEV_TORCH}\n" + "".join(f"{p.name}=={p.version}\n" for p in packages),
+        encoding="utf-8",
+    )
+    session.env["PIP_CONSTRAINT"] = str(constraints)
+    meta = packages[-1]
+    session.run(
+        python, "-m", "pip", "install", "--quiet", "--find-links", str(DIST_DIR),
+        f"{meta.name}=={meta.version}", external=True,
+    )  # fmt: skip
+    session.run(python, "-m", "pip", "check", external=True)
+    check = (
+        "import importlib.metadata as m, sys\n"
+        "from gpipe import GPipe\n"
+        "import gpipe\n"
+        "print(gpipe.__version__)\n"
+        "expected = " + repr({p.name: p.version for p in packages}) + "\n"
+        "got = {n: m.version(n) for n in expected}\n"
+        "assert got == expected, f'installed {got}, built {expected}'\n"
+        "assert gpipe.__file__.startswith(sys.prefix), gpipe.__file__\n"
+    )
+    session.run(python, "-c", check, external=True)
+
+
+@nox.session(python=DEV_PYTHON)
+def demo(session: nox.Session) -> None:
+    """Run the command-line demo: python -m gpipe demo [args]."""
+    install_torch(session, DEV_TORCH)
+    install_all_packages(session)
+    session.run("python", "-m", "gpipe", "demo", *session.posargs)
+
+
+@nox.session(python=DEV_PYTHON)
+def bench(session: nox.Session) -> None:
+    """Run benchmarks/run.py (added with the schedules work)."""
+    script = ROOT / "benchmarks" / "run.py"
+    if not script.is_file():
+        session.skip("benchmarks/run.py does not exist yet (it comes with the schedules work)")
+    install_torch(session, DEV_TORCH)
+    install_all_packages(session)
+    session.run("python", str(script), *session.posargs)
