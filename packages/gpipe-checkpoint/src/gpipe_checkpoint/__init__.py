@@ -1,0 +1,37 @@
+"""Activation checkpointing in two phases, with random draws replayed exactly.
+
+* :func:`checkpoint`: checkpoint one function call, without a pipeline.
+* :class:`Checkpointing`: the checkpoint and recompute phases, for a scheduler to place.
+* :func:`is_checkpointing`, :func:`is_recomputing`: which phase a layer runs in.
+* :func:`save_rng_states`, :func:`restore_rng_states`: CPU and CUDA generator states.
+
+Example:
+    >>> import torch
+    >>> from gpipe_checkpoint import checkpoint
+    >>> layer = torch.nn.Linear(4, 4)
+    >>> x = torch.randn(2, 4, requires_grad=True)
+    >>> checkpoint(layer, x).sum().backward()
+    >>> x.grad is not None
+    True
+"""
+
+from .__about__ import __version__
+from .checkpoint import Checkpoint, Checkpointing, Recompute, checkpoint
+from .phase import enable_checkpointing, enable_recomputing, is_checkpointing, is_recomputing
+from .rng import RNGStates, device_rng_lock, restore_rng_states, save_rng_states
+
+__all__ = [
+    "Checkpoint",
+    "Checkpointing",
+    "RNGStates",
+    "Recompute",
+    "__version__",
+    "checkpoint",
+    "device_rng_lock",
+    "enable_checkpointing",
+    "enable_recomputing",
+    "is_checkpointing",
+    "is_recomputing",
+    "restore_rng_states",
+    "save_rng_states",
+]

@@ -1,0 +1,210 @@
+"""Checkpointing split into two phases that a scheduler can place independently.
+
+The **checkpoint** phase runs a function without recording autograd history and keeps
+only its input. The **recompute** phase hooks onto the output: when the gradient reaches
+it, the function runs again with autograd (same random draws, same autocast state) and
+the gradient flows through the recomputed graph. Splitting the two lets a pipeline put
+micro-batch *i*'s recomputation right before its backward pass.
+
+Both phases share a :class:`Checkpointing` object::
+
+    chk = Checkpointing(function, batch)
+    output = chk.checkpoint()   # forward without autograd history
+    chk.recompute(output)       # wire the recomputation into output's backward
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from gpipe_microbatch import Batch, TensorOrTensors, ThreadState, check, fork, get_phony, join
+from torch import Tensor
+
+from .phase import enable_checkpointing, enable_recomputing
+from .rng import RNGStates, restore_rng_states, save_rng_states
+
+__all__ = ["Checkpoint", "Checkpointing", "Recompute", "checkpoint"]
+
+Function = Callable[[TensorOrTensors], TensorOrTensors]
+
+# What the recompute phase leaves for the checkpoint phase's backward: the recomputed
+# output and the leaves it was computed from.
+_Recomputed = tuple[tuple[Tensor, ...], tuple[Tensor, ...]]
+# What the checkpoint phase leaves for the recompute phase: generator states and the
+# thread state the first pass ran under.
+_Saved = tuple[RNGStates, ThreadState]
+
+
+def _call(function: Function, atomic: bool, tensors: tuple[Tensor, ...]) -> TensorOrTensors:
+    return check(function(tensors[0] if atomic else tensors), "output")
+
+
+def _differentiable(tensor: Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+class Checkpointing:
+    """The checkpoint and recompute phases of ``function`` applied to ``batch``.
+
+    Args:
+        function: takes what the batch holds (a tensor or a tuple of tensors) and returns
+            a tensor or a tuple of tensors.
+        batch: the input.
+
+    Example:
+        >>> layer = torch.nn.Linear(3, 3)
+        >>> x = torch.randn(2, 3, requires_grad=True)
+        >>> chk = Checkpointing(layer, Batch(x))
+        >>> output = chk.checkpoint()
+        >>> chk.recompute(output)
+        >>> output.tensor.sum().backward()
+        >>> x.grad.shape
+        torch.Size([2, 3])
+    """
+
+    def __init__(self, function: Function, batch: Batch) -> None:
+        self.function = function
+        self.batch = batch
+        # Each holds at most one item, passed from one phase to the next.
+        self.recomputed: deque[_Recomputed] = deque(maxlen=1)
+        self.saved: deque[_Saved] = deque(maxlen=1)
+
+    def checkpoint(self) -> Batch:
+        """Run the function without autograd history; returns the output batch."""
+        # The phony requires grad, so the output joins the graph even where the input
+        # does not require grad: the parameters inside ``function`` need gradients.
+        phony = get_phony(self.batch[0].device, requires_grad=True)
+        output = Checkpoint.apply(
+            phony, self.recomputed, self.saved, self.function, self.batch.atomic, *self.batch
+        )
+        return Batch(output)
+
+    def recompute(self, batch: Batch) -> None:
+        """Hook the recompute phase onto ``batch``, the output of :meth:`checkpoint`.
+
+        The recomputation then runs when the gradient reaches ``batch``, right before the
+        checkpoint phase's backward.
+        """
+        index = batch.find_tensor_idx()
+        tensor, phony = fork(batch[index])
+        phony = Recompute.apply(
+            phony, self.recomputed, self.saved, self.function, self.batch.atomic, *self.batch
+        )
+        batch.replace(index, join(tensor, phony))
+
+
+class Checkpoint(torch.autograd.Function):
+    """The checkpoint phase: forward without history; backward through the recomputation."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        phony: Tensor,
+        recomputed: deque[_Recomputed],
+        saved: deque[_Saved],
+        function: Function,
+        atomic: bool,
+        *input: Tensor,
+    ) -> TensorOrTensors:
+        ctx.recomputed = recomputed
+        saved.append((save_rng_states(input[0].device), ThreadState.capture()))
+        with torch.no_grad(), enable_checkpointing():
+            output = _call(function, atomic, input)
+        tensors = (output,) if isinstance(output, Tensor) else output
+        ctx.mark_non_differentiable(*(t for t in tensors if not _differentiable(t)))
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, *grad_output: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        if not ctx.recomputed:
+            raise RuntimeError(
+                "a checkpointed output reached backward without its recomputation "
+                "(call Checkpointing.recompute on the output of Checkpointing.checkpoint)"
+            )
+        output, input_leaf = ctx.recomputed.pop()
+        pairs = [
+            (tensor, grad)
+            for tensor, grad in zip(output, grad_output)
+            if tensor.requires_grad and grad is not None
+        ]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        grad_input: list[Optional[Tensor]] = [None, None, None, None, None]
+        grad_input.extend(leaf.grad for leaf in input_leaf)
+        return tuple(grad_input)
+
+
+class Recompute(torch.autograd.Function):
+    """The recompute phase: an identity on a phony whose backward re-runs the function."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        phony: Tensor,
+        recomputed: deque[_Recomputed],
+        saved: deque[_Saved],
+        function: Function,
+        atomic: bool,
+        *input: Tensor,
+    ) -> Tensor:
+        ctx.recomputed = recomputed
+        ctx.saved = saved
+        ctx.function = function
+        ctx.atomic = atomic
+        ctx.save_for_backward(*input)
+        return phony.detach()
+
+    @staticmethod
+    def backward(ctx: Any, *grad_output: Optional[Tensor]) -> tuple[None, ...]:  # type: ignore[override]
+        input = ctx.saved_tensors
+        input_leaf = tuple(
+            tensor.detach().requires_grad_(tensor.requires_grad) for tensor in input
+        )
+        rng_states, thread_state = ctx.saved.pop()
+        with (
+            restore_rng_states(input[0].device, rng_states),
+            thread_state.apply(),
+            torch.enable_grad(),
+            enable_recomputing(),
+        ):
+            output = _call(ctx.function, ctx.atomic, input_leaf)
+        tensors = (output,) if isinstance(output, Tensor) else output
+        ctx.recomputed.append((tensors, input_leaf))
+        return (None,) * (5 + len(input))
+
+
+def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
+    """Run ``function(input)`` without keeping its activations; recompute them in backward.
+
+    Only ``input`` is kept; the activations inside ``function`` are recomputed when the
+    gradient arrives, with the same random draws (dropout masks) and autocast state.
+    Without autograd (``torch.no_grad()``) this is ``function(input)``.
+
+    Args:
+        function: takes a tensor or a tuple of tensors and returns one of those.
+        input: a tensor or a tuple of tensors.
+
+    Returns:
+        What ``function`` returns.
+
+    Raises:
+        TypeError: ``input`` or the output is not a tensor or a tuple of tensors.
+
+    Example:
+        >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> y = checkpoint(block, x)
+        >>> y.sum().backward()
+        >>> x.grad.shape
+        torch.Size([4, 8])
+    """
+    batch = Batch(check(input, "input"))
+    if not torch.is_grad_enabled():
+        return batch.call(function).value
+    chk = Checkpointing(function, batch)
+    output = chk.checkpoint()
+    chk.recompute(output)
+    return output.value

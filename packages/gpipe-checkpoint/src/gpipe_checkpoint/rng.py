@@ -1,0 +1,71 @@
+"""Random number generator states, saved in the checkpoint phase and replayed in recompute."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["RNGStates", "device_rng_lock", "restore_rng_states", "save_rng_states"]
+
+
+class RNGStates(NamedTuple):
+    """The CPU generator's state and, for a CUDA device, that device's generator state."""
+
+    cpu: Tensor
+    cuda: Optional[Tensor]
+
+
+def save_rng_states(device: torch.device) -> RNGStates:
+    """Save the states of the generators that work on ``device`` draws from.
+
+    Example:
+        >>> states = save_rng_states(torch.device("cpu"))
+        >>> a = torch.rand(2)
+        >>> with restore_rng_states(torch.device("cpu"), states):
+        ...     b = torch.rand(2)
+        >>> torch.equal(a, b)
+        True
+    """
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return RNGStates(torch.get_rng_state(), cuda)
+
+
+@contextmanager
+def restore_rng_states(device: torch.device, states: RNGStates) -> Generator[None, None, None]:
+    """Run the body with the generators set to ``states``, then put back their states."""
+    cpu_before = torch.get_rng_state()
+    cuda_before = torch.cuda.get_rng_state(device) if states.cuda is not None else None
+    torch.set_rng_state(states.cpu)
+    if states.cuda is not None:
+        torch.cuda.set_rng_state(states.cuda, device)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_before)
+        if cuda_before is not None:
+            torch.cuda.set_rng_state(cuda_before, device)
+
+
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def device_rng_lock(device: torch.device) -> threading.Lock:
+    """A process-wide lock for the generator that work on ``device`` draws from.
+
+    Work on the CPU draws from one generator, whatever the thread. Two threads that draw
+    from it at once interleave their draws unpredictably, so a checkpoint phase could not
+    replay its own draws. Threads hold this lock while they run work that draws random
+    numbers under checkpointing.
+    """
+    key = str(device) if device.type == "cuda" else "cpu"
+    lock = _locks.get(key)
+    if lock is None:
+        with _locks_guard:
+            lock = _locks.setdefault(key, threading.Lock())
+    return lock

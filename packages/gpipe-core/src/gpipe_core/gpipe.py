@@ -1,0 +1,248 @@
+"""The GPipe module: a pipelined, checkpointed wrapper around an ``nn.Sequential``."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal, NoReturn, Union, cast, overload
+
+import torch
+from gpipe_microbatch import (
+    AbstractStream,
+    TensorOrTensors,
+    check,
+    current_stream,
+    gather,
+    new_stream,
+    scatter,
+)
+from torch import nn
+
+from .partition import Device, check_balance, resolve_devices, split_module
+from .pipeline import Pipeline, RandomDrawTracker
+from .worker import WorkerPool
+
+__all__ = ["GPipe"]
+
+CheckpointMode = Literal["always", "except_last", "never"]
+_CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+def _check_chunks(chunks: object) -> int:
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
+        raise ValueError(f"chunks must be a positive integer (chunks: {chunks!r})")
+    return chunks
+
+
+def _check_checkpoint(checkpoint: object) -> CheckpointMode:
+    if checkpoint not in _CHECKPOINT_MODES:
+        raise ValueError(
+            "checkpoint must be one of 'always', 'except_last', 'never' "
+            f"(checkpoint: {checkpoint!r})"
+        )
+    return cast(CheckpointMode, checkpoint)
+
+
+class GPipe(nn.Module):
+    """Pipeline parallelism with micro-batches and checkpointing, as in GPipe.
+
+    The layers of ``module`` are split into partitions, ``balance[j]`` layers each, and
+    partition ``j`` is placed on ``devices[j]``. A mini-batch is split into ``chunks``
+    micro-batches that flow through the partitions in the fill-drain schedule, one worker
+    thread per partition, so partitions work on different micro-batches at once (on
+    several devices, or on one CPU). Outputs and gradients are those of ``module``.
+
+    Args:
+        module: the model to pipeline; its layers are what ``balance`` counts.
+        balance: the number of layers in each partition.
+
+    Keyword Args:
+        devices: the device of each partition (default: every CUDA device in order, or
+            the CPU for every partition when CUDA is not available).
+        chunks: the number of micro-batches (default: 1).
+        checkpoint: which micro-batches are checkpointed: ``'always'``,
+            ``'except_last'`` (default) or ``'never'``. Nothing is checkpointed in eval
+            mode or without grad mode.
+        deferred_batch_norm: keep BatchNorm running statistics per mini-batch rather than
+            per micro-batch (needs the ``gpipe-bn`` distribution).
+
+    Raises:
+        TypeError: ``module`` is not an :class:`~torch.nn.Sequential`.
+        BalanceError: ``balance`` does not split ``module`` into non-empty partitions.
+        ValueError: too few devices, bad ``chunks`` or ``checkpoint``, or a parameter
+            shared by partitions on different devices.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        >>> model = GPipe(model, balance=[2, 1], chunks=4)
+        >>> output = model(torch.randn(32, 8, device=model.devices[0]))
+        >>> output.shape, output.device == model.devices[-1]
+        (torch.Size([32, 2]), True)
+    """
+
+    balance: list[int]
+    devices: list[torch.device]
+    chunks: int
+    checkpoint: CheckpointMode
+    partitions: nn.ModuleList
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: Iterable[int],
+        *,
+        devices: Iterable[Device] | None = None,
+        chunks: int = 1,
+        checkpoint: CheckpointMode = "except_last",
+        deferred_batch_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Sequential):
+            raise TypeError(
+                f"module must be nn.Sequential to be partitioned (module: {type(module).__name__})"
+            )
+        self.chunks = _check_chunks(chunks)
+        self.checkpoint = _check_checkpoint(checkpoint)
+        self.balance = check_balance(module, balance)
+        if deferred_batch_norm:
+            raise NotImplementedError(
+                "deferred_batch_norm=True needs the gpipe-bn distribution, which this "
+                "version of gpipe-core does not support yet (deferred_batch_norm: True)"
+            )
+        self.devices = resolve_devices(devices, len(self.balance))
+        self.partitions = nn.ModuleList(split_module(module, self.balance, self.devices))
+        self._copy_streams: list[list[AbstractStream]] = [[] for _ in self.devices]
+        self._tracker = RandomDrawTracker(len(self.partitions))
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> WorkerPool:
+        pool = WorkerPool(len(self.balance))
+        # The workers hold no reference to the module: collecting it stops them.
+        weakref.finalize(self, pool.close)
+        return pool
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Threads and locks cannot be copied or pickled; a copy gets workers of its own.
+        state = super().__getstate__()
+        state.pop("_pool", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._pool = self._new_pool()
+
+    # -- the original layers ---------------------------------------------------------
+
+    def __len__(self) -> int:
+        return sum(len(partition) for partition in self.partitions)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        for partition in self.partitions:
+            yield from partition
+
+    def __getitem__(self, index: int) -> nn.Module:
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"index must be an int (index: {index!r})")
+        size = len(self)
+        position = index + size if index < 0 else index
+        if not 0 <= position < size:
+            raise IndexError(f"layer index out of range (index: {index}, layers: {size})")
+        for partition in self.partitions:
+            if position < len(partition):
+                return cast(nn.Module, partition[position])
+            position -= len(partition)
+        raise AssertionError("unreachable")
+
+    # -- placement is fixed by ``devices`` -------------------------------------------
+
+    def _refuse_move(self, how: str, device: object) -> NoReturn:
+        raise TypeError(
+            f"{how} would move every partition to one device; GPipe places partitions on "
+            f"the devices given at construction (devices: {[str(d) for d in self.devices]}, "
+            f"device: {device!r})"
+        )
+
+    def cuda(self, device: Any = None) -> NoReturn:
+        """Refused: partitions stay on their devices."""
+        self._refuse_move(".cuda()", device)
+
+    def cpu(self) -> NoReturn:
+        """Refused: partitions stay on their devices."""
+        self._refuse_move(".cpu()", "cpu")
+
+    @overload
+    def to(self, dtype: torch.dtype, non_blocking: bool = ...) -> GPipe: ...
+
+    @overload
+    def to(self, *args: Any, **kwargs: Any) -> GPipe: ...
+
+    def to(self, *args: Any, **kwargs: Any) -> GPipe:
+        """Convert the dtype of parameters and buffers; moving to a device is refused.
+
+        Raises:
+            TypeError: the arguments name a device (or a tensor, which has one).
+        """
+        device, _, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None:
+            self._refuse_move(".to(device)", device)
+        return cast(GPipe, super().to(*args, **kwargs))
+
+    # -- forward ---------------------------------------------------------------------
+
+    def _ensure_copy_streams(self, chunks: int) -> list[list[AbstractStream]]:
+        for j, device in enumerate(self.devices):
+            streams = self._copy_streams[j]
+            while len(streams) < chunks:
+                streams.append(new_stream(device))
+        return self._copy_streams
+
+    def _check_input_device(self, input: TensorOrTensors) -> None:
+        tensors = (input,) if isinstance(input, torch.Tensor) else input
+        expected = self.devices[0]
+        for index, tensor in enumerate(tensors):
+            if tensor.device != expected:
+                where = "input" if isinstance(input, torch.Tensor) else f"input[{index}]"
+                raise ValueError(
+                    f"{where} must be on the first partition's device "
+                    f"(devices[0]: {expected}, {where}: {tensor.device})"
+                )
+
+    def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
+        """Run ``input`` through the pipeline.
+
+        Args:
+            input: a tensor or a tuple of tensors on ``devices[0]``, split along dimension 0.
+
+        Returns:
+            The output of the last layer, on ``devices[-1]``.
+
+        Raises:
+            TypeError: ``input`` or a partition's output is not a tensor or a tuple of
+                tensors.
+            ValueError: ``input`` is not on ``devices[0]``.
+        """
+        value = check(input, "input")
+        self._check_input_device(value)
+        batches = scatter(value, self.chunks)
+        m = len(batches)
+        if self.training and torch.is_grad_enabled():
+            checkpoint_stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
+        else:
+            checkpoint_stop = 0
+        pipeline = Pipeline(
+            list(cast(Iterable[nn.Sequential], self.partitions)),
+            self.devices,
+            self._ensure_copy_streams(m),
+            [current_stream(device) for device in self.devices],
+            checkpoint_stop,
+            self._tracker,
+        )
+        pipeline.run(batches, self._pool)
+        return gather(batches)
+
+    def extra_repr(self) -> str:
+        devices = [str(device) for device in self.devices]
+        return (
+            f"balance={self.balance}, devices={devices}, chunks={self.chunks}, "
+            f"checkpoint={self.checkpoint!r}"
+        )

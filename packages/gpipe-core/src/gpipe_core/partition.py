@@ -1,0 +1,110 @@
+"""Checking the wrapped module and splitting it into partitions on devices."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Union
+
+import torch
+from torch import nn
+
+__all__ = ["BalanceError", "Device", "check_balance", "resolve_devices", "split_module"]
+
+#: A device as users may name it: a :class:`torch.device`, a string, or a CUDA index.
+Device = Union[torch.device, str, int]
+
+
+class BalanceError(ValueError):
+    """The ``balance`` argument does not describe a split of the module into partitions."""
+
+
+def _normalize(device: Device) -> torch.device:
+    result = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if result.type == "cuda" and result.index is None:
+        result = torch.device("cuda", torch.cuda.current_device())
+    return result
+
+
+def check_balance(module: nn.Sequential, balance: object) -> list[int]:
+    """Check ``balance`` against ``module``; returns it as a list of layer counts.
+
+    Raises:
+        BalanceError: ``balance`` is empty, has an entry that is not a positive integer,
+            or does not sum to the number of layers.
+    """
+    if isinstance(balance, (str, bytes)) or not isinstance(balance, Iterable):
+        raise BalanceError(f"balance must be a list of layer counts (balance: {balance!r})")
+    counts = list(balance)
+    if not counts:
+        raise BalanceError("balance must have at least one partition (balance: [])")
+    for count in counts:
+        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+            raise BalanceError(f"balance must contain only positive integers (balance: {counts})")
+    if sum(counts) != len(module):
+        raise BalanceError(
+            f"balance must sum to the number of layers (balance: {counts}, layers: {len(module)})"
+        )
+    return counts
+
+
+def resolve_devices(devices: Iterable[Device] | None, partitions: int) -> list[torch.device]:
+    """The device of every partition.
+
+    Without ``devices``: every CUDA device in order when CUDA is available, else the CPU
+    for every partition.
+
+    Raises:
+        ValueError: fewer devices than partitions.
+    """
+    if devices is None:
+        if torch.cuda.is_available():
+            resolved = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        else:
+            resolved = [torch.device("cpu")] * partitions
+    else:
+        if isinstance(devices, (str, torch.device, int)):
+            raise TypeError(
+                f"devices must be a list of devices, one per partition (devices: {devices!r})"
+            )
+        resolved = [_normalize(device) for device in devices]
+    if len(resolved) < partitions:
+        raise ValueError(
+            "too few devices to hold the partitions "
+            f"(devices: {len(resolved)}, partitions: {partitions})"
+        )
+    return resolved[:partitions]
+
+
+def _check_shared(partitions: Sequence[nn.Sequential], devices: Sequence[torch.device]) -> None:
+    """Refuse a parameter or buffer shared by partitions on different devices."""
+    owner: dict[int, int] = {}
+    for j, partition in enumerate(partitions):
+        tensors = [*partition.parameters(), *partition.buffers()]
+        for tensor in tensors:
+            first = owner.setdefault(id(tensor), j)
+            if first != j and devices[first] != devices[j]:
+                raise ValueError(
+                    "a parameter or buffer is shared by partitions on different devices "
+                    f"(partition {first} on {devices[first]}, partition {j} on {devices[j]})"
+                )
+
+
+def split_module(
+    module: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device]
+) -> list[nn.Sequential]:
+    """Split ``module`` into ``len(balance)`` partitions and move each to its device.
+
+    Layers keep their names, so ``partitions[1][0]`` may be the original ``module[3]``.
+    """
+    layers = list(module._modules.items())
+    partitions: list[nn.Sequential] = []
+    start = 0
+    for count in balance:
+        chunk = layers[start : start + count]
+        partitions.append(nn.Sequential(OrderedDict(chunk)))
+        start += count
+    _check_shared(partitions, devices)
+    for partition, device in zip(partitions, devices):
+        partition.to(device)
+    return partitions

@@ -1,0 +1,199 @@
+"""The fill-drain (GPipe) schedule: micro-batches flow through partitions clock by clock.
+
+At clock ``k`` partition ``j`` runs micro-batch ``k - j``, so ``m`` micro-batches cross
+``n`` partitions in ``m + n - 1`` clocks, every partition working on a different
+micro-batch at the same time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Optional, cast
+
+import torch
+from gpipe_checkpoint import Checkpointing, device_rng_lock
+from gpipe_microbatch import (
+    AbstractStream,
+    Batch,
+    TensorOrTensors,
+    ThreadState,
+    check,
+    copy,
+    depend,
+    wait,
+)
+from torch import nn
+
+from .worker import ExcInfo, Task, WorkerPool
+
+__all__ = ["Pipeline", "RandomDrawTracker", "clock_cycles"]
+
+_Function = Callable[[TensorOrTensors], TensorOrTensors]
+
+
+def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
+    """The fill-drain schedule: for each clock, the ``(micro-batch, partition)`` pairs.
+
+    Example:
+        >>> list(clock_cycles(3, 2))
+        [[(0, 0)], [(1, 0), (0, 1)], [(2, 0), (1, 1)], [(2, 1)]]
+    """
+    for k in range(m + n - 1):
+        yield [(k - j, j) for j in range(max(1 + k - m, 0), min(1 + k, n))]
+
+
+class RandomDrawTracker:
+    """Which partitions draw random numbers, learned the first time each one runs.
+
+    Partitions on one CPU (or one CUDA device) share a generator. When a checkpointed
+    micro-batch draws random numbers while another worker draws from the same generator,
+    the draws interleave and the recomputation could not replay them. So in a pipeline run
+    with checkpointing, a partition that draws random numbers holds its device's
+    generator lock while it computes; partitions that draw none run freely. Whether a
+    partition draws is probed under the lock the first time it runs in such a run.
+    """
+
+    def __init__(self, partitions: int) -> None:
+        self.draws: list[Optional[bool]] = [None] * partitions
+
+    def run(
+        self, j: int, device: torch.device, function: _Function, input: TensorOrTensors
+    ) -> TensorOrTensors:
+        draws = self.draws[j]
+        if draws is False:
+            return function(input)
+        with device_rng_lock(device):
+            if draws is True:
+                return function(input)
+            before = _generator_states(device)
+            output = function(input)
+            after = _generator_states(device)
+            self.draws[j] = any(not torch.equal(a, b) for a, b in zip(before, after))
+            return output
+
+
+def _generator_states(device: torch.device) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+class Pipeline:
+    """One pipelined forward pass over ``partitions``.
+
+    Args:
+        partitions: the partitions, each already on its device.
+        devices: the device of each partition.
+        copy_streams: ``copy_streams[j][i]`` carries micro-batch ``i`` into partition ``j``.
+        checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed.
+        tracker: which partitions draw random numbers (see :class:`RandomDrawTracker`).
+    """
+
+    def __init__(
+        self,
+        partitions: Sequence[nn.Sequential],
+        devices: Sequence[torch.device],
+        copy_streams: Sequence[Sequence[AbstractStream]],
+        compute_streams: Sequence[AbstractStream],
+        checkpoint_stop: int,
+        tracker: RandomDrawTracker,
+    ) -> None:
+        self.partitions = partitions
+        self.devices = devices
+        self.copy_streams = copy_streams
+        self.compute_streams = compute_streams
+        self.checkpoint_stop = checkpoint_stop
+        self.tracker = tracker
+
+    def run(self, batches: list[Batch], pool: WorkerPool) -> None:
+        """Run every micro-batch through every partition; ``batches`` is updated in place.
+
+        With one partition the tasks run in the calling thread; otherwise each partition's
+        tasks run on its worker in ``pool``.
+        """
+        state = ThreadState.capture()
+        if len(self.partitions) == 1:
+            for schedule in clock_cycles(len(batches), 1):
+                self._fence(batches, schedule)
+                for i, j in schedule:
+                    batches[i] = self._task(batches, i, j, state).run()
+            return
+        with pool.lock:
+            for schedule in clock_cycles(len(batches), len(self.partitions)):
+                self._fence(batches, schedule)
+                self._clock(batches, schedule, state, pool)
+
+    def _clock(
+        self,
+        batches: list[Batch],
+        schedule: list[tuple[int, int]],
+        state: ThreadState,
+        pool: WorkerPool,
+    ) -> None:
+        """Run one clock's tasks in parallel and wait for all of them."""
+        last = len(self.partitions) - 1
+        pending: list[tuple[int, int]] = []
+        error: Optional[ExcInfo] = None
+        try:
+            for i, j in schedule:
+                pool.submit(j, self._task(batches, i, j, state))
+                pending.append((i, j))
+            while pending:
+                i, j = pending[0]
+                ok, payload = pool.result(j)
+                del pending[0]
+                if not ok:
+                    if error is None:
+                        error = cast(ExcInfo, payload)
+                    continue
+                batch = cast(Batch, payload)
+                if j != last:
+                    # The copy to the next partition waits for this computation.
+                    wait(batch, self.compute_streams[j], self.copy_streams[j][i])
+                batches[i] = batch
+        finally:
+            # Interrupted (KeyboardInterrupt, say): collect what is still running, so no
+            # stale result is left for the next run.
+            for _, j in pending:
+                pool.result(j)
+        if error is not None:
+            try:
+                raise error[1].with_traceback(error[2])
+            finally:
+                error = None
+
+    def _fence(self, batches: list[Batch], schedule: list[tuple[int, int]]) -> None:
+        """Order backward and copy micro-batches into the partitions about to run them."""
+        for i, j in schedule:
+            # In backward, partition j must finish micro-batch i before i - 1, so that each
+            # recomputation runs right before its own backward.
+            if i != 0:
+                depend(batches[i - 1], batches[i])
+            if j != 0:
+                prev_stream = self.copy_streams[j - 1][i]
+                next_stream = self.copy_streams[j][i]
+                if self.devices[j - 1] == self.devices[j]:
+                    wait(batches[i], prev_stream, next_stream)
+                else:
+                    copy(batches[i], prev_stream, next_stream)
+
+    def _task(self, batches: list[Batch], i: int, j: int, state: ThreadState) -> Task:
+        partition = self.partitions[j]
+        device = self.devices[j]
+        stream = self.compute_streams[j]
+        batch = batches[i]
+        if j != 0:
+            wait(batch, self.copy_streams[j][i], stream)
+        what = f"output of partition {j}"
+        tracker = self.tracker if self.checkpoint_stop > 0 else None
+
+        def function(input: TensorOrTensors) -> TensorOrTensors:
+            if tracker is None:
+                return check(partition(input), what)
+            return check(tracker.run(j, device, partition, input), what)
+
+        if i < self.checkpoint_stop:
+            chk = Checkpointing(function, batch)
+            return Task(device, stream, state, compute=chk.checkpoint, finalize=chk.recompute)
+        return Task(device, stream, state, compute=lambda: batch.call(function, what))

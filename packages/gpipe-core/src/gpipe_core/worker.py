@@ -1,0 +1,132 @@
+"""Worker threads: one per partition, fed tasks through queues.
+
+A :class:`WorkerPool` belongs to one GPipe module. Its threads start on the first forward
+pass and live until the module is garbage-collected (or :meth:`WorkerPool.close` is
+called): starting threads on every pass would also start new OpenMP thread teams every
+pass. The threads hold no reference to the module, only to their queues, so collecting
+the module stops them.
+
+Grad mode and autocast are thread-local in PyTorch, so each task carries the caller's
+:class:`~gpipe_microbatch.ThreadState` and runs under it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from queue import SimpleQueue
+from types import TracebackType
+from typing import Optional, Union
+
+import torch
+from gpipe_microbatch import AbstractStream, Batch, ThreadState, use_device, use_stream
+
+__all__ = ["ExcInfo", "Result", "Task", "WorkerPool"]
+
+ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
+
+
+class Task:
+    """A unit of work for a partition's worker: ``compute`` then ``finalize``.
+
+    Both run on ``stream`` of ``device`` under ``state``. ``finalize`` gets the batch
+    ``compute`` returned and may change it in place (to wire a recomputation into
+    autograd, say).
+    """
+
+    __slots__ = ("compute", "device", "finalize", "state", "stream")
+
+    def __init__(
+        self,
+        device: torch.device,
+        stream: AbstractStream,
+        state: ThreadState,
+        *,
+        compute: Callable[[], Batch],
+        finalize: Optional[Callable[[Batch], None]] = None,
+    ) -> None:
+        self.device = device
+        self.stream = stream
+        self.state = state
+        self.compute = compute
+        self.finalize = finalize
+
+    def run(self) -> Batch:
+        """Run the task in the calling thread."""
+        with use_device(self.device), use_stream(self.stream), self.state.apply():
+            batch = self.compute()
+            if self.finalize is not None:
+                self.finalize(batch)
+        return batch
+
+
+#: What a worker sends back: ``(True, batch)`` or ``(False, exc_info)``.
+Result = Union[tuple[bool, Batch], tuple[bool, ExcInfo]]
+
+
+def _worker_loop(in_queue: SimpleQueue[Optional[Task]], out_queue: SimpleQueue[Result]) -> None:
+    while True:
+        task = in_queue.get()
+        if task is None:
+            return
+        try:
+            batch = task.run()
+        except BaseException:
+            exc_type, exc, tb = sys.exc_info()
+            assert exc_type is not None and exc is not None and tb is not None
+            out_queue.put((False, (exc_type, exc, tb)))
+            del exc_type, exc, tb
+        else:
+            out_queue.put((True, batch))
+            del batch
+        del task
+
+
+class WorkerPool:
+    """One worker thread per partition.
+
+    Only one pipeline run uses the pool at a time: :attr:`lock` is held for the run.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.lock = threading.Lock()
+        self.in_queues: list[SimpleQueue[Optional[Task]]] = [SimpleQueue() for _ in range(workers)]
+        self.out_queues: list[SimpleQueue[Result]] = [SimpleQueue() for _ in range(workers)]
+        self.threads: list[threading.Thread] = []
+        self.closed = False
+
+    def _start(self) -> None:
+        for j, (in_queue, out_queue) in enumerate(zip(self.in_queues, self.out_queues)):
+            thread = threading.Thread(
+                target=_worker_loop,
+                args=(in_queue, out_queue),
+                name=f"gpipe-worker-{j}",
+                daemon=True,
+            )
+            thread.start()
+            self.threads.append(thread)
+
+    def submit(self, partition: int, task: Task) -> None:
+        """Queue ``task`` on the worker of ``partition``, starting the workers if needed."""
+        if self.closed:
+            raise RuntimeError("the worker pool of this GPipe module is closed")
+        if not self.threads:
+            self._start()
+        self.in_queues[partition].put(task)
+
+    def result(self, partition: int) -> Result:
+        """Wait for the next result of ``partition``'s worker."""
+        return self.out_queues[partition].get()
+
+    def close(self) -> None:
+        """Stop every worker after its current task and wait for them (idempotent)."""
+        self.closed = True
+        threads, self.threads = self.threads, []
+        for in_queue in self.in_queues[: len(threads)]:
+            in_queue.put(None)
+        current = threading.current_thread()
+        for thread in threads:
+            if thread is not current:
+                thread.join()
+

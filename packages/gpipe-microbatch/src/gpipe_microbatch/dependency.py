@@ -1,0 +1,75 @@
+"""Fork and join: ordering edges between otherwise independent branches of autograd.
+
+``fork`` splits a phony off a tensor; ``join`` makes another tensor depend on that phony.
+In backward, the gradient reaches the forked tensor's producer only after the joined
+tensor's backward has run, which fixes the order of otherwise independent work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .batch import Batch
+from .phony import get_phony
+
+__all__ = ["Fork", "Join", "depend", "fork", "join"]
+
+
+class Fork(torch.autograd.Function):
+    """Returns its input and a phony that backward waits on."""
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        phony = get_phony(input.device, requires_grad=False)
+        return input.detach(), phony.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_input: Tensor, grad_phony: Tensor) -> Tensor:  # type: ignore[override]
+        return grad_input
+
+
+class Join(torch.autograd.Function):
+    """Returns its input; in backward, also sends a gradient to the phony."""
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, phony: Tensor) -> Tensor:  # type: ignore[override]
+        return input.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_input: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad_input, None
+
+
+def fork(input: Tensor) -> tuple[Tensor, Tensor]:
+    """Split a phony off ``input``: returns ``(input, phony)``.
+
+    Without autograd (grad disabled, or ``input`` not requiring grad) the phony carries
+    no edge.
+    """
+    if torch.is_grad_enabled() and input.requires_grad:
+        output, phony = Fork.apply(input)
+        return output, phony
+    return input, get_phony(input.device, requires_grad=False)
+
+
+def join(input: Tensor, phony: Tensor) -> Tensor:
+    """Make ``input``'s backward feed ``phony`` first: returns ``input`` with the edge."""
+    if torch.is_grad_enabled() and (input.requires_grad or phony.requires_grad):
+        output: Tensor = Join.apply(input, phony)
+        return output
+    return input
+
+
+def depend(fork_from: Batch, join_to: Batch) -> None:
+    """Order backward so that ``fork_from``'s producer runs after ``join_to``'s consumer.
+
+    Both batches are changed in place.
+    """
+    fork_index = fork_from.find_tensor_idx()
+    join_index = join_to.find_tensor_idx()
+    tensor, phony = fork(fork_from[fork_index])
+    fork_from.replace(fork_index, tensor)
+    join_to.replace(join_index, join(join_to[join_index], phony))

@@ -1,0 +1,66 @@
+"""Carry the caller's autograd and autocast state into another thread.
+
+Grad mode, inference mode and autocast are thread-local in PyTorch. Work handed to a
+worker thread (or re-run later by autograd) must see the state of the thread that asked
+for it, or ``with torch.autocast(...)`` and ``with torch.no_grad()`` silently stop at the
+thread boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ThreadState"]
+
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class ThreadState:
+    """A snapshot of the thread-local state that computation depends on.
+
+    Example:
+        >>> with torch.no_grad():
+        ...     state = ThreadState.capture()
+        >>> with state.apply():
+        ...     torch.is_grad_enabled()
+        False
+    """
+
+    grad_enabled: bool
+    inference_mode: bool
+    #: ``(device_type, dtype)`` for every device type whose autocast is enabled.
+    autocast: tuple[tuple[str, torch.dtype], ...]
+    autocast_cache: bool
+
+    @classmethod
+    def capture(cls) -> ThreadState:
+        """The state of the calling thread."""
+        autocast = tuple(
+            (device_type, torch.get_autocast_dtype(device_type))
+            for device_type in _AUTOCAST_DEVICE_TYPES
+            if torch.is_autocast_enabled(device_type)
+        )
+        return cls(
+            grad_enabled=torch.is_grad_enabled(),
+            inference_mode=torch.is_inference_mode_enabled(),
+            autocast=autocast,
+            autocast_cache=torch.is_autocast_cache_enabled(),
+        )
+
+    @contextmanager
+    def apply(self) -> Generator[None, None, None]:
+        """Run the body under this state, in whatever thread calls it."""
+        with ExitStack() as stack:
+            if self.inference_mode:
+                stack.enter_context(torch.inference_mode())
+            stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+            for device_type, dtype in self.autocast:
+                stack.enter_context(
+                    torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache)
+                )
+            yield

@@ -1,0 +1,120 @@
+"""A differentiable device copy and a stream wait, each ordered by explicit streams.
+
+Both are autograd functions, so the gradient makes the same trip back: a copy to the next
+device is a copy to the previous device in backward, on the same pair of streams.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from .batch import Batch
+from .stream import (
+    AbstractStream,
+    current_stream,
+    get_device,
+    record_stream,
+    use_device,
+    use_stream,
+    wait_stream,
+)
+
+__all__ = ["Copy", "Wait", "copy", "wait"]
+
+_Grads = tuple[Optional[Tensor], ...]
+
+
+def _copy_tensors(
+    tensors: tuple[Optional[Tensor], ...], source: AbstractStream, target: AbstractStream
+) -> tuple[Optional[Tensor], ...]:
+    """Copy ``tensors`` to ``target``'s device with both streams current."""
+    device = get_device(target)
+    # The copies are queued on ``target``; the results are used on whatever stream is
+    # current on the target device when the caller goes on.
+    consumer = current_stream(device)
+    out: list[Optional[Tensor]] = []
+    with use_device(device), use_stream(source), use_stream(target):
+        for tensor in tensors:
+            if tensor is None:
+                out.append(None)
+                continue
+            copied = tensor.to(device, non_blocking=True)
+            # ``tensor`` is read on ``source``, not where it was allocated.
+            record_stream(tensor, source)
+            # ``copied`` was allocated on ``target`` and will be used on ``consumer``.
+            record_stream(copied, consumer)
+            out.append(copied)
+    return tuple(out)
+
+
+class Copy(torch.autograd.Function):
+    """Copy tensors from ``prev_stream``'s device to ``next_stream``'s device.
+
+    Called as ``Copy.apply(prev_stream, next_stream, *tensors)``.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, prev_stream: AbstractStream, next_stream: AbstractStream, *input: Tensor
+    ) -> tuple[Optional[Tensor], ...]:
+        ctx.prev_stream = prev_stream
+        ctx.next_stream = next_stream
+        return _copy_tensors(input, prev_stream, next_stream)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_output: Optional[Tensor]) -> tuple[Any, ...]:  # type: ignore[override]
+        grad_input = _copy_tensors(grad_output, ctx.next_stream, ctx.prev_stream)
+        return (None, None, *grad_input)
+
+
+class Wait(torch.autograd.Function):
+    """Make ``next_stream`` wait for ``prev_stream``; in backward, the other way round.
+
+    Called as ``Wait.apply(prev_stream, next_stream, *tensors)``; the tensors pass through.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, prev_stream: AbstractStream, next_stream: AbstractStream, *input: Tensor
+    ) -> tuple[Tensor, ...]:
+        ctx.prev_stream = prev_stream
+        ctx.next_stream = next_stream
+        wait_stream(next_stream, prev_stream)
+        return tuple(tensor.detach() for tensor in input)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_input: Optional[Tensor]) -> tuple[Any, ...]:  # type: ignore[override]
+        wait_stream(ctx.prev_stream, ctx.next_stream)
+        return (None, None, *grad_input)
+
+
+def _needs_autograd(batch: Batch) -> bool:
+    return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in batch)
+
+
+def copy(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
+    """Copy ``batch`` in place to ``next_stream``'s device, differentiably."""
+    if _needs_autograd(batch):
+        tensors = Copy.apply(prev_stream, next_stream, *batch)
+    else:
+        tensors = _copy_tensors(tuple(batch), prev_stream, next_stream)
+    for index, tensor in enumerate(tensors):
+        batch.replace(index, tensor)
+
+
+def wait(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
+    """Make ``next_stream`` wait for ``prev_stream`` before it uses ``batch`` (in place).
+
+    A no-op unless both are CUDA streams.
+    """
+    if not (isinstance(prev_stream, torch.cuda.Stream) and isinstance(next_stream, torch.cuda.Stream)):
+        return
+    if _needs_autograd(batch):
+        tensors = Wait.apply(prev_stream, next_stream, *batch)
+        for index, tensor in enumerate(tensors):
+            batch.replace(index, tensor)
+    else:
+        wait_stream(next_stream, prev_stream)

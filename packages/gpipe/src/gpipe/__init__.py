@@ -1,0 +1,20 @@
+"""GPipe pipeline parallelism for PyTorch.
+
+This is the facade over the gpipe distributions: everything a user needs, under one name.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from gpipe import GPipe
+    >>> model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    >>> model = GPipe(model, balance=[2, 1], chunks=8)
+    >>> out = model(torch.randn(128, 64).to(model.devices[0]))
+    >>> out.sum().backward()
+"""
+
+from gpipe_checkpoint import is_checkpointing, is_recomputing
+from gpipe_core import BalanceError, GPipe
+
+from .__about__ import __version__
+
+__all__ = ["BalanceError", "GPipe", "__version__", "is_checkpointing", "is_recomputing"]
