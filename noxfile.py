@@ -18,6 +18,8 @@ import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 import nox
 
@@ -273,8 +275,8 @@ def local_torch_wheel(session: nox.Session, version: str, python: str | None = N
         return None
     for item in json.loads(report.read_text(encoding="utf-8")).get("install", []):
         url = item.get("download_info", {}).get("url", "")
-        if url.startswith("file://"):
-            return Path(url.removeprefix("file://"))
+        if url.startswith("file:"):
+            return Path(url2pathname(urlparse(url).path))
     return None
 
 

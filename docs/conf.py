@@ -1,0 +1,90 @@
+"""Sphinx configuration for the gpipe documentation.
+
+The packages are imported from the active environment (the ``docs`` nox session installs
+them). For a quick manual build without installing, the working tree's ``packages/*/src``
+directories are appended to ``sys.path`` as a fallback.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+for src in sorted(ROOT.glob("packages/*/src")):
+    if str(src) not in sys.path:
+        sys.path.append(str(src))
+
+
+def _release() -> str:
+    try:
+        return dist_version("gpipe")
+    except PackageNotFoundError:
+        about = (ROOT / "packages/gpipe/src/gpipe/__about__.py").read_text(encoding="utf-8")
+        match = re.search(r"__version__\s*=\s*[\"']([^\"']+)", about)
+        return match.group(1) if match else "unknown"
+
+
+project = "gpipe"
+author = "The gpipe developers"
+copyright = "the gpipe developers"
+release = _release()
+version = ".".join(release.split(".")[:2])
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.viewcode",
+    "myst_parser",
+]
+
+source_suffix = {".rst": "restructuredtext"}
+root_doc = "index"
+exclude_patterns = ["_build"]
+templates_path: list[str] = []
+
+# -- autodoc / napoleon -------------------------------------------------------------------
+
+autodoc_member_order = "bysource"
+autodoc_typehints = "signature"
+autodoc_preserve_defaults = True
+# autograd.Function subclasses would otherwise show torch's forward/backward docstrings,
+# whose references only resolve inside torch's own documentation.
+autodoc_inherit_docstrings = False
+autodoc_default_options = {"show-inheritance": True}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+
+# -- nitpicky references ----------------------------------------------------------------------
+#
+# The network is closed, so there is no intersphinx: references into torch, the standard
+# library and builtins cannot resolve and are ignored here. References to gpipe's own objects
+# must all resolve.
+
+nitpick_ignore_regex = [
+    (r"py:.*", r"torch(\..*)?"),
+    (r"py:.*", r"(typing|typing_extensions|collections|collections\.abc|contextlib)\..*"),
+    (r"py:.*", r"(_thread|types|threading|queue|enum|abc|dataclasses|functools|argparse)\..*"),
+    (r"py:.*", r"(Tensor|Module|Sequential|Stream|device|dtype|Generator)"),
+    (
+        r"py:.*",
+        r"(None|NoneType|Any|int|float|str|bool|bytes|object|type|tuple|list|dict|set"
+        r"|frozenset|slice|range|Ellipsis|Callable|Iterable|Iterator|Generator|Sequence"
+        r"|Literal|NoReturn|Optional|Union|Self|TracebackType|BaseException|Exception"
+        r"|ValueError|TypeError|RuntimeError|IndexError|KeyError)",
+    ),
+]
+
+# -- MyST (Markdown changelogs) -------------------------------------------------------------
+
+myst_heading_anchors = 2
+
+# -- HTML ---------------------------------------------------------------------------------------
+
+html_theme = "alabaster"
+html_title = f"gpipe {release}"
+html_static_path: list[str] = []
