@@ -39,8 +39,6 @@ RUFF = "ruff==0.17.5"
 MYPY = "mypy>=2.4,<2.5"
 SPHINX = ["sphinx>=8", "myst-parser>=4"]
 TEST_DEPS = ["pytest>=8", "hypothesis>=6"]
-# Stub distributions for third-party dependencies that ship no type information.
-STUBS = {"tqdm": "types-tqdm"}
 
 nox.options.sessions = ["tests", "lint", "typecheck", "docs", "build"]
 nox.options.reuse_existing_virtualenvs = True
@@ -411,8 +409,7 @@ def typecheck(session: nox.Session) -> None:
     install_torch(session, DEV_TORCH)
     packages = discover_packages()
     external = external_requirements(packages)
-    stubs = [STUBS[_requirement_name(r)] for r in external if _requirement_name(r) in STUBS]
-    session.install(MYPY, *external, *stubs)
+    session.install(MYPY, *external)
     # Sibling imports resolve to the working tree, for packages added after pyproject.toml's
     # mypy_path was last edited too.
     session.env["MYPYPATH"] = os.pathsep.join(str(p.src) for p in packages)
