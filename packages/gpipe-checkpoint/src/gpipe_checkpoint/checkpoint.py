@@ -9,19 +9,20 @@ micro-batch *i*'s recomputation right before its backward pass.
 Both phases share a :class:`Checkpointing` object::
 
     chk = Checkpointing(function, batch)
-    output = chk.checkpoint()   # forward without autograd history
-    chk.recompute(output)       # wire the recomputation into output's backward
+    output = chk.checkpoint()  # forward without autograd history
+    chk.recompute(output)  # wire the recomputation into output's backward
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import torch
-from gpipe_microbatch import Batch, TensorOrTensors, ThreadState, check, fork, get_phony, join
 from torch import Tensor
+
+from gpipe_microbatch import Batch, TensorOrTensors, ThreadState, check, fork, get_phony, join
 
 from .phase import enable_checkpointing, enable_recomputing
 from .rng import RNGStates, restore_rng_states, save_rng_states
@@ -53,6 +54,11 @@ class Checkpointing:
         function: takes what the batch holds (a tensor or a tuple of tensors) and returns
             a tensor or a tuple of tensors.
         batch: the input.
+        copy_input: give ``function`` copies of the input in both phases, so that it may
+            modify its input in place (``nn.ReLU(inplace=True)`` as its first layer).
+            Without copies such a function cannot be recomputed, and the checkpoint phase
+            raises :class:`RuntimeError`. After :meth:`checkpoint`,
+            :attr:`input_modified` tells whether the function did modify its input.
 
     Example:
         >>> layer = torch.nn.Linear(3, 3)
@@ -65,9 +71,12 @@ class Checkpointing:
         torch.Size([2, 3])
     """
 
-    def __init__(self, function: Function, batch: Batch) -> None:
+    def __init__(self, function: Function, batch: Batch, *, copy_input: bool = False) -> None:
         self.function = function
         self.batch = batch
+        self.copy_input = copy_input
+        #: Whether the checkpoint phase saw ``function`` modify its input in place.
+        self.input_modified = False
         # Each holds at most one item, passed from one phase to the next.
         self.recomputed: deque[_Recomputed] = deque(maxlen=1)
         self.saved: deque[_Saved] = deque(maxlen=1)
@@ -77,9 +86,7 @@ class Checkpointing:
         # The phony requires grad, so the output joins the graph even where the input
         # does not require grad: the parameters inside ``function`` need gradients.
         phony = get_phony(self.batch[0].device, requires_grad=True)
-        output = Checkpoint.apply(
-            phony, self.recomputed, self.saved, self.function, self.batch.atomic, *self.batch
-        )
+        output = Checkpoint.apply(phony, self, *self.batch)  # type: ignore[no-untyped-call]
         return Batch(output)
 
     def recompute(self, batch: Batch) -> None:
@@ -90,35 +97,45 @@ class Checkpointing:
         """
         index = batch.find_tensor_idx()
         tensor, phony = fork(batch[index])
-        phony = Recompute.apply(
-            phony, self.recomputed, self.saved, self.function, self.batch.atomic, *self.batch
-        )
+        phony = Recompute.apply(phony, self, *self.batch)  # type: ignore[no-untyped-call]
         batch.replace(index, join(tensor, phony))
 
 
+def _copies(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return tuple(tensor.clone() for tensor in tensors)
+
+
 class Checkpoint(torch.autograd.Function):
-    """The checkpoint phase: forward without history; backward through the recomputation."""
+    """The checkpoint phase: forward without history; backward through the recomputation.
+
+    Called as ``Checkpoint.apply(phony, checkpointing, *input)``.
+    """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        phony: Tensor,
-        recomputed: deque[_Recomputed],
-        saved: deque[_Saved],
-        function: Function,
-        atomic: bool,
-        *input: Tensor,
-    ) -> TensorOrTensors:
-        ctx.recomputed = recomputed
-        saved.append((save_rng_states(input[0].device), ThreadState.capture()))
+    def forward(ctx: Any, phony: Tensor, chk: Checkpointing, *input: Tensor) -> TensorOrTensors:
+        ctx.recomputed = chk.recomputed
+        chk.saved.append((save_rng_states(input[0].device), ThreadState.capture()))
+        arguments = _copies(input) if chk.copy_input else input
+        versions = [tensor._version for tensor in arguments]
         with torch.no_grad(), enable_checkpointing():
-            output = _call(function, atomic, input)
+            output = _call(chk.function, chk.batch.atomic, arguments)
+        chk.input_modified = any(
+            tensor._version != version for tensor, version in zip(arguments, versions, strict=False)
+        )
+        if chk.input_modified and not chk.copy_input:
+            # The recomputation needs the input as it was; it is gone.
+            raise RuntimeError(
+                "a checkpointed function modified its input in place, so it cannot be "
+                "recomputed for backward (a layer such as nn.ReLU(inplace=True) at the start "
+                "of a checkpointed block); pass copy_input=True, make that layer "
+                "out-of-place, or turn checkpointing off for this block"
+            )
         tensors = (output,) if isinstance(output, Tensor) else output
         ctx.mark_non_differentiable(*(t for t in tensors if not _differentiable(t)))
         return output
 
     @staticmethod
-    def backward(ctx: Any, *grad_output: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grad_output: Tensor | None) -> tuple[Tensor | None, ...]:
         if not ctx.recomputed:
             raise RuntimeError(
                 "a checkpointed output reached backward without its recomputation "
@@ -127,53 +144,46 @@ class Checkpoint(torch.autograd.Function):
         output, input_leaf = ctx.recomputed.pop()
         pairs = [
             (tensor, grad)
-            for tensor, grad in zip(output, grad_output)
+            for tensor, grad in zip(output, grad_output, strict=False)
             if tensor.requires_grad and grad is not None
         ]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        grad_input: list[Optional[Tensor]] = [None, None, None, None, None]
+        grad_input: list[Tensor | None] = [None, None]
         grad_input.extend(leaf.grad for leaf in input_leaf)
         return tuple(grad_input)
 
 
 class Recompute(torch.autograd.Function):
-    """The recompute phase: an identity on a phony whose backward re-runs the function."""
+    """The recompute phase: an identity on a phony whose backward re-runs the function.
+
+    Called as ``Recompute.apply(phony, checkpointing, *input)``.
+    """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        phony: Tensor,
-        recomputed: deque[_Recomputed],
-        saved: deque[_Saved],
-        function: Function,
-        atomic: bool,
-        *input: Tensor,
-    ) -> Tensor:
-        ctx.recomputed = recomputed
-        ctx.saved = saved
-        ctx.function = function
-        ctx.atomic = atomic
+    def forward(ctx: Any, phony: Tensor, chk: Checkpointing, *input: Tensor) -> Tensor:
+        ctx.chk = chk
         ctx.save_for_backward(*input)
         return phony.detach()
 
     @staticmethod
-    def backward(ctx: Any, *grad_output: Optional[Tensor]) -> tuple[None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grad_output: Tensor | None) -> tuple[None, ...]:
+        chk: Checkpointing = ctx.chk
         input = ctx.saved_tensors
-        input_leaf = tuple(
-            tensor.detach().requires_grad_(tensor.requires_grad) for tensor in input
-        )
-        rng_states, thread_state = ctx.saved.pop()
+        input_leaf = tuple(tensor.detach().requires_grad_(tensor.requires_grad) for tensor in input)
+        rng_states, thread_state = chk.saved.pop()
         with (
             restore_rng_states(input[0].device, rng_states),
             thread_state.apply(),
             torch.enable_grad(),
             enable_recomputing(),
         ):
-            output = _call(ctx.function, ctx.atomic, input_leaf)
+            # Copies are differentiable, so the gradient still reaches the leaves.
+            arguments = _copies(input_leaf) if chk.input_modified else input_leaf
+            output = _call(chk.function, chk.batch.atomic, arguments)
         tensors = (output,) if isinstance(output, Tensor) else output
-        ctx.recomputed.append((tensors, input_leaf))
-        return (None,) * (5 + len(input))
+        chk.recomputed.append((tensors, input_leaf))
+        return (None,) * (2 + len(input))
 
 
 def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -17,7 +17,7 @@ class RNGStates(NamedTuple):
     """The CPU generator's state and, for a CUDA device, that device's generator state."""
 
     cpu: Tensor
-    cuda: Optional[Tensor]
+    cuda: Tensor | None
 
 
 def save_rng_states(device: torch.device) -> RNGStates:

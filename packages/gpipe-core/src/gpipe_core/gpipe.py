@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any, Literal, NoReturn, Union, cast, overload
+from typing import Any, Literal, NoReturn, cast
 
 import torch
+from torch import nn
+
 from gpipe_microbatch import (
     AbstractStream,
     TensorOrTensors,
@@ -16,10 +18,9 @@ from gpipe_microbatch import (
     new_stream,
     scatter,
 )
-from torch import nn
 
 from .partition import Device, check_balance, resolve_devices, split_module
-from .pipeline import Pipeline, RandomDrawTracker
+from .pipeline import PartitionTraits, Pipeline
 from .worker import WorkerPool
 
 __all__ = ["GPipe"]
@@ -112,7 +113,7 @@ class GPipe(nn.Module):
         self.devices = resolve_devices(devices, len(self.balance))
         self.partitions = nn.ModuleList(split_module(module, self.balance, self.devices))
         self._copy_streams: list[list[AbstractStream]] = [[] for _ in self.devices]
-        self._tracker = RandomDrawTracker(len(self.partitions))
+        self._traits = PartitionTraits(len(self.partitions))
         self._pool = self._new_pool()
 
     def _new_pool(self) -> WorkerPool:
@@ -123,21 +124,24 @@ class GPipe(nn.Module):
 
     def __getstate__(self) -> dict[str, Any]:
         # Threads and locks cannot be copied or pickled; a copy gets workers of its own.
-        state = super().__getstate__()
+        state: dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
         state.pop("_pool", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
         self._pool = self._new_pool()
 
     # -- the original layers ---------------------------------------------------------
 
+    def _partition_list(self) -> list[nn.Sequential]:
+        return cast(list[nn.Sequential], list(self.partitions))
+
     def __len__(self) -> int:
-        return sum(len(partition) for partition in self.partitions)
+        return sum(len(partition) for partition in self._partition_list())
 
     def __iter__(self) -> Iterator[nn.Module]:
-        for partition in self.partitions:
+        for partition in self._partition_list():
             yield from partition
 
     def __getitem__(self, index: int) -> nn.Module:
@@ -147,9 +151,9 @@ class GPipe(nn.Module):
         position = index + size if index < 0 else index
         if not 0 <= position < size:
             raise IndexError(f"layer index out of range (index: {index}, layers: {size})")
-        for partition in self.partitions:
+        for partition in self._partition_list():
             if position < len(partition):
-                return cast(nn.Module, partition[position])
+                return partition[position]
             position -= len(partition)
         raise AssertionError("unreachable")
 
@@ -170,22 +174,16 @@ class GPipe(nn.Module):
         """Refused: partitions stay on their devices."""
         self._refuse_move(".cpu()", "cpu")
 
-    @overload
-    def to(self, dtype: torch.dtype, non_blocking: bool = ...) -> GPipe: ...
-
-    @overload
-    def to(self, *args: Any, **kwargs: Any) -> GPipe: ...
-
     def to(self, *args: Any, **kwargs: Any) -> GPipe:
         """Convert the dtype of parameters and buffers; moving to a device is refused.
 
         Raises:
             TypeError: the arguments name a device (or a tensor, which has one).
         """
-        device, _, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        device: torch.device | None = torch._C._nn._parse_to(*args, **kwargs)[0]
         if device is not None:
             self._refuse_move(".to(device)", device)
-        return cast(GPipe, super().to(*args, **kwargs))
+        return super().to(*args, **kwargs)
 
     # -- forward ---------------------------------------------------------------------
 
@@ -207,7 +205,7 @@ class GPipe(nn.Module):
                     f"(devices[0]: {expected}, {where}: {tensor.device})"
                 )
 
-    def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
+    def forward(self, input: TensorOrTensors) -> TensorOrTensors:
         """Run ``input`` through the pipeline.
 
         Args:
@@ -230,12 +228,12 @@ class GPipe(nn.Module):
         else:
             checkpoint_stop = 0
         pipeline = Pipeline(
-            list(cast(Iterable[nn.Sequential], self.partitions)),
+            self._partition_list(),
             self.devices,
             self._ensure_copy_streams(m),
             [current_stream(device) for device in self.devices],
             checkpoint_stop,
-            self._tracker,
+            self._traits,
         )
         pipeline.run(batches, self._pool)
         return gather(batches)

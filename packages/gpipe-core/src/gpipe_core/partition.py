@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Union
 
 import torch
 from torch import nn
@@ -12,7 +11,7 @@ from torch import nn
 __all__ = ["BalanceError", "Device", "check_balance", "resolve_devices", "split_module"]
 
 #: A device as users may name it: a :class:`torch.device`, a string, or a CUDA index.
-Device = Union[torch.device, str, int]
+Device = torch.device | str | int
 
 
 class BalanceError(ValueError):
@@ -21,7 +20,8 @@ class BalanceError(ValueError):
 
 def _normalize(device: Device) -> torch.device:
     result = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if result.type == "cuda" and result.index is None:
+    index: int | None = result.index
+    if result.type == "cuda" and index is None:
         result = torch.device("cuda", torch.cuda.current_device())
     return result
 
@@ -105,6 +105,6 @@ def split_module(
         partitions.append(nn.Sequential(OrderedDict(chunk)))
         start += count
     _check_shared(partitions, devices)
-    for partition, device in zip(partitions, devices):
+    for partition, device in zip(partitions, devices, strict=False):
         partition.to(device)
     return partitions

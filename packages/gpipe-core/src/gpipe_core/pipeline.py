@@ -8,9 +8,12 @@ micro-batch at the same time.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Optional, cast
+from functools import partial
+from typing import cast
 
 import torch
+from torch import nn
+
 from gpipe_checkpoint import Checkpointing, device_rng_lock
 from gpipe_microbatch import (
     AbstractStream,
@@ -22,11 +25,10 @@ from gpipe_microbatch import (
     depend,
     wait,
 )
-from torch import nn
 
 from .worker import ExcInfo, Task, WorkerPool
 
-__all__ = ["Pipeline", "RandomDrawTracker", "clock_cycles"]
+__all__ = ["PartitionTraits", "Pipeline", "clock_cycles"]
 
 _Function = Callable[[TensorOrTensors], TensorOrTensors]
 
@@ -42,34 +44,51 @@ def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
         yield [(k - j, j) for j in range(max(1 + k - m, 0), min(1 + k, n))]
 
 
-class RandomDrawTracker:
-    """Which partitions draw random numbers, learned the first time each one runs.
+class PartitionTraits:
+    """What the pipeline learns about each partition the first time it checkpoints it.
 
+    **Random draws.**
     Partitions on one CPU (or one CUDA device) share a generator. When a checkpointed
     micro-batch draws random numbers while another worker draws from the same generator,
     the draws interleave and the recomputation could not replay them. So in a pipeline run
     with checkpointing, a partition that draws random numbers holds its device's
     generator lock while it computes; partitions that draw none run freely. Whether a
     partition draws is probed under the lock the first time it runs in such a run.
+
+    **In-place input.** A partition that modifies its input in place (it starts with
+    ``nn.ReLU(inplace=True)``, say) cannot be recomputed from that input. The first
+    checkpointed run of each partition hands it a copy and watches; partitions seen
+    modifying their input keep getting copies, the others get their input as it is.
     """
 
     def __init__(self, partitions: int) -> None:
-        self.draws: list[Optional[bool]] = [None] * partitions
+        self.draws: list[bool | None] = [None] * partitions
+        self.modifies_input: list[bool | None] = [None] * partitions
 
-    def run(
-        self, j: int, device: torch.device, function: _Function, input: TensorOrTensors
-    ) -> TensorOrTensors:
+    def checkpoint(self, j: int, function: _Function, batch: Batch) -> Checkpointing:
+        """A :class:`Checkpointing` of partition ``j``, copying its input if needed."""
+        return Checkpointing(function, batch, copy_input=self.modifies_input[j] is not False)
+
+    def learn(self, j: int, chk: Checkpointing) -> Batch:
+        """Run the checkpoint phase of ``chk`` and remember whether it modified its input."""
+        batch = chk.checkpoint()
+        if self.modifies_input[j] is None or chk.input_modified:
+            self.modifies_input[j] = chk.input_modified
+        return batch
+
+    def run(self, j: int, device: torch.device, compute: Callable[[], Batch]) -> Batch:
+        """Run ``compute`` for partition ``j``, under the generator lock if it draws."""
         draws = self.draws[j]
         if draws is False:
-            return function(input)
+            return compute()
         with device_rng_lock(device):
             if draws is True:
-                return function(input)
+                return compute()
             before = _generator_states(device)
-            output = function(input)
+            batch = compute()
             after = _generator_states(device)
-            self.draws[j] = any(not torch.equal(a, b) for a, b in zip(before, after))
-            return output
+            self.draws[j] = any(not torch.equal(a, b) for a, b in zip(before, after, strict=False))
+            return batch
 
 
 def _generator_states(device: torch.device) -> list[torch.Tensor]:
@@ -87,7 +106,7 @@ class Pipeline:
         devices: the device of each partition.
         copy_streams: ``copy_streams[j][i]`` carries micro-batch ``i`` into partition ``j``.
         checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed.
-        tracker: which partitions draw random numbers (see :class:`RandomDrawTracker`).
+        traits: what is known of each partition (see :class:`PartitionTraits`).
     """
 
     def __init__(
@@ -97,14 +116,14 @@ class Pipeline:
         copy_streams: Sequence[Sequence[AbstractStream]],
         compute_streams: Sequence[AbstractStream],
         checkpoint_stop: int,
-        tracker: RandomDrawTracker,
+        traits: PartitionTraits,
     ) -> None:
         self.partitions = partitions
         self.devices = devices
         self.copy_streams = copy_streams
         self.compute_streams = compute_streams
         self.checkpoint_stop = checkpoint_stop
-        self.tracker = tracker
+        self.traits = traits
 
     def run(self, batches: list[Batch], pool: WorkerPool) -> None:
         """Run every micro-batch through every partition; ``batches`` is updated in place.
@@ -134,7 +153,7 @@ class Pipeline:
         """Run one clock's tasks in parallel and wait for all of them."""
         last = len(self.partitions) - 1
         pending: list[tuple[int, int]] = []
-        error: Optional[ExcInfo] = None
+        error: ExcInfo | None = None
         try:
             for i, j in schedule:
                 pool.submit(j, self._task(batches, i, j, state))
@@ -186,14 +205,18 @@ class Pipeline:
         if j != 0:
             wait(batch, self.copy_streams[j][i], stream)
         what = f"output of partition {j}"
-        tracker = self.tracker if self.checkpoint_stop > 0 else None
 
         def function(input: TensorOrTensors) -> TensorOrTensors:
-            if tracker is None:
-                return check(partition(input), what)
-            return check(tracker.run(j, device, partition, input), what)
+            return check(partition(input), what)
 
+        compute: Callable[[], Batch]
+        finalize: Callable[[Batch], None] | None = None
         if i < self.checkpoint_stop:
-            chk = Checkpointing(function, batch)
-            return Task(device, stream, state, compute=chk.checkpoint, finalize=chk.recompute)
-        return Task(device, stream, state, compute=lambda: batch.call(function, what))
+            chk = self.traits.checkpoint(j, function, batch)
+            compute, finalize = partial(self.traits.learn, j, chk), chk.recompute
+        else:
+            compute = partial(batch.call, function, what)
+        if self.checkpoint_stop > 0:
+            # The lock must also cover the generator states the checkpoint phase saves.
+            compute = partial(self.traits.run, j, device, compute)
+        return Task(device, stream, state, compute=compute, finalize=finalize)

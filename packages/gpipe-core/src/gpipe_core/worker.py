@@ -17,9 +17,9 @@ import threading
 from collections.abc import Callable
 from queue import SimpleQueue
 from types import TracebackType
-from typing import Optional, Union
 
 import torch
+
 from gpipe_microbatch import AbstractStream, Batch, ThreadState, use_device, use_stream
 
 __all__ = ["ExcInfo", "Result", "Task", "WorkerPool"]
@@ -44,7 +44,7 @@ class Task:
         state: ThreadState,
         *,
         compute: Callable[[], Batch],
-        finalize: Optional[Callable[[Batch], None]] = None,
+        finalize: Callable[[Batch], None] | None = None,
     ) -> None:
         self.device = device
         self.stream = stream
@@ -62,10 +62,10 @@ class Task:
 
 
 #: What a worker sends back: ``(True, batch)`` or ``(False, exc_info)``.
-Result = Union[tuple[bool, Batch], tuple[bool, ExcInfo]]
+Result = tuple[bool, Batch] | tuple[bool, ExcInfo]
 
 
-def _worker_loop(in_queue: SimpleQueue[Optional[Task]], out_queue: SimpleQueue[Result]) -> None:
+def _worker_loop(in_queue: SimpleQueue[Task | None], out_queue: SimpleQueue[Result]) -> None:
     while True:
         task = in_queue.get()
         if task is None:
@@ -91,13 +91,15 @@ class WorkerPool:
 
     def __init__(self, workers: int) -> None:
         self.lock = threading.Lock()
-        self.in_queues: list[SimpleQueue[Optional[Task]]] = [SimpleQueue() for _ in range(workers)]
+        self.in_queues: list[SimpleQueue[Task | None]] = [SimpleQueue() for _ in range(workers)]
         self.out_queues: list[SimpleQueue[Result]] = [SimpleQueue() for _ in range(workers)]
         self.threads: list[threading.Thread] = []
         self.closed = False
 
     def _start(self) -> None:
-        for j, (in_queue, out_queue) in enumerate(zip(self.in_queues, self.out_queues)):
+        for j, (in_queue, out_queue) in enumerate(
+            zip(self.in_queues, self.out_queues, strict=False)
+        ):
             thread = threading.Thread(
                 target=_worker_loop,
                 args=(in_queue, out_queue),
@@ -129,4 +131,3 @@ class WorkerPool:
         for thread in threads:
             if thread is not current:
                 thread.join()
-

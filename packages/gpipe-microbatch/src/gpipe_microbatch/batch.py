@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Union, cast
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -11,7 +11,7 @@ from torch import Tensor
 __all__ = ["Batch", "TensorOrTensors", "check", "gather", "scatter"]
 
 #: A mini-batch or micro-batch as a user sees it: a tensor or a tuple of tensors.
-TensorOrTensors = Union[Tensor, tuple[Tensor, ...]]
+TensorOrTensors = Tensor | tuple[Tensor, ...]
 
 
 def _type_name(value: object) -> str:
@@ -174,7 +174,7 @@ def scatter(input: object, chunks: int) -> list[Batch]:
     if isinstance(value, Tensor):
         return [Batch(piece) for piece in value.chunk(chunks)]
     split = [tensor.chunk(chunks) for tensor in value]
-    return [Batch(pieces) for pieces in zip(*split)]
+    return [Batch(pieces) for pieces in zip(*split, strict=False)]
 
 
 def gather(outputs: Sequence[Batch]) -> TensorOrTensors:
@@ -195,4 +195,6 @@ def gather(outputs: Sequence[Batch]) -> TensorOrTensors:
         return torch.cat([batch.tensor for batch in outputs])
     if any(batch.atomic or len(batch) != len(first) for batch in outputs):
         raise TypeError("micro-batch outputs are tuples of different lengths")
-    return tuple(torch.cat(column) for column in zip(*(batch.tensors for batch in outputs)))
+    return tuple(
+        torch.cat(column) for column in zip(*(batch.tensors for batch in outputs), strict=False)
+    )

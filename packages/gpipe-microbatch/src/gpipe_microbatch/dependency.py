@@ -22,12 +22,12 @@ class Fork(torch.autograd.Function):
     """Returns its input and a phony that backward waits on."""
 
     @staticmethod
-    def forward(ctx: Any, input: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+    def forward(ctx: Any, input: Tensor) -> tuple[Tensor, Tensor]:
         phony = get_phony(input.device, requires_grad=False)
         return input.detach(), phony.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad_input: Tensor, grad_phony: Tensor) -> Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad_input: Tensor, grad_phony: Tensor) -> Tensor:
         return grad_input
 
 
@@ -35,11 +35,11 @@ class Join(torch.autograd.Function):
     """Returns its input; in backward, also sends a gradient to the phony."""
 
     @staticmethod
-    def forward(ctx: Any, input: Tensor, phony: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, input: Tensor, phony: Tensor) -> Tensor:
         return input.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad_input: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad_input: Tensor) -> tuple[Tensor, None]:
         return grad_input, None
 
 
@@ -50,7 +50,7 @@ def fork(input: Tensor) -> tuple[Tensor, Tensor]:
     no edge.
     """
     if torch.is_grad_enabled() and input.requires_grad:
-        output, phony = Fork.apply(input)
+        output, phony = Fork.apply(input)  # type: ignore[no-untyped-call]
         return output, phony
     return input, get_phony(input.device, requires_grad=False)
 
@@ -58,7 +58,7 @@ def fork(input: Tensor) -> tuple[Tensor, Tensor]:
 def join(input: Tensor, phony: Tensor) -> Tensor:
     """Make ``input``'s backward feed ``phony`` first: returns ``input`` with the edge."""
     if torch.is_grad_enabled() and (input.requires_grad or phony.requires_grad):
-        output: Tensor = Join.apply(input, phony)
+        output: Tensor = Join.apply(input, phony)  # type: ignore[no-untyped-call]
         return output
     return input
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Union
 
 import torch
 
@@ -40,7 +39,7 @@ class CPUStreamType:
 CPUStream = CPUStreamType()
 
 #: A CUDA stream or :data:`CPUStream`.
-AbstractStream = Union[torch.cuda.Stream, CPUStreamType]
+AbstractStream = torch.cuda.Stream | CPUStreamType
 
 
 def is_cuda(stream: AbstractStream) -> bool:
@@ -52,7 +51,7 @@ def new_stream(device: torch.device) -> AbstractStream:
     """A new stream on ``device`` (:data:`CPUStream` for a non-CUDA device)."""
     if device.type != "cuda":
         return CPUStream
-    return torch.cuda.Stream(device)
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
 
 def current_stream(device: torch.device) -> AbstractStream:

@@ -33,17 +33,20 @@ class ThreadState:
 
     grad_enabled: bool
     inference_mode: bool
-    #: ``(device_type, dtype)`` for every device type whose autocast is enabled.
-    autocast: tuple[tuple[str, torch.dtype], ...]
+    #: ``(device_type, enabled, dtype)`` of autocast for each device type.
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]
     autocast_cache: bool
 
     @classmethod
     def capture(cls) -> ThreadState:
         """The state of the calling thread."""
         autocast = tuple(
-            (device_type, torch.get_autocast_dtype(device_type))
+            (
+                device_type,
+                torch.is_autocast_enabled(device_type),
+                torch.get_autocast_dtype(device_type),
+            )
             for device_type in _AUTOCAST_DEVICE_TYPES
-            if torch.is_autocast_enabled(device_type)
         )
         return cls(
             grad_enabled=torch.is_grad_enabled(),
@@ -54,13 +57,25 @@ class ThreadState:
 
     @contextmanager
     def apply(self) -> Generator[None, None, None]:
-        """Run the body under this state, in whatever thread calls it."""
+        """Run the body under this state, in whatever thread calls it.
+
+        Autocast is set for every device type, on or off as captured, so a state
+        captured without autocast also turns off an autocast region the body runs in.
+        """
         with ExitStack() as stack:
-            if self.inference_mode:
-                stack.enter_context(torch.inference_mode())
+            if self.inference_mode != torch.is_inference_mode_enabled():
+                stack.enter_context(torch.inference_mode(self.inference_mode))
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
-            for device_type, dtype in self.autocast:
+            for device_type, enabled, dtype in self.autocast:
+                if (
+                    torch.is_autocast_enabled(device_type) == enabled
+                    and (not enabled or torch.get_autocast_dtype(device_type) == dtype)
+                    and torch.is_autocast_cache_enabled() == self.autocast_cache
+                ):
+                    continue
                 stack.enter_context(
-                    torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache)
+                    torch.autocast(
+                        device_type, dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache
+                    )
                 )
             yield

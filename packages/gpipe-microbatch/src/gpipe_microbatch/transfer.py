@@ -6,7 +6,7 @@ device is a copy to the previous device in backward, on the same pair of streams
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,18 +24,18 @@ from .stream import (
 
 __all__ = ["Copy", "Wait", "copy", "wait"]
 
-_Grads = tuple[Optional[Tensor], ...]
+_Grads = tuple[Tensor | None, ...]
 
 
 def _copy_tensors(
-    tensors: tuple[Optional[Tensor], ...], source: AbstractStream, target: AbstractStream
-) -> tuple[Optional[Tensor], ...]:
+    tensors: tuple[Tensor | None, ...], source: AbstractStream, target: AbstractStream
+) -> tuple[Tensor | None, ...]:
     """Copy ``tensors`` to ``target``'s device with both streams current."""
     device = get_device(target)
     # The copies are queued on ``target``; the results are used on whatever stream is
     # current on the target device when the caller goes on.
     consumer = current_stream(device)
-    out: list[Optional[Tensor]] = []
+    out: list[Tensor | None] = []
     with use_device(device), use_stream(source), use_stream(target):
         for tensor in tensors:
             if tensor is None:
@@ -57,15 +57,15 @@ class Copy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, prev_stream: AbstractStream, next_stream: AbstractStream, *input: Tensor
-    ) -> tuple[Optional[Tensor], ...]:
+    ) -> tuple[Tensor | None, ...]:
         ctx.prev_stream = prev_stream
         ctx.next_stream = next_stream
         return _copy_tensors(input, prev_stream, next_stream)
 
     @staticmethod
-    def backward(ctx: Any, *grad_output: Optional[Tensor]) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grad_output: Tensor | None) -> tuple[Any, ...]:
         grad_input = _copy_tensors(grad_output, ctx.next_stream, ctx.prev_stream)
         return (None, None, *grad_input)
 
@@ -77,7 +77,7 @@ class Wait(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, prev_stream: AbstractStream, next_stream: AbstractStream, *input: Tensor
     ) -> tuple[Tensor, ...]:
         ctx.prev_stream = prev_stream
@@ -86,7 +86,7 @@ class Wait(torch.autograd.Function):
         return tuple(tensor.detach() for tensor in input)
 
     @staticmethod
-    def backward(ctx: Any, *grad_input: Optional[Tensor]) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grad_input: Tensor | None) -> tuple[Any, ...]:
         wait_stream(ctx.prev_stream, ctx.next_stream)
         return (None, None, *grad_input)
 
@@ -98,7 +98,7 @@ def _needs_autograd(batch: Batch) -> bool:
 def copy(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
     """Copy ``batch`` in place to ``next_stream``'s device, differentiably."""
     if _needs_autograd(batch):
-        tensors = Copy.apply(prev_stream, next_stream, *batch)
+        tensors = Copy.apply(prev_stream, next_stream, *batch)  # type: ignore[no-untyped-call]
     else:
         tensors = _copy_tensors(tuple(batch), prev_stream, next_stream)
     for index, tensor in enumerate(tensors):
@@ -110,10 +110,12 @@ def wait(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream)
 
     A no-op unless both are CUDA streams.
     """
-    if not (isinstance(prev_stream, torch.cuda.Stream) and isinstance(next_stream, torch.cuda.Stream)):
+    if not (
+        isinstance(prev_stream, torch.cuda.Stream) and isinstance(next_stream, torch.cuda.Stream)
+    ):
         return
     if _needs_autograd(batch):
-        tensors = Wait.apply(prev_stream, next_stream, *batch)
+        tensors = Wait.apply(prev_stream, next_stream, *batch)  # type: ignore[no-untyped-call]
         for index, tensor in enumerate(tensors):
             batch.replace(index, tensor)
     else:

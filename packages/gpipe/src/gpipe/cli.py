@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Optional
 
 __all__ = ["build_parser", "main"]
 
@@ -35,13 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpointing mode (default: except_last)",
     )
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    demo.add_argument(
-        "--no-progress", action="store_true", help="hide the progress bar"
-    )
+    demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = build_parser().parse_args(argv)
     if args.command == "demo":
@@ -56,8 +53,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             seed=args.seed,
             progress=not args.no_progress,
         )
-        for name, value in (("steps", config.steps), ("batch-size", config.batch_size),
-                            ("chunks", config.chunks), ("width", config.width)):
+        for name, value in (
+            ("steps", config.steps),
+            ("batch-size", config.batch_size),
+            ("chunks", config.chunks),
+            ("width", config.width),
+        ):
             if value <= 0:
                 build_parser().error(f"--{name} must be a positive integer (--{name}: {value})")
         report = run_demo(config)

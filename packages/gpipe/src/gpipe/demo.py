@@ -7,9 +7,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from gpipe_core import GPipe
 from torch import nn
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped]
+
+from gpipe_core import GPipe
 
 __all__ = ["DemoConfig", "DemoReport", "build_model", "run_demo"]
 
@@ -100,7 +101,7 @@ def _train(
         y = target[index].to(out_device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         if step % 10 == 0 or step == steps - 1:
             losses.append(loss.item())
@@ -113,8 +114,7 @@ def run_demo(config: DemoConfig) -> DemoReport:
     """Train the demo network with and without pipelining on the same synthetic data.
 
     Example:
-        >>> report = run_demo(DemoConfig(steps=4, batch_size=8, chunks=2, width=16,
-        ...                              progress=False))
+        >>> report = run_demo(DemoConfig(steps=4, batch_size=8, chunks=2, width=16, progress=False))
         >>> report.final_loss > 0
         True
     """
