@@ -8,7 +8,12 @@ micro-batch *i*'s recomputation right before its backward pass.
 
 Both phases share a :class:`Checkpointing` object::
 
-    chk = Checkpointing(function, batch)
+    # A module without trainable parameters needs no gradient unless its input does; any
+    # other function may close over tensors that do.
+    requires_grad = not isinstance(function, torch.nn.Module) or any(
+        parameter.requires_grad for parameter in function.parameters()
+    )
+    chk = Checkpointing(function, batch, requires_grad=requires_grad)
     output = chk.checkpoint()  # forward without autograd history
     chk.recompute(output)  # wire the recomputation into output's backward
 """
@@ -59,6 +64,10 @@ class Checkpointing:
             Without copies such a function cannot be recomputed, and the checkpoint phase
             raises :class:`RuntimeError`. After :meth:`checkpoint`,
             :attr:`input_modified` tells whether the function did modify its input.
+        requires_grad: whether the output needs gradients even when no input does, as
+            it does when ``function`` has parameters that require grad (the default).
+            Pass False for a function without such parameters, so that its output does
+            not require grad unless its input does, as without checkpointing.
 
     Example:
         >>> layer = torch.nn.Linear(3, 3)
@@ -71,21 +80,31 @@ class Checkpointing:
         torch.Size([2, 3])
     """
 
-    def __init__(self, function: Function, batch: Batch, *, copy_input: bool = False) -> None:
+    def __init__(
+        self,
+        function: Function,
+        batch: Batch,
+        *,
+        copy_input: bool = False,
+        requires_grad: bool = True,
+    ) -> None:
         self.function = function
         self.batch = batch
         self.copy_input = copy_input
         #: Whether the checkpoint phase saw ``function`` modify its input in place.
         self.input_modified = False
-        # Each holds at most one item, passed from one phase to the next.
+        self.requires_grad = requires_grad
+        # Passed from the recompute phase to the checkpoint phase's backward.
         self.recomputed: deque[_Recomputed] = deque(maxlen=1)
-        self.saved: deque[_Saved] = deque(maxlen=1)
+        # Kept by the checkpoint phase for every recomputation (a graph may be
+        # differentiated more than once with retain_graph=True).
+        self.saved: _Saved | None = None
 
     def checkpoint(self) -> Batch:
         """Run the function without autograd history; returns the output batch."""
         # The phony requires grad, so the output joins the graph even where the input
         # does not require grad: the parameters inside ``function`` need gradients.
-        phony = get_phony(self.batch[0].device, requires_grad=True)
+        phony = get_phony(self.batch[0].device, requires_grad=self.requires_grad)
         output = Checkpoint.apply(phony, self, *self.batch)  # type: ignore[no-untyped-call]
         return Batch(output)
 
@@ -114,7 +133,7 @@ class Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, phony: Tensor, chk: Checkpointing, *input: Tensor) -> TensorOrTensors:
         ctx.recomputed = chk.recomputed
-        chk.saved.append((save_rng_states(input[0].device), ThreadState.capture()))
+        chk.saved = (save_rng_states(input[0].device), ThreadState.capture())
         arguments = _copies(input) if chk.copy_input else input
         versions = [tensor._version for tensor in arguments]
         with torch.no_grad(), enable_checkpointing():
@@ -171,7 +190,8 @@ class Recompute(torch.autograd.Function):
         chk: Checkpointing = ctx.chk
         input = ctx.saved_tensors
         input_leaf = tuple(tensor.detach().requires_grad_(tensor.requires_grad) for tensor in input)
-        rng_states, thread_state = chk.saved.pop()
+        assert chk.saved is not None, "the checkpoint phase has not run"
+        rng_states, thread_state = chk.saved
         with (
             restore_rng_states(input[0].device, rng_states),
             thread_state.apply(),
@@ -214,7 +234,12 @@ def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
     batch = Batch(check(input, "input"))
     if not torch.is_grad_enabled():
         return batch.call(function).value
-    chk = Checkpointing(function, batch)
+    # A module without trainable parameters needs no gradient unless its input does; any
+    # other function may close over tensors that do.
+    requires_grad = not isinstance(function, torch.nn.Module) or any(
+        parameter.requires_grad for parameter in function.parameters()
+    )
+    chk = Checkpointing(function, batch, requires_grad=requires_grad)
     output = chk.checkpoint()
     chk.recompute(output)
     return output.value

@@ -65,9 +65,12 @@ class PartitionTraits:
         self.draws: list[bool | None] = [None] * partitions
         self.modifies_input: list[bool | None] = [None] * partitions
 
-    def checkpoint(self, j: int, function: _Function, batch: Batch) -> Checkpointing:
+    def checkpoint(
+        self, j: int, function: _Function, batch: Batch, requires_grad: bool
+    ) -> Checkpointing:
         """A :class:`Checkpointing` of partition ``j``, copying its input if needed."""
-        return Checkpointing(function, batch, copy_input=self.modifies_input[j] is not False)
+        copy_input = self.modifies_input[j] is not False
+        return Checkpointing(function, batch, copy_input=copy_input, requires_grad=requires_grad)
 
     def learn(self, j: int, chk: Checkpointing) -> Batch:
         """Run the checkpoint phase of ``chk`` and remember whether it modified its input."""
@@ -124,6 +127,12 @@ class Pipeline:
         self.compute_streams = compute_streams
         self.checkpoint_stop = checkpoint_stop
         self.traits = traits
+        # Whether each partition has parameters to train: a checkpointed output needs
+        # gradients then, even where its input needs none.
+        self.trainable = [
+            any(parameter.requires_grad for parameter in partition.parameters())
+            for partition in partitions
+        ]
 
     def run(self, batches: list[Batch], pool: WorkerPool) -> None:
         """Run every micro-batch through every partition; ``batches`` is updated in place.
@@ -212,7 +221,7 @@ class Pipeline:
         compute: Callable[[], Batch]
         finalize: Callable[[Batch], None] | None = None
         if i < self.checkpoint_stop:
-            chk = self.traits.checkpoint(j, function, batch)
+            chk = self.traits.checkpoint(j, function, batch, self.trainable[j])
             compute, finalize = partial(self.traits.learn, j, chk), chk.recompute
         else:
             compute = partial(batch.call, function, what)
