@@ -1,0 +1,176 @@
+"""Tests of the phase flags and of the generator state helpers."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from gpipe_checkpoint import (
+    RNGStates,
+    device_rng_lock,
+    enable_checkpointing,
+    enable_recomputing,
+    is_checkpointing,
+    is_recomputing,
+    restore_rng_states,
+    save_rng_states,
+)
+
+CPU = torch.device("cpu")
+
+cuda = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# -- phase flags ----------------------------------------------------------------------------
+
+
+def test_flags_are_false_by_default() -> None:
+    assert is_checkpointing() is False
+    assert is_recomputing() is False
+
+
+def test_enable_checkpointing_nests_and_restores() -> None:
+    with enable_checkpointing():
+        assert is_checkpointing()
+        assert not is_recomputing()
+        with enable_checkpointing():
+            assert is_checkpointing()
+        assert is_checkpointing()
+    assert not is_checkpointing()
+
+
+def test_enable_recomputing_restores_after_an_error() -> None:
+    with pytest.raises(KeyError), enable_recomputing():
+        assert is_recomputing()
+        assert not is_checkpointing()
+        raise KeyError
+    assert not is_recomputing()
+    with pytest.raises(KeyError), enable_checkpointing():
+        raise KeyError
+    assert not is_checkpointing()
+
+
+def test_flags_are_thread_local() -> None:
+    seen: dict[str, bool] = {}
+
+    def probe() -> None:
+        seen["checkpointing"] = is_checkpointing()
+        seen["recomputing"] = is_recomputing()
+
+    with enable_checkpointing(), enable_recomputing():
+        thread = threading.Thread(target=probe)
+        thread.start()
+        thread.join()
+        assert is_checkpointing() and is_recomputing()
+    assert seen == {"checkpointing": False, "recomputing": False}
+
+
+# -- generator states ------------------------------------------------------------------------
+
+
+def test_save_rng_states_on_cpu() -> None:
+    states = save_rng_states(CPU)
+    assert isinstance(states, RNGStates)
+    assert states.cuda is None
+    assert torch.equal(states.cpu, torch.get_rng_state())
+
+
+def test_restore_rng_states_replays_and_puts_back() -> None:
+    torch.manual_seed(42)
+    first = torch.rand(4)
+    second = torch.rand(4)
+
+    torch.manual_seed(42)
+    states = save_rng_states(CPU)
+    a = torch.rand(4)
+    with restore_rng_states(CPU, states):
+        replayed = torch.rand(4)
+    after = torch.rand(4)
+    assert torch.equal(a, first)
+    assert torch.equal(replayed, first)
+    # The state after the body is the one before it: the draws go on where they were.
+    assert torch.equal(after, second)
+
+
+def test_restore_rng_states_puts_back_after_an_error() -> None:
+    torch.manual_seed(3)
+    states = save_rng_states(CPU)
+    torch.rand(10)
+    before = torch.get_rng_state()
+    with pytest.raises(KeyError), restore_rng_states(CPU, states):
+        torch.rand(3)
+        raise KeyError
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_device_rng_lock_is_shared_per_device() -> None:
+    lock = device_rng_lock(CPU)
+    assert lock is device_rng_lock(torch.device("cpu"))
+    assert hasattr(lock, "acquire") and hasattr(lock, "release")
+    with lock:
+        assert lock.locked()
+    assert not lock.locked()
+    cuda0 = device_rng_lock(torch.device("cuda", 0))
+    assert cuda0 is device_rng_lock(torch.device("cuda:0"))
+    assert cuda0 is not lock
+    assert cuda0 is not device_rng_lock(torch.device("cuda", 1))
+
+
+def test_device_rng_lock_is_the_same_in_every_thread() -> None:
+    locks: list[object] = []
+    barrier = threading.Barrier(8)
+
+    def get() -> None:
+        barrier.wait()
+        locks.append(device_rng_lock(torch.device("cuda", 7)))
+
+    threads = [threading.Thread(target=get) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(locks) == 8
+    assert all(lock is locks[0] for lock in locks)
+
+
+@cuda
+@needs_cuda
+def test_save_and_restore_cuda_rng_states() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(5)
+    states = save_rng_states(device)
+    assert states.cuda is not None
+    first_cuda = torch.rand(4, device=device)
+    first_cpu = torch.rand(4)
+    next_cuda = torch.rand(4, device=device)
+    with restore_rng_states(device, states):
+        assert torch.equal(torch.rand(4, device=device), first_cuda)
+        assert torch.equal(torch.rand(4), first_cpu)
+    torch.manual_seed(5)
+    torch.rand(4, device=device)
+    torch.rand(4, device=device)
+    expected = torch.rand(4, device=device)
+    torch.manual_seed(5)
+    torch.rand(4, device=device)
+    torch.rand(4, device=device)
+    with restore_rng_states(device, states):
+        torch.rand(4, device=device)
+    assert torch.equal(torch.rand(4, device=device), expected)
+    assert next_cuda.device == device
+
+
+@cuda
+@needs_cuda
+def test_checkpoint_replays_cuda_dropout() -> None:
+    from gpipe_checkpoint import checkpoint
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(64, device=device, requires_grad=True)
+    y = checkpoint(lambda t: torch.nn.functional.dropout(t, 0.5, training=True), x)
+    assert isinstance(y, torch.Tensor)
+    y.sum().backward()
+    assert x.grad is not None
+    assert torch.equal(x.grad == 0, y.detach() == 0)

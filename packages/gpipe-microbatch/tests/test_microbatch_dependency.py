@@ -1,0 +1,217 @@
+"""Tests of phony tensors and the fork/join ordering edges."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from gpipe_microbatch import Batch, Fork, Join, depend, fork, get_phony, join
+
+CPU = torch.device("cpu")
+
+
+class Log(torch.autograd.Function):
+    """An identity whose backward appends its name to a list."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, name: str, log: list[str]) -> torch.Tensor:  # type: ignore[override]
+        ctx.name = name
+        ctx.log = log
+        return input.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        ctx.log.append(ctx.name)
+        return grad, None, None
+
+
+# -- get_phony ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_phony_is_empty_and_cached(requires_grad: bool) -> None:
+    phony = get_phony(CPU, requires_grad=requires_grad)
+    assert phony.numel() == 0
+    assert phony.shape == (0,)
+    assert phony.device == CPU
+    assert phony.requires_grad is requires_grad
+    assert get_phony(CPU, requires_grad=requires_grad) is phony
+    assert get_phony(torch.device("cpu"), requires_grad=requires_grad) is phony
+
+
+def test_phony_cache_is_per_requires_grad() -> None:
+    assert get_phony(CPU, requires_grad=True) is not get_phony(CPU, requires_grad=False)
+
+
+def test_phony_cache_is_per_device() -> None:
+    meta = get_phony(torch.device("meta"), requires_grad=False)
+    assert meta.device.type == "meta"
+    assert meta is not get_phony(CPU, requires_grad=False)
+    assert meta is get_phony(torch.device("meta"), requires_grad=False)
+
+
+# -- fork / join ------------------------------------------------------------------------
+
+
+def test_fork_join_values_and_gradient() -> None:
+    x = torch.randn(3, requires_grad=True)
+    y = torch.randn(3, requires_grad=True)
+    x2, phony = fork(x * 2)
+    assert phony.numel() == 0
+    assert phony.requires_grad
+    y2 = join(y * 3, phony)
+    assert torch.equal(x2, x.detach() * 2)
+    assert torch.equal(y2, y.detach() * 3)
+    (x2.sum() + y2.sum()).backward()
+    assert x.grad is not None and y.grad is not None
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+    assert torch.equal(y.grad, torch.full((3,), 3.0))
+
+
+def test_fork_join_create_autograd_nodes() -> None:
+    x = torch.randn(2, requires_grad=True)
+    y = torch.randn(2, requires_grad=True)
+    x2, phony = fork(x)
+    y2 = join(y, phony)
+    assert type(x2.grad_fn).__name__ == "ForkBackward"
+    assert type(y2.grad_fn).__name__ == "JoinBackward"
+    # The join's backward feeds the fork's node.
+    next_nodes = [node for node, _ in y2.grad_fn.next_functions if node is not None]
+    assert x2.grad_fn in next_nodes or phony.grad_fn in next_nodes
+
+
+def test_fork_join_make_no_edge_without_grad() -> None:
+    x = torch.randn(2, requires_grad=True)
+    y = torch.randn(2, requires_grad=True)
+    with torch.no_grad():
+        x2, phony = fork(x)
+        y2 = join(y, phony)
+    assert x2 is x
+    assert not phony.requires_grad
+    assert phony.grad_fn is None
+    assert y2 is y
+
+
+def test_fork_join_make_no_edge_for_tensors_without_grad() -> None:
+    x = torch.randn(2)
+    y = torch.randn(2)
+    x2, phony = fork(x)
+    assert x2 is x
+    assert phony.grad_fn is None
+    assert not phony.requires_grad
+    assert join(y, phony) is y
+
+
+def test_join_with_phony_requiring_grad() -> None:
+    x = torch.randn(2, requires_grad=True)
+    _, phony = fork(x)
+    y = torch.randn(2)  # does not require grad itself
+    y2 = join(y, phony)
+    assert y2.requires_grad
+    assert torch.equal(y2, y)
+
+
+def test_join_backward_runs_the_forked_producer() -> None:
+    """With the edge, a backward pass from the joined branch alone reaches the forked one."""
+    for with_edge in (False, True):
+        log: list[str] = []
+        a = torch.randn(2, requires_grad=True)
+        b = torch.randn(2, requires_grad=True)
+        a1 = Log.apply(a, "a", log)
+        b1 = Log.apply(b, "b", log)
+        batch_a, batch_b = Batch(a1), Batch(b1)
+        if with_edge:
+            depend(batch_a, batch_b)
+        batch_b.tensor.sum().backward()
+        assert b.grad is not None
+        if with_edge:
+            assert log == ["b", "a"]
+            # Only an empty gradient reaches a: the edge carries no value.
+            assert a.grad is not None
+            assert torch.equal(a.grad, torch.zeros(2))
+        else:
+            assert log == ["b"]
+            assert a.grad is None
+
+
+def _two_branches(with_edge: bool) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """Two independent branches; b's consumer is created in another thread.
+
+    Autograd numbers nodes per thread and runs the ready node with the highest number
+    first, so without an edge a's producer (numbered in this busy thread) runs before b's
+    consumer (numbered from zero in a fresh thread).
+    """
+    log: list[str] = []
+    a = torch.randn(2, requires_grad=True)
+    b = torch.randn(2, requires_grad=True)
+    for _ in range(64):  # make sure this thread's node numbers are well above zero
+        _ = a * 1
+    a1 = Log.apply(a, "a producer", log)
+    b1 = Log.apply(b, "b producer", log)
+    batch_a, batch_b = Batch(a1), Batch(b1)
+    if with_edge:
+        depend(batch_a, batch_b)
+
+    consumed: dict[str, torch.Tensor] = {}
+
+    def consume() -> None:
+        consumed["b"] = Log.apply(batch_b.tensor * 3, "b consumer", log)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    thread.join()
+    loss = (batch_a.tensor * 2).sum() + consumed["b"].sum()
+    loss.backward()
+    assert a.grad is not None and b.grad is not None
+    return log, a.grad, b.grad
+
+
+def test_depend_orders_backward() -> None:
+    log, _, _ = _two_branches(with_edge=True)
+    assert sorted(log) == ["a producer", "b consumer", "b producer"]
+    # a's producer runs only after b's consumer.
+    assert log.index("b consumer") < log.index("a producer")
+
+
+def test_without_depend_the_order_is_different() -> None:
+    # The control for test_depend_orders_backward: the setup does not give the order by itself.
+    log, _, _ = _two_branches(with_edge=False)
+    assert log.index("a producer") < log.index("b consumer")
+
+
+def test_depend_changes_no_values() -> None:
+    torch.manual_seed(0)
+    _, grad_a_plain, grad_b_plain = _two_branches(with_edge=False)
+    torch.manual_seed(0)
+    _, grad_a_edge, grad_b_edge = _two_branches(with_edge=True)
+    assert torch.equal(grad_a_plain, grad_a_edge)
+    assert torch.equal(grad_b_plain, grad_b_edge)
+    assert torch.equal(grad_a_edge, torch.full((2,), 2.0))
+    assert torch.equal(grad_b_edge, torch.full((2,), 3.0))
+
+
+def test_depend_uses_floating_tensors() -> None:
+    a = torch.randn(2, requires_grad=True)
+    ints = torch.arange(2)
+    b = torch.randn(2, requires_grad=True)
+    fork_from = Batch((ints, a * 1))
+    join_to = Batch((ints, b * 1))
+    depend(fork_from, join_to)
+    assert fork_from[0] is ints
+    assert join_to[0] is ints
+    assert type(fork_from[1].grad_fn).__name__ == "ForkBackward"
+    assert type(join_to[1].grad_fn).__name__ == "JoinBackward"
+
+
+def test_fork_and_join_functions_directly() -> None:
+    x = torch.randn(3, requires_grad=True)
+    out, phony = Fork.apply(x)
+    assert torch.equal(out, x)
+    assert phony.numel() == 0
+    joined = Join.apply(torch.ones(3, requires_grad=True), phony)
+    (out.sum() + joined.sum()).backward()
+    assert x.grad is not None
+    assert torch.equal(x.grad, torch.ones(3))
