@@ -111,13 +111,20 @@ class Checkpointing:
     def recompute(self, batch: Batch) -> None:
         """Hook the recompute phase onto ``batch``, the output of :meth:`checkpoint`.
 
-        The recomputation then runs when the gradient reaches ``batch``, right before the
-        checkpoint phase's backward.
+        The recomputation then runs when the gradient reaches any output in ``batch``,
+        right before the checkpoint phase's backward.
         """
-        index = batch.find_tensor_idx()
-        tensor, phony = fork(batch[index])
+        needs_grad = [index for index, tensor in enumerate(batch) if tensor.requires_grad]
+        if not needs_grad:
+            return
+        # Recompute takes a phony forked off one output, so the checkpoint phase's backward
+        # waits for it; every output that needs a gradient is joined to its result, so the
+        # recomputation runs whichever outputs the loss uses.
+        tensor, phony = fork(batch[needs_grad[0]])
+        batch.replace(needs_grad[0], tensor)
         phony = Recompute.apply(phony, self, *self.batch)  # type: ignore[no-untyped-call]
-        batch.replace(index, join(tensor, phony))
+        for index in needs_grad:
+            batch.replace(index, join(batch[index], phony))
 
 
 def _copies(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -187,6 +194,11 @@ class Recompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor | None) -> tuple[None, ...]:
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                "checkpointing works with .backward() only, not with torch.autograd.grad() "
+                "or .backward(inputs=...): the recomputed graph accumulates into .grad"
+            )
         chk: Checkpointing = ctx.chk
         input = ctx.saved_tensors
         input_leaf = tuple(tensor.detach().requires_grad_(tensor.requires_grad) for tensor in input)
