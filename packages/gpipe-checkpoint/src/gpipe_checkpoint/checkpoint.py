@@ -194,7 +194,7 @@ class Recompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor | None) -> tuple[None, ...]:
-        if not torch.autograd._is_checkpoint_valid():
+        if not torch.autograd._is_checkpoint_valid():  # type: ignore[no-untyped-call]
             raise RuntimeError(
                 "checkpointing works with .backward() only, not with torch.autograd.grad() "
                 "or .backward(inputs=...): the recomputed graph accumulates into .grad"

@@ -92,7 +92,7 @@ class Batch:
 
     @property
     def value(self) -> TensorOrTensors:
-        """The batch as the user sees it: a tensor or a tuple of tensors."""
+        """The batch as the user sees it (a tensor, or a tuple of tensors)."""
         return self._values[0] if self.atomic else self._values
 
     def call(self, function: Callable[[TensorOrTensors], object], what: str = "output") -> Batch:
