@@ -1,0 +1,266 @@
+"""Wrong arguments and wrong inputs: the error type, and a message naming what was seen."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe_core import BalanceError, GPipe
+
+
+def three_layers() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+# -- module and balance ----------------------------------------------------------------------
+
+
+def test_module_must_be_sequential() -> None:
+    with pytest.raises(TypeError, match=r"module must be nn\.Sequential.*\(module: Linear\)"):
+        GPipe(nn.Linear(2, 2), [1])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"\(module: ModuleList\)"):
+        GPipe(nn.ModuleList([nn.Linear(2, 2)]), [1])  # type: ignore[arg-type]
+
+
+def test_balance_error_is_a_value_error() -> None:
+    assert issubclass(BalanceError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("balance", "message"),
+    [
+        ([2, 2], r"balance must sum to the number of layers (balance: [2, 2], layers: 3)"),
+        ([1, 1], r"balance must sum to the number of layers (balance: [1, 1], layers: 3)"),
+        ([4], r"balance must sum to the number of layers (balance: [4], layers: 3)"),
+        ([3, 0], r"balance must contain only positive integers (balance: [3, 0])"),
+        ([4, -1], r"balance must contain only positive integers (balance: [4, -1])"),
+        ([1.5, 1.5], r"balance must contain only positive integers (balance: [1.5, 1.5])"),
+        ([2, "1"], r"balance must contain only positive integers (balance: [2, '1'])"),
+        ([True, 2], r"balance must contain only positive integers (balance: [True, 2])"),
+        ([], r"balance must have at least one partition (balance: [])"),
+        (3, r"balance must be a list of layer counts (balance: 3)"),
+        ("12", r"balance must be a list of layer counts (balance: '12')"),
+    ],
+)
+def test_bad_balance(balance: object, message: str) -> None:
+    with pytest.raises(BalanceError, match=re.escape(message)):
+        GPipe(three_layers(), balance)  # type: ignore[arg-type]
+
+
+def test_balance_accepts_any_iterable() -> None:
+    pipe = GPipe(three_layers(), (n for n in (2, 1)))
+    assert pipe.balance == [2, 1]
+    assert isinstance(pipe.balance, list)
+
+
+def test_balance_error_is_caught_as_value_error() -> None:
+    with pytest.raises(ValueError, match=r"balance"):
+        GPipe(three_layers(), [1, 1, 1, 1])
+
+
+# -- devices ---------------------------------------------------------------------------------
+
+
+def test_too_few_devices() -> None:
+    message = "too few devices to hold the partitions (devices: 1, partitions: 2)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GPipe(three_layers(), [2, 1], devices=["cpu"])
+    with pytest.raises(ValueError, match=re.escape("(devices: 0, partitions: 1)")):
+        GPipe(three_layers(), [3], devices=[])
+
+
+def test_devices_must_be_a_list() -> None:
+    with pytest.raises(TypeError, match=r"devices must be a list of devices.*\(devices: 'cpu'\)"):
+        GPipe(three_layers(), [2, 1], devices="cpu")  # type: ignore[arg-type]
+
+
+def test_extra_devices_are_ignored() -> None:
+    pipe = GPipe(three_layers(), [2, 1], devices=["cpu", torch.device("cpu"), "cpu"])
+    assert pipe.devices == [torch.device("cpu")] * 2
+
+
+def test_parameter_shared_across_devices_is_refused() -> None:
+    shared = nn.Linear(2, 2)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    message = (
+        "a parameter or buffer is shared by partitions on different devices "
+        "(partition 0 on cpu, partition 1 on meta)"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GPipe(model, [1, 2], devices=["cpu", "meta"])
+    # Refused before anything moved.
+    assert shared.weight.device.type == "cpu"
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_parameter_shared_on_one_device_is_allowed(checkpoint: str) -> None:
+    torch.manual_seed(0)
+    shared = nn.Linear(3, 3).double()
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Tanh(), shared)
+    plain = copy.deepcopy(model)
+    assert plain[0] is plain[2]  # deepcopy keeps the sharing
+    pipe = GPipe(model, [2, 2, 1], chunks=3, checkpoint=checkpoint)
+    assert len(list(pipe.parameters())) == 2
+
+    x = torch.randn(7, 3, dtype=torch.float64)
+    output = pipe(x)
+    expected = plain(x)
+    torch.testing.assert_close(output, expected)
+    output.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(shared.weight.grad, plain[0].weight.grad)
+    torch.testing.assert_close(shared.bias.grad, plain[0].bias.grad)
+
+
+# -- chunks, checkpoint, deferred_batch_norm ---------------------------------------------------
+
+
+@pytest.mark.parametrize("chunks", [0, -1, "a", True, False, 1.0, None])
+def test_bad_chunks(chunks: object) -> None:
+    message = f"chunks must be a positive integer (chunks: {chunks!r})"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GPipe(three_layers(), [3], chunks=chunks)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("checkpoint", ["sometimes", "", "ALWAYS", None, True])
+def test_bad_checkpoint(checkpoint: object) -> None:
+    message = (
+        f"checkpoint must be one of 'always', 'except_last', 'never' (checkpoint: {checkpoint!r})"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GPipe(three_layers(), [3], checkpoint=checkpoint)  # type: ignore[arg-type]
+
+
+def test_deferred_batch_norm_is_not_implemented() -> None:
+    with pytest.raises(NotImplementedError, match=r"gpipe-bn"):
+        GPipe(three_layers(), [3], deferred_batch_norm=True)
+    # False is the default and works.
+    assert GPipe(three_layers(), [3], deferred_batch_norm=False)(torch.randn(2, 2)).shape == (2, 2)
+
+
+# -- inputs ----------------------------------------------------------------------------------
+
+
+def test_input_on_the_wrong_device() -> None:
+    pipe = GPipe(three_layers(), [2, 1], chunks=2)
+    x = torch.empty(4, 2, device="meta")
+    message = "input must be on the first partition's device (devices[0]: cpu, input: meta)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        pipe(x)
+    # A tuple names the tensor at fault.
+    message = "input[1] must be on the first partition's device (devices[0]: cpu, input[1]: meta)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        pipe((torch.zeros(4, 2), x))
+
+
+@pytest.mark.parametrize(
+    ("value", "seen"),
+    [
+        ([torch.zeros(2, 2)], "input: list"),
+        (None, "input: NoneType"),
+        (3.0, "input: float"),
+        ({"x": torch.zeros(2, 2)}, "input: dict"),
+        ((torch.zeros(2, 2), 1), "input[1]: int"),
+        ((), "input: empty tuple"),
+    ],
+)
+def test_input_must_be_a_tensor_or_tuple(value: object, seen: str) -> None:
+    pipe = GPipe(three_layers(), [2, 1], chunks=2)
+    message = f"input must be a tensor or a tuple of tensors ({seen})"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        pipe(value)  # type: ignore[arg-type]
+
+
+def test_input_batch_sizes_must_agree() -> None:
+    pipe = GPipe(nn.Sequential(nn.Identity(), nn.Identity()), [1, 1], chunks=2)
+    with pytest.raises(ValueError, match=r"batch size.*\[4, 3\]"):
+        pipe((torch.zeros(4, 2), torch.zeros(3, 2)))
+    with pytest.raises(ValueError, match=r"batch dimension"):
+        pipe(torch.tensor(1.0))
+
+
+class ReturnsList(nn.Module):
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [x]
+
+
+class ReturnsNone(nn.Module):
+    def forward(self, x: torch.Tensor) -> None:
+        return None
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize(
+    ("layer", "j", "balance", "seen"),
+    [
+        (ReturnsList, 0, [1, 1, 1], "list"),
+        (ReturnsList, 1, [1, 1, 1], "list"),
+        (ReturnsNone, 2, [1, 1, 1], "NoneType"),
+        (ReturnsList, 2, [3], "list"),
+    ],
+)
+def test_partition_output_must_be_a_tensor_or_tuple(
+    layer: type[nn.Module], j: int, balance: list[int], seen: str, checkpoint: str
+) -> None:
+    layers: list[nn.Module] = [nn.Linear(2, 2) for _ in range(3)]
+    layers[j] = layer()
+    # The bad partition is the one holding layer j; with one partition it is partition 0.
+    partition = 0 if len(balance) == 1 else j
+    pipe = GPipe(nn.Sequential(*layers), balance, chunks=2, checkpoint=checkpoint)
+    what = f"output of partition {partition}"
+    message = f"{what} must be a tensor or a tuple of tensors ({what}: {seen})"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        pipe(torch.randn(4, 2))
+
+
+# -- moving the module -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "move",
+    [
+        pytest.param(lambda m: m.cuda(), id="cuda()"),
+        pytest.param(lambda m: m.cuda(0), id="cuda(0)"),
+        pytest.param(lambda m: m.cpu(), id="cpu()"),
+        pytest.param(lambda m: m.to("cpu"), id="to('cpu')"),
+        pytest.param(lambda m: m.to(torch.device("cpu")), id="to(device)"),
+        pytest.param(lambda m: m.to(device="cpu"), id="to(device=)"),
+        pytest.param(lambda m: m.to(torch.zeros(1)), id="to(tensor)"),
+        pytest.param(lambda m: m.to("cpu", torch.float64), id="to('cpu', dtype)"),
+        pytest.param(lambda m: m.to("meta"), id="to('meta')"),
+    ],
+)
+def test_moving_is_refused(move: object) -> None:
+    pipe = GPipe(three_layers(), [2, 1])
+    message = r"would move every partition to one device.*devices: \['cpu', 'cpu'\]"
+    with pytest.raises(TypeError, match=message):
+        move(pipe)  # type: ignore[operator]
+    # Nothing moved or changed.
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in pipe.parameters())
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [
+        pytest.param(lambda m: m.to(torch.float64), id="to(float64)"),
+        pytest.param(lambda m: m.to(dtype=torch.float64), id="to(dtype=)"),
+        pytest.param(lambda m: m.double(), id="double()"),
+    ],
+)
+def test_dtype_conversion_works(convert: object) -> None:
+    torch.manual_seed(0)
+    model = three_layers()
+    plain = copy.deepcopy(model).double()
+    pipe = GPipe(model, [2, 1], chunks=2)
+    result = convert(pipe)  # type: ignore[operator]
+    assert result is pipe
+    assert all(p.dtype == torch.float64 for p in pipe.parameters())
+    assert all(p.dtype == torch.float64 for p in model.parameters())  # the same layers
+    x = torch.randn(4, 2, dtype=torch.float64)
+    output = pipe(x)
+    assert output.dtype == torch.float64
+    torch.testing.assert_close(output, plain(x))
