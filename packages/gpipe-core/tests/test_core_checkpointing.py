@@ -270,13 +270,6 @@ def test_recomputation_runs_the_partition_once_more_per_checkpointed_micro_batch
     assert len(calls) == 6
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PartitionTraits learns 'draws no random numbers' on the first checkpointed run "
-    "and never re-probes: a partition whose dropout starts later (p raised from 0, as in a "
-    "late-dropout schedule) then draws without the generator lock, and its checkpointed "
-    "micro-batches recompute with other masks",
-)
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
 def test_dropout_switched_on_after_the_first_run(checkpoint: str) -> None:
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ from gpipe_microbatch import (
 )
 
 from .partition import Device, check_balance, resolve_devices, split_module
-from .pipeline import PartitionTraits, Pipeline
+from .pipeline import Pipeline
 from .worker import WorkerPool
 
 __all__ = ["GPipe"]
@@ -113,7 +113,6 @@ class GPipe(nn.Module):
         self.devices = resolve_devices(devices, len(self.balance))
         self.partitions = nn.ModuleList(split_module(module, self.balance, self.devices))
         self._copy_streams: list[list[AbstractStream]] = [[] for _ in self.devices]
-        self._traits = PartitionTraits(len(self.partitions))
         self._pool = self._new_pool()
 
     def _new_pool(self) -> WorkerPool:
@@ -233,7 +232,6 @@ class GPipe(nn.Module):
             self._ensure_copy_streams(m),
             [current_stream(device) for device in self.devices],
             checkpoint_stop,
-            self._traits,
         )
         pipeline.run(batches, self._pool)
         return gather(batches)

@@ -45,7 +45,10 @@ def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
 
 
 class PartitionTraits:
-    """What the pipeline learns about each partition the first time it checkpoints it.
+    """What a pipeline run learns about each partition from its first checkpointed task.
+
+    A model may change between runs (a dropout probability raised from 0, a layer put in
+    eval mode), so every run learns afresh; the first task of each partition pays for it.
 
     **Random draws.**
     Partitions on one CPU (or one CUDA device) share a generator. When a checkpointed
@@ -53,11 +56,11 @@ class PartitionTraits:
     the draws interleave and the recomputation could not replay them. So in a pipeline run
     with checkpointing, a partition that draws random numbers holds its device's
     generator lock while it computes; partitions that draw none run freely. Whether a
-    partition draws is probed under the lock the first time it runs in such a run.
+    partition draws is probed under the lock by its first task in such a run.
 
     **In-place input.** A partition that modifies its input in place (it starts with
     ``nn.ReLU(inplace=True)``, say) cannot be recomputed from that input. The first
-    checkpointed run of each partition hands it a copy and watches; partitions seen
+    checkpointed task of each partition hands it a copy and watches; partitions seen
     modifying their input keep getting copies, the others get their input as it is.
     """
 
@@ -109,7 +112,6 @@ class Pipeline:
         devices: the device of each partition.
         copy_streams: ``copy_streams[j][i]`` carries micro-batch ``i`` into partition ``j``.
         checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed.
-        traits: what is known of each partition (see :class:`PartitionTraits`).
     """
 
     def __init__(
@@ -119,14 +121,13 @@ class Pipeline:
         copy_streams: Sequence[Sequence[AbstractStream]],
         compute_streams: Sequence[AbstractStream],
         checkpoint_stop: int,
-        traits: PartitionTraits,
     ) -> None:
         self.partitions = partitions
         self.devices = devices
         self.copy_streams = copy_streams
         self.compute_streams = compute_streams
         self.checkpoint_stop = checkpoint_stop
-        self.traits = traits
+        self.traits = PartitionTraits(len(partitions))
         # Whether each partition has parameters to train: a checkpointed output needs
         # gradients then, even where its input needs none.
         self.trainable = [
