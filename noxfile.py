@@ -51,6 +51,36 @@ if hasattr(nox.options, "download_python"):
     nox.options.download_python = "never"
 
 
+def _expose_pyenv_interpreters() -> None:
+    """Put pyenv's interpreters for the test matrix on PATH, one ``pythonX.Y`` link each.
+
+    pyenv's shims refuse versions that are installed but not selected, so nox would report
+    those interpreters as missing. Only the ``pythonX.Y`` executables are exposed, so that
+    ``python`` and ``python3`` keep meaning what they meant.
+    """
+    versions = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    if not versions.is_dir():
+        return
+    links = ROOT / ".nox" / "interpreters"
+    for python in PYTHONS:
+        candidates = sorted(
+            versions.glob(f"{python}.*/bin/python{python}"),
+            key=lambda path: [int(part) for part in re.findall(r"\d+", path.parent.parent.name)],
+        )
+        if not candidates:
+            continue
+        links.mkdir(parents=True, exist_ok=True)
+        link = links / f"python{python}"
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(candidates[-1])
+    if links.is_dir():
+        os.environ["PATH"] = os.pathsep.join([str(links), os.environ.get("PATH", "")])
+
+
+_expose_pyenv_interpreters()
+
+
 # --------------------------------------------------------------------------------------------
 # Package discovery
 # --------------------------------------------------------------------------------------------
