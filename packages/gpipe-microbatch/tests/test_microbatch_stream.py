@@ -149,3 +149,16 @@ def test_record_stream_keeps_memory_from_reuse() -> None:
 def test_record_stream_ignores_cpu_tensors() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     record_stream(torch.zeros(2), new_stream(device))
+
+
+def test_cpu_stream_survives_copy_and_pickle_as_the_same_object() -> None:
+    import copy
+    import pickle
+
+    from gpipe_microbatch import CPUStream, is_cuda
+
+    for clone in (copy.copy(CPUStream), copy.deepcopy(CPUStream)):
+        assert clone is CPUStream
+    restored = pickle.loads(pickle.dumps(CPUStream))
+    assert restored is CPUStream
+    assert not is_cuda(restored)

@@ -72,6 +72,7 @@ class GPipe(nn.Module):
         BalanceError: ``balance`` does not split ``module`` into non-empty partitions.
         ValueError: too few devices, bad ``chunks`` or ``checkpoint``, or a parameter
             shared by partitions on different devices.
+        NotImplementedError: ``deferred_batch_norm=True`` before gpipe-bn is supported.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
@@ -112,6 +113,10 @@ class GPipe(nn.Module):
             )
         self.devices = resolve_devices(devices, len(self.balance))
         self.partitions = nn.ModuleList(split_module(module, self.balance, self.devices))
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        """The state that is not copied or pickled: copy streams and worker threads."""
         self._copy_streams: list[list[AbstractStream]] = [[] for _ in self.devices]
         self._pool = self._new_pool()
 
@@ -122,14 +127,15 @@ class GPipe(nn.Module):
         return pool
 
     def __getstate__(self) -> dict[str, Any]:
-        # Threads and locks cannot be copied or pickled; a copy gets workers of its own.
+        # Threads, locks and CUDA streams cannot be copied or pickled; a copy gets its own.
         state: dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
         state.pop("_pool", None)
+        state.pop("_copy_streams", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[no-untyped-call]
-        self._pool = self._new_pool()
+        self._init_runtime()
 
     # -- the original layers ---------------------------------------------------------
 

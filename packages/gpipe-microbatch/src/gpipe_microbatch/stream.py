@@ -34,6 +34,10 @@ class CPUStreamType:
     def __repr__(self) -> str:
         return "CPUStream"
 
+    def __reduce__(self) -> str:
+        # Copies and pickles give back the one CPUStream.
+        return "CPUStream"
+
 
 #: The stream of every non-CUDA device.
 CPUStream = CPUStreamType()
@@ -44,7 +48,7 @@ AbstractStream = torch.cuda.Stream | CPUStreamType
 
 def is_cuda(stream: AbstractStream) -> bool:
     """Whether ``stream`` is a CUDA stream."""
-    return stream is not CPUStream
+    return isinstance(stream, torch.cuda.Stream)
 
 
 def new_stream(device: torch.device) -> AbstractStream:
