@@ -51,21 +51,22 @@ def restore_rng_states(device: torch.device, states: RNGStates) -> Generator[Non
             torch.cuda.set_rng_state(cuda_before, device)
 
 
-_locks: dict[str, threading.Lock] = {}
+_locks: dict[str, threading.RLock] = {}
 _locks_guard = threading.Lock()
 
 
-def device_rng_lock(device: torch.device) -> threading.Lock:
+def device_rng_lock(device: torch.device) -> threading.RLock:
     """A process-wide lock for the generator that work on ``device`` draws from.
 
     Work on the CPU draws from one generator, whatever the thread. Two threads that draw
     from it at once interleave their draws unpredictably, so a checkpoint phase could not
     replay its own draws. Threads hold this lock while they run work that draws random
-    numbers under checkpointing.
+    numbers under checkpointing. The lock is reentrant, so work that holds it may run
+    nested work that takes it again in the same thread.
     """
     key = str(device) if device.type == "cuda" else "cpu"
     lock = _locks.get(key)
     if lock is None:
         with _locks_guard:
-            lock = _locks.setdefault(key, threading.Lock())
+            lock = _locks.setdefault(key, threading.RLock())
     return lock

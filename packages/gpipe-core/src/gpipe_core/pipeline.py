@@ -7,6 +7,7 @@ micro-batch at the same time.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import cast
@@ -14,7 +15,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from gpipe_checkpoint import Checkpointing, device_rng_lock
+from gpipe_checkpoint import Checkpointing, device_rng_lock, is_checkpointing, is_recomputing
 from gpipe_microbatch import (
     AbstractStream,
     Batch,
@@ -31,6 +32,15 @@ from .worker import ExcInfo, Task, WorkerPool
 __all__ = ["PartitionTraits", "Pipeline", "clock_cycles"]
 
 _Function = Callable[[TensorOrTensors], TensorOrTensors]
+
+
+class _LockDepth(threading.local):
+    """How many generator locks the current thread holds through :class:`PartitionTraits`."""
+
+    depth = 0
+
+
+_held = _LockDepth()
 
 
 def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
@@ -88,13 +98,19 @@ class PartitionTraits:
         if draws is False:
             return compute()
         with device_rng_lock(device):
-            if draws is True:
-                return compute()
-            before = _generator_states(device)
-            batch = compute()
-            after = _generator_states(device)
-            self.draws[j] = any(not torch.equal(a, b) for a, b in zip(before, after, strict=False))
-            return batch
+            _held.depth += 1
+            try:
+                if draws is True:
+                    return compute()
+                before = _generator_states(device)
+                batch = compute()
+                after = _generator_states(device)
+                self.draws[j] = any(
+                    not torch.equal(a, b) for a, b in zip(before, after, strict=True)
+                )
+                return batch
+            finally:
+                _held.depth -= 1
 
 
 def _generator_states(device: torch.device) -> list[torch.Tensor]:
@@ -139,14 +155,18 @@ class Pipeline:
         """Run every micro-batch through every partition; ``batches`` is updated in place.
 
         With one partition the tasks run in the calling thread; otherwise each partition's
-        tasks run on its worker in ``pool``.
+        tasks run on its worker in ``pool``. A pipeline nested in a checkpointed partition
+        also runs in the calling thread, in clock order: the outer recomputation must
+        replay its random draws in the same order, and its workers would wait forever for
+        a generator lock the calling thread holds.
         """
         state = ThreadState.capture()
-        if len(self.partitions) == 1:
-            for schedule in clock_cycles(len(batches), 1):
+        nested = _held.depth > 0 or is_checkpointing() or is_recomputing()
+        if len(self.partitions) == 1 or nested:
+            for schedule in clock_cycles(len(batches), len(self.partitions)):
                 self._fence(batches, schedule)
                 for i, j in schedule:
-                    batches[i] = self._task(batches, i, j, state).run()
+                    self._finish(batches, i, j, self._task(batches, i, j, state).run())
             return
         with pool.lock:
             for schedule in clock_cycles(len(batches), len(self.partitions)):
@@ -161,7 +181,6 @@ class Pipeline:
         pool: WorkerPool,
     ) -> None:
         """Run one clock's tasks in parallel and wait for all of them."""
-        last = len(self.partitions) - 1
         pending: list[tuple[int, int]] = []
         error: ExcInfo | None = None
         try:
@@ -176,11 +195,7 @@ class Pipeline:
                     if error is None:
                         error = cast(ExcInfo, payload)
                     continue
-                batch = cast(Batch, payload)
-                if j != last:
-                    # The copy to the next partition waits for this computation.
-                    wait(batch, self.compute_streams[j], self.copy_streams[j][i])
-                batches[i] = batch
+                self._finish(batches, i, j, cast(Batch, payload))
         finally:
             # Interrupted (KeyboardInterrupt, say): collect what is still running, so no
             # stale result is left for the next run.
@@ -191,6 +206,13 @@ class Pipeline:
                 raise error[1].with_traceback(error[2])
             finally:
                 error = None
+
+    def _finish(self, batches: list[Batch], i: int, j: int, batch: Batch) -> None:
+        """Store partition ``j``'s output for micro-batch ``i``."""
+        if j != len(self.partitions) - 1:
+            # The copy to the next partition waits for this computation.
+            wait(batch, self.compute_streams[j], self.copy_streams[j][i])
+        batches[i] = batch
 
     def _fence(self, batches: list[Batch], schedule: list[tuple[int, int]]) -> None:
         """Order backward and copy micro-batches into the partitions about to run them."""
