@@ -110,9 +110,28 @@ def test_device_rng_lock_is_shared_per_device() -> None:
     lock = device_rng_lock(CPU)
     assert lock is device_rng_lock(torch.device("cpu"))
     assert hasattr(lock, "acquire") and hasattr(lock, "release")
+
+    def free_elsewhere() -> bool:
+        # Whether another thread can take the lock right now.
+        seen: list[bool] = []
+
+        def probe() -> None:
+            taken = lock.acquire(blocking=False)
+            if taken:
+                lock.release()
+            seen.append(taken)
+
+        thread = threading.Thread(target=probe)
+        thread.start()
+        thread.join()
+        return seen[0]
+
     with lock:
-        assert lock.locked()
-    assert not lock.locked()
+        assert not free_elsewhere()
+        with lock:  # reentrant in the thread that holds it
+            assert not free_elsewhere()
+        assert not free_elsewhere()
+    assert free_elsewhere()
     cuda0 = device_rng_lock(torch.device("cuda", 0))
     assert cuda0 is device_rng_lock(torch.device("cuda:0"))
     assert cuda0 is not lock
