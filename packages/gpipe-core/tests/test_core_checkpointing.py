@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -11,15 +12,6 @@ from torch import nn
 
 from gpipe_checkpoint import is_checkpointing, is_recomputing
 from gpipe_core import GPipe
-
-
-class Scale(nn.Module):
-    def __init__(self, factor: float) -> None:
-        super().__init__()
-        self.factor = factor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.factor
 
 
 class Nap(nn.Module):
@@ -30,21 +22,27 @@ class Nap(nn.Module):
         return x
 
 
-def dropout_pipe(partitions: int, chunks: int, checkpoint: str, nap: bool) -> GPipe:
-    layers: list[nn.Module] = []
-    for j in range(partitions):
-        if nap:
-            layers.append(Nap())
-        layers += [nn.Dropout(0.5), Scale(1.5 + j)]
-    per = len(layers) // partitions
-    return GPipe(nn.Sequential(*layers), [per] * partitions, chunks=chunks, checkpoint=checkpoint)
+@pytest.fixture
+def dropout_pipe(Scale: type[nn.Module]) -> Callable[..., GPipe]:
+    def make(partitions: int, chunks: int, checkpoint: str, nap: bool) -> GPipe:
+        layers: list[nn.Module] = []
+        for j in range(partitions):
+            if nap:
+                layers.append(Nap())
+            layers += [nn.Dropout(0.5), Scale(1.5 + j)]
+        per = len(layers) // partitions
+        return GPipe(
+            nn.Sequential(*layers), [per] * partitions, chunks=chunks, checkpoint=checkpoint
+        )
+
+    return make
 
 
 @pytest.mark.parametrize("nap", [False, True], ids=["busy", "napping"])
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
 @pytest.mark.parametrize(("partitions", "chunks"), [(2, 4), (3, 5), (4, 3)])
 def test_dropout_gradient_matches_the_forward_masks(
-    partitions: int, chunks: int, checkpoint: str, nap: bool
+    partitions: int, chunks: int, checkpoint: str, nap: bool, dropout_pipe: Callable[..., GPipe]
 ) -> None:
     # out = mask * x * c elementwise, so d(out.sum())/dx = out / x: the gradient must use
     # the very masks of the forward pass, although the checkpointed micro-batches recompute
@@ -61,7 +59,7 @@ def test_dropout_gradient_matches_the_forward_masks(
         assert 0 < (output == 0).sum() < output.numel()
 
 
-def test_dropout_fresh_models_first_run() -> None:
+def test_dropout_fresh_models_first_run(dropout_pipe: Callable[..., GPipe]) -> None:
     # A fresh model learns which partitions draw random numbers during its first run; the
     # masks must be replayed correctly in that run too.
     for seed in range(8):
@@ -271,7 +269,9 @@ def test_recomputation_runs_the_partition_once_more_per_checkpointed_micro_batch
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
-def test_dropout_switched_on_after_the_first_run(checkpoint: str) -> None:
+def test_dropout_switched_on_after_the_first_run(
+    checkpoint: str, dropout_pipe: Callable[..., GPipe]
+) -> None:
     torch.manual_seed(0)
     pipe = dropout_pipe(3, 4, checkpoint, nap=True)
     dropouts = [layer for layer in pipe if isinstance(layer, nn.Dropout)]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -34,55 +36,51 @@ def model() -> nn.Sequential:
     ).double()
 
 
-def assert_equivalent(devices: list[str], balance: list[int], checkpoint: str) -> None:
-    net = model()
-    plain = copy.deepcopy(net).to(devices[0])
-    pipe = GPipe(net, balance, devices=devices, chunks=4, checkpoint=checkpoint)
-    for partition, device in zip(pipe.partitions, pipe.devices):
-        assert all(p.device == device for p in partition.parameters())
+@pytest.fixture
+def assert_equivalent(assert_matches_plain: Callable[..., Any]) -> Callable[..., None]:
+    def check(devices: list[str], balance: list[int], checkpoint: str) -> None:
+        net = model()
+        plain = copy.deepcopy(net).to(devices[0])
+        pipe = GPipe(net, balance, devices=devices, chunks=4, checkpoint=checkpoint)
+        for partition, device in zip(pipe.partitions, pipe.devices):
+            assert all(p.device == device for p in partition.parameters())
+        assert pipe.devices[0] == torch.device(devices[0])
 
-    x = torch.randn(10, 8, dtype=torch.float64)
-    x_pipe = x.to(pipe.devices[0]).requires_grad_()
-    x_plain = x.to(devices[0]).requires_grad_()
-    output = pipe(x_pipe)
-    expected = plain(x_plain)
-    assert output.device == pipe.devices[-1]
-    torch.testing.assert_close(output.to(expected.device), expected)
+        x = torch.randn(10, 8, dtype=torch.float64)
+        # Checks the grads' devices too, and compares on the plain model's device.
+        output, _ = assert_matches_plain(pipe, plain, x, weighted=True, device=devices[0])
+        assert output.device == pipe.devices[-1]
 
-    weight = torch.randn_like(expected)
-    (output * weight.to(output.device)).sum().backward()
-    (expected * weight).sum().backward()
-    torch.testing.assert_close(x_pipe.grad.to(x_plain.device), x_plain.grad)
-    for p_pipe, p_plain in zip(pipe.parameters(), plain.parameters()):
-        assert p_pipe.grad is not None and p_pipe.grad.device == p_pipe.device
-        torch.testing.assert_close(p_pipe.grad.to(p_plain.device), p_plain.grad)
+    return check
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_two_partitions_on_one_gpu(checkpoint: str) -> None:
+def test_two_partitions_on_one_gpu(checkpoint: str, assert_equivalent: Callable[..., None]) -> None:
     assert_equivalent(["cuda:0", "cuda:0"], [3, 2], checkpoint)
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_one_partition_on_a_gpu(checkpoint: str) -> None:
+def test_one_partition_on_a_gpu(checkpoint: str, assert_equivalent: Callable[..., None]) -> None:
     assert_equivalent(["cuda:0"], [5], checkpoint)
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_cpu_then_gpu(checkpoint: str) -> None:
+def test_cpu_then_gpu(checkpoint: str, assert_equivalent: Callable[..., None]) -> None:
     # The copy between partitions crosses from the CPU to the GPU.
     assert_equivalent(["cpu", "cuda:0"], [2, 3], checkpoint)
 
 
 @two_gpus
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_two_gpus(checkpoint: str) -> None:
+def test_two_gpus(checkpoint: str, assert_equivalent: Callable[..., None]) -> None:
     assert_equivalent(["cuda:0", "cuda:1"], [3, 2], checkpoint)
 
 
 @two_gpus
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_three_partitions_back_and_forth(checkpoint: str) -> None:
+def test_three_partitions_back_and_forth(
+    checkpoint: str, assert_equivalent: Callable[..., None]
+) -> None:
     assert_equivalent(["cuda:0", "cuda:1", "cuda:0"], [2, 2, 1], checkpoint)
 
 
@@ -170,17 +168,11 @@ def test_cuda_autocast_reaches_the_workers_and_the_recomputation(checkpoint: str
     assert x.grad is not None and x.grad.dtype == torch.float32
 
 
-class Scale(nn.Module):
-    def __init__(self, factor: float) -> None:
-        super().__init__()
-        self.factor = factor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.factor
-
-
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
-def test_dropout_masks_are_replayed_on_cuda(checkpoint: str) -> None:
+def test_dropout_masks_are_replayed_on_cuda(
+    checkpoint: str,
+    Scale: type[nn.Module],
+) -> None:
     torch.manual_seed(0)
     net = nn.Sequential(
         nn.Dropout(0.5), Scale(2.0), nn.Dropout(0.5), Scale(3.0), nn.Dropout(0.5), Scale(0.5)

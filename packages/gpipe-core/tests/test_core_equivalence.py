@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -91,35 +93,16 @@ def build(spec: Spec) -> nn.Sequential:
     return nn.Sequential(*layers).double()
 
 
-def assert_same_run(spec: Spec) -> None:
+def assert_same_run(spec: Spec, assert_matches_plain: Callable[..., Any]) -> None:
     model = build(spec)
     plain = copy.deepcopy(model)
     pipe = GPipe(model, list(spec.balance), chunks=spec.chunks, checkpoint=spec.checkpoint)
 
     torch.manual_seed(spec.seed + 1)
     x = torch.randn(spec.batch, spec.in_width, dtype=torch.float64)
-    x_plain = x.clone().requires_grad_(spec.input_requires_grad)
-    x_pipe = x.clone().requires_grad_(spec.input_requires_grad)
-
-    expected = plain(x_plain)
-    output = pipe(x_pipe)
-    torch.testing.assert_close(output, expected)
-    assert output.requires_grad == expected.requires_grad
-    if not expected.requires_grad:
-        return  # a model without parameters, on an input without grad
-    weight = torch.randn_like(expected)
-    (expected * weight).sum().backward()
-    (output * weight).sum().backward()
-
-    if spec.input_requires_grad:
-        assert x_pipe.grad is not None
-        torch.testing.assert_close(x_pipe.grad, x_plain.grad)
-    for layer_pipe, layer_plain in zip(pipe, plain):
-        for (name, p_pipe), (_, p_plain) in zip(
-            layer_pipe.named_parameters(), layer_plain.named_parameters()
-        ):
-            assert p_pipe.grad is not None, name
-            torch.testing.assert_close(p_pipe.grad, p_plain.grad, msg=name)
+    assert_matches_plain(
+        pipe, plain, x, input_requires_grad=spec.input_requires_grad, weighted=True
+    )
 
 
 @settings(
@@ -127,9 +110,11 @@ def assert_same_run(spec: Spec) -> None:
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-@given(specs())
-def test_equivalence_with_plain_sequential(spec: Spec) -> None:
-    assert_same_run(spec)
+@given(spec=specs())
+def test_equivalence_with_plain_sequential(
+    spec: Spec, assert_matches_plain: Callable[..., Any]
+) -> None:
+    assert_same_run(spec, assert_matches_plain)
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
@@ -144,7 +129,11 @@ def test_equivalence_with_plain_sequential(spec: Spec) -> None:
     ],
 )
 def test_equivalence_fixed_cases(
-    balance: list[int], chunks: int, batch: int, checkpoint: str
+    balance: list[int],
+    chunks: int,
+    batch: int,
+    checkpoint: str,
+    assert_matches_plain: Callable[..., Any],
 ) -> None:
     spec = Spec(
         in_width=3,
@@ -156,7 +145,7 @@ def test_equivalence_fixed_cases(
         input_requires_grad=True,
         seed=7,
     )
-    assert_same_run(spec)
+    assert_same_run(spec, assert_matches_plain)
 
 
 def test_module_is_not_copied_so_plain_and_pipe_share_layers() -> None:
@@ -201,41 +190,32 @@ class Merge(nn.Module):
 
 @pytest.mark.parametrize("checkpoint", MODES)
 @pytest.mark.parametrize("balance", [[1, 1, 1, 1], [1, 2, 1], [2, 2], [1, 3], [4]])
-def test_tuple_between_partitions(balance: list[int], checkpoint: str) -> None:
+def test_tuple_between_partitions(
+    balance: list[int], checkpoint: str, assert_matches_plain: Callable[..., Any]
+) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), Split(4), PassThrough(), Merge(4)).double()
     plain = copy.deepcopy(model)
     pipe = GPipe(model, balance, chunks=3, checkpoint=checkpoint)
-
-    x = torch.randn(7, 4, dtype=torch.float64)
-    x_plain = x.clone().requires_grad_()
-    x_pipe = x.clone().requires_grad_()
-    expected = plain(x_plain)
-    output = pipe(x_pipe)
-    torch.testing.assert_close(output, expected)
-    expected.sum().backward()
-    output.sum().backward()
-    torch.testing.assert_close(x_pipe.grad, x_plain.grad)
-    for p_pipe, p_plain in zip(pipe.parameters(), plain.parameters()):
-        torch.testing.assert_close(p_pipe.grad, p_plain.grad)
+    assert_matches_plain(pipe, plain, torch.randn(7, 4, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_tuple_output_of_the_model(checkpoint: str) -> None:
+def test_tuple_output_of_the_model(
+    checkpoint: str, assert_matches_plain: Callable[..., Any]
+) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 3), Split(3), PassThrough()).double()
     plain = copy.deepcopy(model)
     pipe = GPipe(model, [2, 1], chunks=2, checkpoint=checkpoint)
-    x = torch.randn(5, 3, dtype=torch.float64)
-    expected = plain(x)
-    output = pipe(x)
+    output, _ = assert_matches_plain(
+        pipe,
+        plain,
+        torch.randn(5, 3, dtype=torch.float64),
+        input_requires_grad=False,
+        loss=lambda out: out[0].sum() + 3 * out[1].sum(),
+    )
     assert isinstance(output, tuple) and len(output) == 2
-    for got, want in zip(output, expected):
-        torch.testing.assert_close(got, want)
-    (expected[0].sum() + 3 * expected[1].sum()).backward()
-    (output[0].sum() + 3 * output[1].sum()).backward()
-    for p_pipe, p_plain in zip(pipe.parameters(), plain.parameters()):
-        torch.testing.assert_close(p_pipe.grad, p_plain.grad)
 
 
 class Labelled(nn.Module):
@@ -252,7 +232,9 @@ class Labelled(nn.Module):
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_integer_tensor_in_a_tuple_passes_through(checkpoint: str) -> None:
+def test_integer_tensor_in_a_tuple_passes_through(
+    checkpoint: str, assert_matches_plain: Callable[..., Any]
+) -> None:
     # The integer tensor comes first, so ordering edges must pick the float one.
     torch.manual_seed(0)
     model = nn.Sequential(Labelled(3), Labelled(3), Labelled(3)).double()
@@ -260,22 +242,17 @@ def test_integer_tensor_in_a_tuple_passes_through(checkpoint: str) -> None:
     pipe = GPipe(model, [1, 1, 1], chunks=4, checkpoint=checkpoint)
 
     labels = torch.arange(10) % 3
-    x = torch.randn(10, 3, dtype=torch.float64)
-    x_plain = x.clone().requires_grad_()
-    x_pipe = x.clone().requires_grad_()
-    expected = plain((labels, x_plain))
-    output = pipe((labels, x_pipe))
-
+    output, _ = assert_matches_plain(
+        pipe,
+        plain,
+        torch.randn(10, 3, dtype=torch.float64),
+        feed=lambda x: (labels, x),
+        loss=lambda out: out[1].sum(),
+    )
     assert isinstance(output, tuple) and len(output) == 2
     assert output[0].dtype == torch.int64
     assert torch.equal(output[0], labels)
     assert not output[0].requires_grad
-    torch.testing.assert_close(output[1], expected[1])
-    expected[1].sum().backward()
-    output[1].sum().backward()
-    torch.testing.assert_close(x_pipe.grad, x_plain.grad)
-    for p_pipe, p_plain in zip(pipe.parameters(), plain.parameters()):
-        torch.testing.assert_close(p_pipe.grad, p_plain.grad)
 
 
 # -- inputs without grad, eval mode, no_grad -------------------------------------------------
@@ -289,39 +266,29 @@ def small_model() -> nn.Sequential:
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_input_without_grad_still_trains_parameters(checkpoint: str) -> None:
+def test_input_without_grad_still_trains_parameters(
+    checkpoint: str, assert_matches_plain: Callable[..., Any]
+) -> None:
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 6), nn.Linear(6, 2)).double()
     plain = copy.deepcopy(model)
     pipe = GPipe(model, [1, 2, 1], chunks=3, checkpoint=checkpoint)
     x = torch.randn(9, 4, dtype=torch.float64)
-    assert not x.requires_grad
-    expected = plain(x)
-    output = pipe(x)
+    # The input grads stay None; the parameter grads must exist and match.
+    output, _ = assert_matches_plain(
+        pipe, plain, x, input_requires_grad=False, loss=lambda out: out.square().sum()
+    )
     assert output.requires_grad
-    torch.testing.assert_close(output, expected)
-    expected.square().sum().backward()
-    output.square().sum().backward()
     assert x.grad is None
-    for p_pipe, p_plain in zip(pipe.parameters(), plain.parameters()):
-        assert p_pipe.grad is not None
-        torch.testing.assert_close(p_pipe.grad, p_plain.grad)
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_eval_mode_matches_plain(checkpoint: str) -> None:
+def test_eval_mode_matches_plain(checkpoint: str, assert_matches_plain: Callable[..., Any]) -> None:
     model = small_model()
     plain = copy.deepcopy(model).eval()
     pipe = GPipe(model, [2, 2, 2], chunks=4, checkpoint=checkpoint).eval()
     assert not any(layer.training for layer in pipe)
-    x = torch.randn(10, 4, dtype=torch.float64, requires_grad=True)
-    output = pipe(x)
-    torch.testing.assert_close(output, plain(x))
     # Gradients still flow in eval mode (nothing is checkpointed).
-    output.sum().backward()
-    expected_grad = x.grad.clone()
-    x.grad = None
-    plain(x).sum().backward()
-    torch.testing.assert_close(expected_grad, x.grad)
+    assert_matches_plain(pipe, plain, torch.randn(10, 4, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
@@ -402,18 +369,16 @@ def assert_same_grads(pipe: GPipe, plain: nn.Module) -> None:
 
 @pytest.mark.parametrize("checkpoint", MODES)
 @pytest.mark.parametrize("used", [0, 1])
-def test_loss_on_one_element_of_a_tuple_output(used: int, checkpoint: str) -> None:
+def test_loss_on_one_element_of_a_tuple_output(
+    used: int, checkpoint: str, assert_matches_plain: Callable[..., Any]
+) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 3), Split(3), nn.Identity(), PassThrough()).double()
     plain = copy.deepcopy(model)
     pipe = GPipe(model, [1, 1, 2], chunks=3, checkpoint=checkpoint)
-    x = torch.randn(6, 3, dtype=torch.float64)
-    x_pipe = x.clone().requires_grad_()
-    x_plain = x.clone().requires_grad_()
-    pipe(x_pipe)[used].sum().backward()
-    plain(x_plain)[used].sum().backward()
-    torch.testing.assert_close(x_pipe.grad, x_plain.grad)
-    assert_same_grads(pipe, plain)
+    assert_matches_plain(
+        pipe, plain, torch.randn(6, 3, dtype=torch.float64), loss=lambda out: out[used].sum()
+    )
 
 
 class ConstantFirst(nn.Module):
@@ -438,40 +403,26 @@ class UseBoth(nn.Module):
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_tuple_whose_first_float_tensor_needs_no_grad(checkpoint: str) -> None:
+def test_tuple_whose_first_float_tensor_needs_no_grad(
+    checkpoint: str, assert_matches_plain: Callable[..., Any]
+) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 3), ConstantFirst(), PassThrough(), UseBoth()).double()
     plain = copy.deepcopy(model)
     pipe = GPipe(model, [1, 1, 1, 1], chunks=4, checkpoint=checkpoint)
-    x = torch.randn(8, 3, dtype=torch.float64)
-    x_pipe = x.clone().requires_grad_()
-    x_plain = x.clone().requires_grad_()
-    output = pipe(x_pipe)
-    expected = plain(x_plain)
-    torch.testing.assert_close(output, expected)
-    output.sum().backward()
-    expected.sum().backward()
-    torch.testing.assert_close(x_pipe.grad, x_plain.grad)
-    assert_same_grads(pipe, plain)
+    assert_matches_plain(pipe, plain, torch.randn(8, 3, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_partition_that_returns_its_input(checkpoint: str) -> None:
+def test_partition_that_returns_its_input(
+    checkpoint: str, assert_matches_plain: Callable[..., Any]
+) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 3), nn.Identity(), nn.Identity(), nn.Linear(3, 3))
     model = model.double()
     plain = copy.deepcopy(model)
     pipe = GPipe(model, [1, 2, 1], chunks=2, checkpoint=checkpoint)
-    x = torch.randn(4, 3, dtype=torch.float64)
-    x_pipe = x.clone().requires_grad_()
-    x_plain = x.clone().requires_grad_()
-    output = pipe(x_pipe)
-    expected = plain(x_plain)
-    torch.testing.assert_close(output, expected)
-    output.sum().backward()
-    expected.sum().backward()
-    torch.testing.assert_close(x_pipe.grad, x_plain.grad)
-    assert_same_grads(pipe, plain)
+    assert_matches_plain(pipe, plain, torch.randn(4, 3, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("checkpoint", MODES)

@@ -6,6 +6,7 @@ import copy
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -82,22 +83,15 @@ def frames(excinfo: pytest.ExceptionInfo[BaseException]) -> list[str]:
     return [frame.name for frame in traceback.extract_tb(excinfo.tb)]
 
 
-def assert_runs_like_plain(pipe: GPipe, plain: nn.Sequential, batch: int = 8) -> None:
-    """One more forward and backward on the same GPipe: the results of the plain model."""
-    for module in (pipe, plain):
-        for p in module.parameters():
-            p.grad = None
-    x = torch.randn(batch, 4, dtype=torch.float64)
-    x_pipe = x.clone().requires_grad_()
-    x_plain = x.clone().requires_grad_()
-    output = pipe(x_pipe)
-    expected = plain(x_plain)
-    torch.testing.assert_close(output, expected)
-    output.sum().backward()
-    expected.sum().backward()
-    torch.testing.assert_close(x_pipe.grad, x_plain.grad)
-    for p_pipe, p_plain in zip(pipe.parameters(), plain.parameters()):
-        torch.testing.assert_close(p_pipe.grad, p_plain.grad)
+@pytest.fixture
+def assert_runs_like_plain(
+    assert_matches_plain: Callable[..., Any],
+) -> Callable[..., None]:
+    def check(pipe: GPipe, plain: nn.Sequential, batch: int = 8) -> None:
+        """One more forward and backward on the same GPipe: the results of the plain model."""
+        assert_matches_plain(pipe, plain, torch.randn(batch, 4, dtype=torch.float64))
+
+    return check
 
 
 def model_with(layer: nn.Module, position: int, depth: int = 4) -> nn.Sequential:
@@ -118,7 +112,11 @@ def model_with(layer: nn.Module, position: int, depth: int = 4) -> nn.Sequential
     ],
 )
 def test_exception_in_forward(
-    position: int, balance: list[int], on_call: int, checkpoint: str
+    position: int,
+    balance: list[int],
+    on_call: int,
+    checkpoint: str,
+    assert_runs_like_plain: Callable[..., None],
 ) -> None:
     bomb = Explode(on_call)
     model = model_with(bomb, position)
@@ -137,7 +135,9 @@ def test_exception_in_forward(
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_exception_while_other_partitions_are_busy(checkpoint: str) -> None:
+def test_exception_while_other_partitions_are_busy(
+    checkpoint: str, assert_runs_like_plain: Callable[..., None]
+) -> None:
     # Partition 1 fails on micro-batch 1 (clock 2) while partitions 0 and 2 are working
     # on micro-batches 2 and 0 in the same clock, and still busy when it fails.
     torch.manual_seed(0)
@@ -157,7 +157,9 @@ def test_exception_while_other_partitions_are_busy(checkpoint: str) -> None:
         assert_runs_like_plain(pipe, plain)
 
 
-def test_exceptions_in_two_partitions_of_one_clock() -> None:
+def test_exceptions_in_two_partitions_of_one_clock(
+    assert_runs_like_plain: Callable[..., None],
+) -> None:
     # Both fail in the same clock; the caller gets one of them, as it was, and the pool
     # is left clean for the next run.
     torch.manual_seed(0)
@@ -175,7 +177,9 @@ class KeyboardLike(BaseException):
     pass
 
 
-def test_base_exception_in_a_partition_is_carried() -> None:
+def test_base_exception_in_a_partition_is_carried(
+    assert_runs_like_plain: Callable[..., None],
+) -> None:
     class Interrupt(nn.Module):
         armed = True
 
@@ -197,7 +201,9 @@ def test_base_exception_in_a_partition_is_carried() -> None:
 
 @pytest.mark.parametrize("checkpoint", MODES)
 @pytest.mark.parametrize("balance", [[1, 2, 2], [5]])
-def test_exception_in_backward(balance: list[int], checkpoint: str) -> None:
+def test_exception_in_backward(
+    balance: list[int], checkpoint: str, assert_runs_like_plain: Callable[..., None]
+) -> None:
     model = model_with(FailingBackwardLayer(), 2)
     plain = copy.deepcopy(model)
     pipe = GPipe(model, balance, chunks=3, checkpoint=checkpoint)
@@ -215,7 +221,9 @@ def test_exception_in_backward(balance: list[int], checkpoint: str) -> None:
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
 @pytest.mark.parametrize("balance", [[1, 2, 2], [2, 3], [5]])
-def test_exception_in_recomputation(balance: list[int], checkpoint: str) -> None:
+def test_exception_in_recomputation(
+    balance: list[int], checkpoint: str, assert_runs_like_plain: Callable[..., None]
+) -> None:
     bomb = Explode(on_call=1, only_recompute=True)
     model = model_with(bomb, 1)
     plain = copy.deepcopy(model)
@@ -234,7 +242,9 @@ def test_exception_in_recomputation(balance: list[int], checkpoint: str) -> None
     assert_runs_like_plain(pipe, plain)
 
 
-def test_exception_in_forward_then_in_backward_then_fine() -> None:
+def test_exception_in_forward_then_in_backward_then_fine(
+    assert_runs_like_plain: Callable[..., None],
+) -> None:
     bomb = Explode(on_call=2)
     model = model_with(bomb, 3)
     model.insert(1, FailingBackwardLayer())
