@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 __all__ = ["enable_checkpointing", "enable_recomputing", "is_checkpointing", "is_recomputing"]
 
@@ -18,25 +18,23 @@ _phase = _Phase()
 
 
 @contextmanager
-def enable_checkpointing() -> Generator[None, None, None]:
+def _raised(flag: str) -> Generator[None, None, None]:
+    previous = getattr(_phase, flag)
+    setattr(_phase, flag, True)
+    try:
+        yield
+    finally:
+        setattr(_phase, flag, previous)
+
+
+def enable_checkpointing() -> AbstractContextManager[None]:
     """Mark the body as the checkpoint phase (the first, gradient-free forward pass)."""
-    previous = _phase.checkpointing
-    _phase.checkpointing = True
-    try:
-        yield
-    finally:
-        _phase.checkpointing = previous
+    return _raised("checkpointing")
 
 
-@contextmanager
-def enable_recomputing() -> Generator[None, None, None]:
+def enable_recomputing() -> AbstractContextManager[None]:
     """Mark the body as the recompute phase (the forward pass re-run during backward)."""
-    previous = _phase.recomputing
-    _phase.recomputing = True
-    try:
-        yield
-    finally:
-        _phase.recomputing = previous
+    return _raised("recomputing")
 
 
 def is_checkpointing() -> bool:
