@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -316,3 +318,19 @@ def test_batch_replace() -> None:
 def test_batch_repr() -> None:
     assert repr(Batch(torch.zeros(4, 2))) == "Batch[atomic=True]((4, 2))"
     assert repr(Batch((torch.zeros(4, 2), torch.zeros(4)))) == "Batch[atomic=False]((4, 2), (4,))"
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "4", True, None])
+def test_check_chunks_names_the_value(bad: object) -> None:
+    from gpipe_microbatch import check_chunks
+
+    with pytest.raises(
+        ValueError, match=rf"chunks must be a positive integer \(chunks: {re.escape(repr(bad))}\)"
+    ):
+        check_chunks(bad)
+
+
+def test_check_chunks_returns_a_positive_integer() -> None:
+    from gpipe_microbatch import check_chunks
+
+    assert check_chunks(3) == 3

@@ -139,7 +139,7 @@ class Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, phony: Tensor, chk: Checkpointing, *input: Tensor) -> TensorOrTensors:
-        ctx.recomputed = chk.recomputed
+        ctx.chk = chk
         chk.saved = (save_rng_states(input[0].device), ThreadState.capture())
         arguments = _copies(input) if chk.copy_input else input
         versions = [tensor._version for tensor in arguments]
@@ -162,12 +162,12 @@ class Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor | None) -> tuple[Tensor | None, ...]:
-        if not ctx.recomputed:
+        if not ctx.chk.recomputed:
             raise RuntimeError(
                 "a checkpointed output reached backward without its recomputation "
                 "(call Checkpointing.recompute on the output of Checkpointing.checkpoint)"
             )
-        output, input_leaf = ctx.recomputed.pop()
+        output, input_leaf = ctx.chk.recomputed.pop()
         pairs = [
             (tensor, grad)
             for tensor, grad in zip(output, grad_output, strict=False)

@@ -13,6 +13,7 @@ from gpipe_microbatch import (
     AbstractStream,
     TensorOrTensors,
     check,
+    check_chunks,
     current_stream,
     gather,
     new_stream,
@@ -27,12 +28,6 @@ __all__ = ["GPipe"]
 
 CheckpointMode = Literal["always", "except_last", "never"]
 _CHECKPOINT_MODES = ("always", "except_last", "never")
-
-
-def _check_chunks(chunks: object) -> int:
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
-        raise ValueError(f"chunks must be a positive integer (chunks: {chunks!r})")
-    return chunks
 
 
 def _check_checkpoint(checkpoint: object) -> CheckpointMode:
@@ -103,7 +98,7 @@ class GPipe(nn.Module):
             raise TypeError(
                 f"module must be nn.Sequential to be partitioned (module: {type(module).__name__})"
             )
-        self.chunks = _check_chunks(chunks)
+        self.chunks = check_chunks(chunks)
         self.checkpoint = _check_checkpoint(checkpoint)
         self.balance = check_balance(module, balance)
         if deferred_batch_norm:

@@ -15,7 +15,14 @@ from typing import cast
 import torch
 from torch import nn
 
-from gpipe_checkpoint import Checkpointing, device_rng_lock, is_checkpointing, is_recomputing
+from gpipe_checkpoint import (
+    Checkpointing,
+    RNGStates,
+    device_rng_lock,
+    is_checkpointing,
+    is_recomputing,
+    save_rng_states,
+)
 from gpipe_microbatch import (
     AbstractStream,
     Batch,
@@ -102,22 +109,19 @@ class PartitionTraits:
             try:
                 if draws is True:
                     return compute()
-                before = _generator_states(device)
+                before = save_rng_states(device)
                 batch = compute()
-                after = _generator_states(device)
-                self.draws[j] = any(
-                    not torch.equal(a, b) for a, b in zip(before, after, strict=True)
-                )
+                after = save_rng_states(device)
+                self.draws[j] = not _same_states(before, after)
                 return batch
             finally:
                 _held.depth -= 1
 
 
-def _generator_states(device: torch.device) -> list[torch.Tensor]:
-    states = [torch.get_rng_state()]
-    if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
-    return states
+def _same_states(a: RNGStates, b: RNGStates) -> bool:
+    if not torch.equal(a.cpu, b.cpu):
+        return False
+    return a.cuda is None or b.cuda is None or torch.equal(a.cuda, b.cuda)
 
 
 class Pipeline:
@@ -247,7 +251,7 @@ class Pipeline:
             chk = self.traits.checkpoint(j, function, batch, self.trainable[j])
             compute, finalize = partial(self.traits.learn, j, chk), chk.recompute
         else:
-            compute = partial(batch.call, function, what)
+            compute = partial(batch.call, partition, what)
         if self.checkpoint_stop > 0:
             # The lock must also cover the generator states the checkpoint phase saves.
             compute = partial(self.traits.run, j, device, compute)

@@ -18,7 +18,7 @@ Example:
 """
 
 from .__about__ import __version__
-from .batch import Batch, TensorOrTensors, check, gather, scatter
+from .batch import Batch, TensorOrTensors, check, check_chunks, gather, scatter
 from .dependency import Fork, Join, depend, fork, join
 from .phony import get_phony
 from .stream import (
@@ -51,6 +51,7 @@ __all__ = [
     "Wait",
     "__version__",
     "check",
+    "check_chunks",
     "copy",
     "current_stream",
     "default_stream",

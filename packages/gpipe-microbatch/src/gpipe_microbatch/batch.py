@@ -8,7 +8,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-__all__ = ["Batch", "TensorOrTensors", "check", "gather", "scatter"]
+__all__ = ["Batch", "TensorOrTensors", "check", "check_chunks", "gather", "scatter"]
 
 #: A mini-batch or micro-batch as a user sees it: a tensor or a tuple of tensors.
 TensorOrTensors = Tensor | tuple[Tensor, ...]
@@ -53,6 +53,23 @@ def check(value: object, what: str = "input") -> TensorOrTensors:
                 )
         return cast(tuple[Tensor, ...], value)
     raise TypeError(f"{what} must be a tensor or a tuple of tensors ({what}: {_type_name(value)})")
+
+
+def check_chunks(chunks: object) -> int:
+    """Check that ``chunks`` is a positive integer; returns it.
+
+    Raises:
+        ValueError: ``chunks`` is not a positive integer (booleans are refused too).
+
+    Example:
+        >>> check_chunks(0)
+        Traceback (most recent call last):
+          ...
+        ValueError: chunks must be a positive integer (chunks: 0)
+    """
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
+        raise ValueError(f"chunks must be a positive integer (chunks: {chunks!r})")
+    return chunks
 
 
 class Batch:
@@ -166,15 +183,15 @@ def scatter(input: object, chunks: int) -> list[Batch]:
         [[0, 1, 2], [3, 4]]
     """
     value = check(input, "input")
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
-        raise ValueError(f"chunks must be a positive integer (chunks: {chunks!r})")
+    check_chunks(chunks)
     size = _batch_size(value)
     if size == 0:
         return [Batch(value)]
     if isinstance(value, Tensor):
         return [Batch(piece) for piece in value.chunk(chunks)]
     split = [tensor.chunk(chunks) for tensor in value]
-    return [Batch(pieces) for pieces in zip(*split, strict=False)]
+    # Tensors of one batch size split into the same number of pieces.
+    return [Batch(pieces) for pieces in zip(*split, strict=True)]
 
 
 def gather(outputs: Sequence[Batch]) -> TensorOrTensors:
@@ -196,5 +213,5 @@ def gather(outputs: Sequence[Batch]) -> TensorOrTensors:
     if any(batch.atomic or len(batch) != len(first) for batch in outputs):
         raise TypeError("micro-batch outputs are tuples of different lengths")
     return tuple(
-        torch.cat(column) for column in zip(*(batch.tensors for batch in outputs), strict=False)
+        torch.cat(column) for column in zip(*(batch.tensors for batch in outputs), strict=True)
     )

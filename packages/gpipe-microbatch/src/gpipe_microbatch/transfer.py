@@ -16,6 +16,7 @@ from .stream import (
     AbstractStream,
     current_stream,
     get_device,
+    is_cuda,
     record_stream,
     use_device,
     use_stream,
@@ -23,8 +24,6 @@ from .stream import (
 )
 
 __all__ = ["Copy", "Wait", "copy", "wait"]
-
-_Grads = tuple[Tensor | None, ...]
 
 
 def _copy_tensors(
@@ -110,9 +109,7 @@ def wait(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream)
 
     A no-op unless both are CUDA streams.
     """
-    if not (
-        isinstance(prev_stream, torch.cuda.Stream) and isinstance(next_stream, torch.cuda.Stream)
-    ):
+    if not (is_cuda(prev_stream) and is_cuda(next_stream)):
         return
     if _needs_autograd(batch):
         tensors = Wait.apply(prev_stream, next_stream, *batch)  # type: ignore[no-untyped-call]
