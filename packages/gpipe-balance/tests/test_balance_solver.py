@@ -154,7 +154,8 @@ def test_deterministic() -> None:
 
 @pytest.mark.parametrize("partitions", [0, -1])
 def test_partitions_below_one(partitions: int) -> None:
-    with pytest.raises(BalanceError, match=rf"partitions must be a positive integer \(partitions: {partitions}\)"):
+    message = rf"partitions must be a positive integer \(partitions: {partitions}\)"
+    with pytest.raises(BalanceError, match=message):
         solve([1.0, 2.0], partitions)
 
 

@@ -37,14 +37,10 @@ def _exact(costs: object) -> list[Fraction]:
     exact: list[Fraction] = []
     for index, cost in enumerate(costs):
         if isinstance(cost, bool) or not isinstance(cost, Real):
-            raise TypeError(
-                f"costs must be real numbers (costs[{index}]: {type(cost).__name__})"
-            )
+            raise TypeError(f"costs must be real numbers (costs[{index}]: {type(cost).__name__})")
         finite = isinstance(cost, Rational) or math.isfinite(cost)
         if not finite or cost < 0:
-            raise BalanceError(
-                f"costs must be finite and non-negative (costs[{index}]: {cost!r})"
-            )
+            raise BalanceError(f"costs must be finite and non-negative (costs[{index}]: {cost!r})")
         exact.append(Fraction(cost) if isinstance(cost, Rational) else Fraction(float(cost)))
     return exact
 
@@ -220,7 +216,7 @@ def solve(costs: Iterable[float], partitions: int) -> list[int]:
 
     The algorithm: a binary search for the bottleneck with a greedy feasibility check, then
     two dynamic programs over (layers, blocks) restricted to blocks within the bottleneck.
-    The work grows like ``partitions × layers × w``, where ``w`` is the most layers that fit
+    The work grows like ``partitions * layers * w``, where ``w`` is the most layers that fit
     in one block, so a few hundred layers take a fraction of a second.
 
     Args:
