@@ -512,3 +512,21 @@ def test_cuda_sample_on_another_device() -> None:
         balance_by_time(1, model, torch.randn(2, 2), device="cuda")
     with pytest.raises(ValueError, match=r"input: cuda:0, device: cpu"):
         balance_by_size(1, model, torch.randn(2, 2, device="cuda"), device="cpu")
+
+
+def test_time_leaves_out_the_warm_up_pass() -> None:
+    calls = []
+
+    class SlowOnce(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            calls.append(1)
+            if len(calls) == 1:
+                time.sleep(0.05)  # a one-time cost, as lazy initialization is
+            return x + 1
+
+    model = nn.Sequential(SlowOnce(), nn.Linear(4, 4))
+    assert profile_times(model, torch.randn(2, 4), timeout=0)[0] >= 0.05  # the only pass
+    calls.clear()
+    times = profile_times(model, torch.randn(2, 4), timeout=0.2)
+    assert len(calls) > 1
+    assert times[0] < 0.05

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 import time
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
@@ -183,9 +184,11 @@ def profile_times(
 
     Every layer runs forward on the previous layer's output and then backward on its own
     output (with a gradient of ones), in training mode. The passes over the layers repeat
-    until ``timeout`` seconds have passed, at least once, and the result is the mean over
-    the passes. On CUDA the device is synchronized around every measured region, so the
-    times are the kernels' times, not the launch times.
+    until ``timeout`` seconds have passed, at least once. The first pass pays one-time costs
+    (allocations, kernel selection, lazy initialization), so it is left out when more passes
+    ran, and every layer's time is its median over the passes counted. On CUDA the device
+    is synchronized around every measured region, so the times are the kernels' times, not
+    the launch times.
 
     Args:
         module: the model, which is not changed (see the module docstring).
@@ -212,8 +215,7 @@ def profile_times(
     batch = Batch(check(sample, "sample"))
     target = resolve_device(batch, device, "sample")
     timeout = _check_real(timeout, "timeout")
-    totals = [0.0] * len(module)
-    passes = 0
+    passes: list[list[float]] = []
     start = time.perf_counter()
     bar = Progress("profiling layer times", timeout, unit="s", enabled=progress)
     with bar, _preserved_rng(target), torch.enable_grad():
@@ -222,20 +224,20 @@ def profile_times(
             bar.update(time.perf_counter() - start)
 
         while True:
-            _time_pass(module, batch, target, totals, tick)
-            passes += 1
+            passes.append(_time_pass(module, batch, target, tick))
             if time.perf_counter() - start >= timeout:
                 break
-    return [total / passes for total in totals]
+    # The first pass pays one-time costs (allocations, kernel selection, lazy
+    # initialization); it counts only when it is the only one.
+    counted = passes[1:] or passes
+    return [statistics.median(times) for times in zip(*counted, strict=True)]
 
 
 def _time_pass(
-    module: nn.Sequential,
-    sample: Batch,
-    device: torch.device,
-    totals: list[float],
-    tick: Callable[[], None],
-) -> None:
+    module: nn.Sequential, sample: Batch, device: torch.device, tick: Callable[[], None]
+) -> list[float]:
+    """One pass over the layers; the time of each."""
+    times: list[float] = []
     batch = _first_input(sample)
     for index, layer in enumerate(_layer_copies(module, device)):
         leaves, input = _layer_input(batch.tensors, batch.atomic)
@@ -263,8 +265,9 @@ def _time_pass(
             elapsed += time.perf_counter() - began
             del grads
         del outputs, targets, leaves
-        totals[index] += elapsed
+        times.append(elapsed)
         tick()
+    return times
 
 
 def _storage_key(tensor: Tensor) -> tuple[object, ...]:
