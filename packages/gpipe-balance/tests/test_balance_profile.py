@@ -274,7 +274,7 @@ def test_time_repeats_until_the_timeout() -> None:
             return x * 2
 
     profile_times(nn.Sequential(Count()), torch.randn(2, 2), timeout=0)
-    assert len(calls) == 1
+    assert len(calls) == 2  # the warm-up pass and one measured pass
     calls.clear()
     began = time.perf_counter()
     profile_times(nn.Sequential(Count()), torch.randn(2, 2), timeout=0.05)
@@ -525,8 +525,6 @@ def test_time_leaves_out_the_warm_up_pass() -> None:
             return x + 1
 
     model = nn.Sequential(SlowOnce(), nn.Linear(4, 4))
-    assert profile_times(model, torch.randn(2, 4), timeout=0)[0] >= 0.05  # the only pass
-    calls.clear()
-    times = profile_times(model, torch.randn(2, 4), timeout=0.2)
-    assert len(calls) > 1
+    times = profile_times(model, torch.randn(2, 4), timeout=0)
+    assert len(calls) == 2
     assert times[0] < 0.05

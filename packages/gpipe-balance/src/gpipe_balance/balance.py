@@ -35,8 +35,8 @@ def balance_by_time(
         module: the model to split.
         sample: an input of the model (a tensor or a tuple of tensors) of any batch size;
             the batch size of one micro-batch gives the most faithful times.
-        timeout: seconds to keep repeating the measurements for (default 1.0); at least
-            one pass over the layers always runs.
+        timeout: seconds to keep repeating the measurements for (default 1.0); a warm-up
+            pass and one measured pass over the layers always run.
         device: the device to profile on; by default the device of ``sample``, which must be
             on ``device`` when both are given.
         progress: show a progress bar: True, False, or None (the default) for a bar on

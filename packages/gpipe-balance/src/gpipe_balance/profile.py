@@ -183,10 +183,10 @@ def profile_times(
     """The forward plus backward time of every layer of ``module`` on ``sample``, in seconds.
 
     Every layer runs forward on the previous layer's output and then backward on its own
-    output (with a gradient of ones), in training mode. The passes over the layers repeat
-    until ``timeout`` seconds have passed, at least once. The first pass pays one-time costs
-    (allocations, kernel selection, lazy initialization), so it is left out when more passes
-    ran, and every layer's time is its median over the passes counted. On CUDA the device
+    output (with a gradient of ones), in training mode. A first pass over the layers warms
+    up (it pays one-time costs: allocations, kernel selection, lazy initialization) and is
+    not counted; then the passes repeat until ``timeout`` seconds have passed since the start,
+    at least once, and every layer's time is its median over them. On CUDA the device
     is synchronized around every measured region, so the times are the kernels' times, not
     the launch times.
 
@@ -223,14 +223,14 @@ def profile_times(
         def tick() -> None:
             bar.update(time.perf_counter() - start)
 
+        # The first pass pays one-time costs (allocations, kernel selection, lazy
+        # initialization): it warms up and is not counted.
+        _time_pass(module, batch, target, tick)
         while True:
             passes.append(_time_pass(module, batch, target, tick))
             if time.perf_counter() - start >= timeout:
                 break
-    # The first pass pays one-time costs (allocations, kernel selection, lazy
-    # initialization); it counts only when it is the only one.
-    counted = passes[1:] or passes
-    return [statistics.median(times) for times in zip(*counted, strict=True)]
+    return [statistics.median(times) for times in zip(*passes, strict=True)]
 
 
 def _time_pass(
