@@ -29,7 +29,7 @@ from gpipe_microbatch import Batch, TensorOrTensors, check, check_chunks, scatte
 
 from .progress import Progress
 
-__all__ = ["Device", "profile_sizes", "profile_times"]
+__all__ = ["Device", "check_module", "profile_sizes", "profile_times", "resolve_device"]
 
 #: A device as users may name it: a :class:`torch.device`, a string, or a CUDA index.
 Device = torch.device | str | int
@@ -162,13 +162,13 @@ def _first_input(sample: Batch) -> Batch:
     return Batch(copies[0] if sample.atomic else tuple(copies))
 
 
-def _check_real(value: object, name: str, *, positive: bool = False) -> float:
+def _check_real(value: object, name: str) -> float:
+    """``value`` as a float, after checking that it is a finite, non-negative real number."""
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name} must be a real number ({name}: {value!r})")
     number = float(value)
-    if not math.isfinite(number) or number < 0 or (positive and number == 0):
-        kind = "positive" if positive else "non-negative"
-        raise ValueError(f"{name} must be finite and {kind} ({name}: {value!r})")
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{name} must be finite and non-negative ({name}: {value!r})")
     return number
 
 
