@@ -259,10 +259,12 @@ def test_time_finds_the_slow_layer() -> None:
             return x + 1
 
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), Slow(), nn.Linear(4, 4), nn.ReLU())
-    times = profile_times(model, torch.randn(2, 4), timeout=0)
+    sample = torch.randn(2, 4)
+    # Several measured passes: the medians shrug off a scheduling hiccup on a busy machine.
+    times = profile_times(model, sample, timeout=0.3)
     assert max(range(5), key=times.__getitem__) == 2
-    assert balance_by_time(3, model, torch.randn(2, 4), timeout=0) in ([2, 1, 2], [1, 1, 3])
-    assert balance_by_time(3, model, torch.randn(2, 4), timeout=0)[1] == 1
+    # The slow layer alone is the only split with the smallest bottleneck.
+    assert balance_by_time(3, model, sample, timeout=0.3) == [2, 1, 2]
 
 
 def test_time_repeats_until_the_timeout() -> None:
@@ -298,7 +300,7 @@ def test_time_includes_backward() -> None:
             return SlowBackward.apply(x)
 
     model = nn.Sequential(nn.Linear(4, 4), Layer(), nn.Linear(4, 4))
-    times = profile_times(model, torch.randn(2, 4), timeout=0)
+    times = profile_times(model, torch.randn(2, 4), timeout=0.3)
     assert times[1] >= 0.03
     assert max(range(3), key=times.__getitem__) == 1
 
