@@ -248,6 +248,9 @@ def solve(costs: Iterable[float], partitions: int) -> list[int]:
     prefix = [0]
     for cost in scaled:
         prefix.append(prefix[-1] + cost)
+    if prefix[-1] == 0:
+        # Every block costs nothing: all splits tie, and the smallest balance comes first.
+        return [1] * (partitions - 1) + [layers - partitions + 1]
     bottleneck = _smallest_bottleneck(scaled, prefix, partitions)
     floor = _largest_smallest_block(prefix, partitions, bottleneck)
     return _most_even_split(prefix, partitions, floor, bottleneck)
