@@ -214,6 +214,16 @@ def test_sizes_count_saved_activations_and_parameters() -> None:
     assert with_params == [a + 2.5 * w for a, w in zip([160, 320, 0], weights)]
 
 
+def test_balance_by_size_isolates_the_heavy_layer() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 512), nn.Linear(512, 8))
+    x = torch.randn(4, 8)
+    # Saved inputs plus parameters times 2 (4-byte floats).
+    expected = [128 + 2 * 288, 128 + 2 * 288, 128 + 2 * 18432, 8192 + 2 * 16416]
+    assert profile_sizes(model, x) == expected
+    assert balance_by_size(2, model, x) == [3, 1]  # the uniform [2, 2] would be 78016 bytes
+    assert balance_by_size(3, model, x) == [2, 1, 1]
+
+
 def test_sizes_count_a_storage_once_through_views() -> None:
     class HalvesProduct(nn.Module):
         def forward(self, x: Tensor) -> Tensor:

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import gpipe_balance.profile as profile_module
-from gpipe_balance import Progress, profile_sizes
+from gpipe_balance import profile_sizes
+from gpipe_balance.progress import Progress
 
 
 class Terminal(io.StringIO):

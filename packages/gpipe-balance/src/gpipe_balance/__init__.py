@@ -23,13 +23,11 @@ from .__about__ import __version__
 from .balance import balance_by_size, balance_by_time
 from .errors import BalanceError
 from .profile import Device, profile_sizes, profile_times
-from .progress import Progress
 from .solver import block_costs, solve
 
 __all__ = [
     "BalanceError",
     "Device",
-    "Progress",
     "__version__",
     "balance_by_size",
     "balance_by_time",

@@ -12,7 +12,6 @@ Example:
 
 from gpipe_balance import (
     BalanceError,
-    Progress,
     balance_by_size,
     balance_by_time,
     block_costs,
@@ -23,7 +22,6 @@ from gpipe_balance import (
 
 __all__ = [
     "BalanceError",
-    "Progress",
     "balance_by_size",
     "balance_by_time",
     "block_costs",
