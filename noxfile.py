@@ -521,10 +521,11 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=DEV_PYTHON)
 def bench(session: nox.Session) -> None:
-    """Run benchmarks/run.py (added with the schedules work)."""
-    script = ROOT / "benchmarks" / "run.py"
-    if not script.is_file():
-        session.skip("benchmarks/run.py does not exist yet (it comes with the schedules work)")
+    """Run every benchmarks/bench_*.py script, in sorted order (arguments go to each)."""
+    scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
+    if not scripts:
+        session.skip("no benchmarks/bench_*.py scripts yet")
     install_torch(session, DEV_TORCH)
     install_all_packages(session)
-    session.run("python", str(script), *session.posargs)
+    for script in scripts:
+        session.run("python", str(script), *session.posargs)

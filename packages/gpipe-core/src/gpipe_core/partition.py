@@ -8,14 +8,12 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from gpipe_balance import BalanceError
+
 __all__ = ["BalanceError", "Device", "check_balance", "resolve_devices", "split_module"]
 
 #: A device as users may name it: a :class:`torch.device`, a string, or a CUDA index.
 Device = torch.device | str | int
-
-
-class BalanceError(ValueError):
-    """The ``balance`` argument does not describe a split of the module into partitions."""
 
 
 def _normalize(device: Device) -> torch.device:

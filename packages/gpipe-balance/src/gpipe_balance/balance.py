@@ -1,0 +1,125 @@
+"""Automatic balancing: profile the layers of a model, then solve for the balance."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from gpipe_microbatch import TensorOrTensors
+
+from .profile import Device, check_module, profile_sizes, profile_times
+from .solver import check_partitions, solve
+
+__all__ = ["balance_by_size", "balance_by_time"]
+
+
+def balance_by_time(
+    partitions: int,
+    module: nn.Sequential,
+    sample: TensorOrTensors,
+    *,
+    timeout: float = 1.0,
+    device: Device | None = None,
+    progress: bool | None = None,
+) -> list[int]:
+    """A balance of ``module`` into ``partitions`` partitions that evens out compute time.
+
+    Every layer's forward and backward time on ``sample`` is measured
+    (:func:`~gpipe_balance.profile_times`), and :func:`~gpipe_balance.solve` returns the
+    split whose slowest partition is as fast as possible for those times.
+
+    The model is not changed: layers are profiled on copies, and the random number
+    generator states are restored.
+
+    Args:
+        partitions: the number of partitions, from 1 to the number of layers.
+        module: the model to split.
+        sample: an input of the model (a tensor or a tuple of tensors) of any batch size;
+            the batch size of one micro-batch gives the most faithful times.
+        timeout: seconds to keep repeating the measurements for (default 1.0); a warm-up
+            pass and one measured pass over the layers always run.
+        device: the device to profile on; by default the device of ``sample``, which must be
+            on ``device`` when both are given.
+        progress: show a progress bar: True, False, or None (the default) for a bar on
+            standard error when it is a terminal and profiling takes more than a second.
+
+    Returns:
+        The number of layers in each partition, for ``GPipe(module, balance)``.
+
+    Raises:
+        BalanceError: ``partitions`` is not a positive integer or exceeds the number of
+            layers.
+        TypeError: ``module`` is not ``nn.Sequential``, or ``sample`` is not a tensor or a
+            tuple of tensors.
+        ValueError: ``sample`` is not on ``device``, or ``timeout`` is negative or not finite.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        >>> balance = balance_by_time(2, model, torch.randn(8, 16), timeout=0.1)
+        >>> len(balance), sum(balance)
+        (2, 3)
+    """
+    module = check_module(module)
+    check_partitions(partitions, len(module))
+    times = profile_times(module, sample, timeout=timeout, device=device, progress=progress)
+    return solve(times, partitions)
+
+
+def balance_by_size(
+    partitions: int,
+    module: nn.Sequential,
+    input: TensorOrTensors,
+    *,
+    chunks: int = 1,
+    param_scale: float = 2.0,
+    device: Device | None = None,
+    progress: bool | None = None,
+) -> list[int]:
+    """A balance of ``module`` into ``partitions`` partitions that evens out memory.
+
+    Every layer's training memory is measured (:func:`~gpipe_balance.profile_sizes`): the
+    activations it keeps for backward for one micro-batch of ``input`` split into
+    ``chunks``, plus its parameters times ``param_scale``, plus its buffers. Then
+    :func:`~gpipe_balance.solve` returns the split whose fullest partition is as small as
+    possible. It works on every device, CPU included.
+
+    The model is not changed: layers are profiled on copies, and the random number
+    generator states are restored.
+
+    Args:
+        partitions: the number of partitions, from 1 to the number of layers.
+        module: the model to split.
+        input: a mini-batch of the size used in training (a tensor or a tuple of tensors).
+        chunks: the number of micro-batches in training (default 1).
+        param_scale: how many copies of the parameters training keeps: 2 for parameters
+            and gradients (the default), more for optimizers with state (see the guide).
+        device: the device to profile on; by default the device of ``input``, which must be
+            on ``device`` when both are given.
+        progress: show a progress bar: True, False, or None (the default) for a bar on
+            standard error when it is a terminal and profiling takes more than a second.
+
+    Returns:
+        The number of layers in each partition, for ``GPipe(module, balance)``.
+
+    Raises:
+        BalanceError: ``partitions`` is not a positive integer or exceeds the number of
+            layers.
+        TypeError: ``module`` is not ``nn.Sequential``, or ``input`` is not a tensor or a
+            tuple of tensors.
+        ValueError: ``input`` is not on ``device``, ``chunks`` is not a positive integer, or
+            ``param_scale`` is negative or not finite.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        >>> balance_by_size(2, model, torch.randn(32, 16), chunks=4, param_scale=4.0)
+        [2, 2]
+    """
+    module = check_module(module)
+    check_partitions(partitions, len(module))
+    sizes = profile_sizes(
+        module, input, chunks=chunks, param_scale=param_scale, device=device, progress=progress
+    )
+    return solve(sizes, partitions)

@@ -1,0 +1,390 @@
+"""Layer profilers: the time and the memory of every layer of an ``nn.Sequential``.
+
+Profiling works on copies: every layer is deep-copied, moved to the profiled device and put
+in training mode, one layer at a time, and the copy is dropped once measured. The model
+itself is never run, so its parameters, buffers (BatchNorm running statistics included),
+``requires_grad`` flags, gradients, training mode and device stay as they were; the random
+number generator states (CPU, and the profiled CUDA device) are restored afterwards.
+
+The layers run in order in the calling thread, each on the previous layer's output, so
+layers that hand tensors to later layers through thread-local state (skippable layers, for
+example) work as in a plain forward pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
+from numbers import Real
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gpipe_microbatch import Batch, TensorOrTensors, check, check_chunks, scatter
+
+from .progress import Progress
+
+__all__ = ["Device", "check_module", "profile_sizes", "profile_times", "resolve_device"]
+
+#: A device as users may name it: a :class:`torch.device`, a string, or a CUDA index.
+Device = torch.device | str | int
+
+
+def check_module(module: object) -> nn.Sequential:
+    """Check that ``module`` is an ``nn.Sequential``; returns it.
+
+    Raises:
+        TypeError: it is not.
+    """
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(
+            f"module must be nn.Sequential to be partitioned (module: {type(module).__name__})"
+        )
+    return module
+
+
+def _normalize(device: Device) -> torch.device:
+    result = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    index: int | None = result.index
+    if result.type == "cuda" and index is None:
+        result = torch.device("cuda", torch.cuda.current_device())
+    return result
+
+
+def resolve_device(batch: Batch, device: Device | None, what: str) -> torch.device:
+    """The profiled device: ``device``, or the device of ``batch`` when it is None.
+
+    Raises:
+        ValueError: the tensors of ``batch`` are on several devices, or not on ``device``.
+    """
+    devices = list(dict.fromkeys(tensor.device for tensor in batch))
+    if len(devices) > 1:
+        raise ValueError(
+            f"{what} must be on one device ({what} devices: {[str(d) for d in devices]})"
+        )
+    if device is None:
+        return devices[0]
+    target = _normalize(device)
+    if devices[0] != target:
+        raise ValueError(
+            f"{what} must be on the profiled device ({what}: {devices[0]}, device: {target})"
+        )
+    return target
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def _preserved_rng(device: torch.device) -> Generator[None, None, None]:
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+
+
+# Objects that a layer's copy owns. Other objects copied with one layer (names, namespaces,
+# settings) are shared with later layers' copies, as they are shared in the model.
+_OWNED = (Tensor, nn.Module, torch.UntypedStorage, torch.TypedStorage, dict, list, tuple, set)
+
+
+def _layer_copies(module: nn.Sequential, device: torch.device) -> Iterator[nn.Module]:
+    """A training-mode copy of every layer on ``device``, one at a time.
+
+    The copies share one deepcopy memo, so an object that several layers refer to (such as
+    the namespace of a skip connection) is one object among the copies too. Tensors and
+    modules leave the memo after each layer, so that only one layer is copied at a time.
+    """
+    memo: dict[int, Any] = {}
+    for index, layer in enumerate(module):
+        try:
+            layer_copy = copy.deepcopy(layer, memo)
+        except Exception as error:
+            raise TypeError(
+                f"layer {index} ({type(layer).__name__}) cannot be copied for profiling: {error}"
+            ) from error
+        for key in [k for k, v in memo.items() if k != id(memo) and isinstance(v, _OWNED)]:
+            del memo[key]
+        layer_copy.to(device)
+        layer_copy.train()
+        for parameter in layer_copy.parameters():
+            parameter.grad = None
+        yield layer_copy
+        del layer_copy
+
+
+class _Alias(torch.autograd.Function):
+    """The input itself (same storage), as the output of an autograd node.
+
+    A layer gets its input through this node, not as a leaf tensor: it may then modify its
+    input in place (``nn.ReLU(inplace=True)``) as it may in a plain forward pass.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor) -> Tensor:
+        return input.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad
+
+
+def _layer_input(values: tuple[Tensor, ...], atomic: bool) -> tuple[list[Tensor], TensorOrTensors]:
+    """Leaves cut from ``values`` (keeping ``requires_grad``) and the input made of them."""
+    leaves: list[Tensor] = []
+    inputs: list[Tensor] = []
+    for value in values:
+        leaf = value.detach()
+        if value.requires_grad:
+            leaf.requires_grad_()
+            alias: Tensor = _Alias.apply(leaf)  # type: ignore[no-untyped-call]
+            inputs.append(alias)
+        else:
+            inputs.append(leaf)
+        leaves.append(leaf)
+    return leaves, inputs[0] if atomic else tuple(inputs)
+
+
+def _first_input(sample: Batch) -> Batch:
+    """A copy of the sample, so that layers that work in place leave the user's sample alone."""
+    copies = [t.detach().clone().requires_grad_(t.requires_grad) for t in sample]
+    return Batch(copies[0] if sample.atomic else tuple(copies))
+
+
+def _check_real(value: object, name: str) -> float:
+    """``value`` as a float, after checking that it is a finite, non-negative real number."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number ({name}: {value!r})")
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{name} must be finite and non-negative ({name}: {value!r})")
+    return number
+
+
+def profile_times(
+    module: nn.Sequential,
+    sample: TensorOrTensors,
+    *,
+    timeout: float = 1.0,
+    device: Device | None = None,
+    progress: bool | None = None,
+) -> list[float]:
+    """The forward plus backward time of every layer of ``module`` on ``sample``, in seconds.
+
+    Every layer runs forward on the previous layer's output and then backward on its own
+    output (with a gradient of ones), in training mode. A first pass over the layers warms
+    up (it pays one-time costs: allocations, kernel selection, lazy initialization) and is
+    not counted; then the passes repeat until ``timeout`` seconds have passed since the start,
+    at least once, and every layer's time is its median over them. On CUDA the device
+    is synchronized around every measured region, so the times are the kernels' times, not
+    the launch times.
+
+    Args:
+        module: the model, which is not changed (see the module docstring).
+        sample: an input of the model: a tensor or a tuple of tensors.
+        timeout: seconds to keep repeating the passes for (default 1.0).
+        device: the device to profile on; by default the device of ``sample``.
+        progress: show a progress bar: True, False, or None (the default) for a bar on
+            standard error when it is a terminal and profiling takes more than a second.
+
+    Returns:
+        One time per layer, in seconds.
+
+    Raises:
+        TypeError: ``module`` is not ``nn.Sequential``, or ``sample`` is not a tensor or a
+            tuple of tensors, or a layer returns something else.
+        ValueError: ``sample`` is not on ``device``, or ``timeout`` is negative or not finite.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        >>> len(profile_times(model, torch.randn(4, 8), timeout=0))
+        2
+    """
+    module = check_module(module)
+    batch = Batch(check(sample, "sample"))
+    target = resolve_device(batch, device, "sample")
+    timeout = _check_real(timeout, "timeout")
+    passes: list[list[float]] = []
+    start = time.perf_counter()
+    bar = Progress("profiling layer times", timeout, unit="s", enabled=progress)
+    with bar, _preserved_rng(target), torch.enable_grad():
+
+        def tick() -> None:
+            bar.update(time.perf_counter() - start)
+
+        # The first pass pays one-time costs (allocations, kernel selection, lazy
+        # initialization): it warms up and is not counted.
+        _time_pass(module, batch, target, tick)
+        while True:
+            passes.append(_time_pass(module, batch, target, tick))
+            if time.perf_counter() - start >= timeout:
+                break
+    return [statistics.median(times) for times in zip(*passes, strict=True)]
+
+
+def _time_pass(
+    module: nn.Sequential, sample: Batch, device: torch.device, tick: Callable[[], None]
+) -> list[float]:
+    """One pass over the layers; the time of each."""
+    times: list[float] = []
+    batch = _first_input(sample)
+    for index, layer in enumerate(_layer_copies(module, device)):
+        leaves, input = _layer_input(batch.tensors, batch.atomic)
+
+        _synchronize(device)
+        began = time.perf_counter()
+        output = layer(input)
+        _synchronize(device)
+        elapsed = time.perf_counter() - began
+
+        batch = Batch(check(output, f"output of layer {index}"))
+        del input, output
+        outputs = [tensor for tensor in batch if tensor.requires_grad]
+        # Backward reaches this layer's input and parameters, and nothing before them: a
+        # tensor that came from an earlier layer by another way (a skip connection) has been
+        # through its own layer's backward already.
+        targets = [leaf for leaf in leaves if leaf.requires_grad]
+        targets += [p for p in layer.parameters() if p.requires_grad]
+        if outputs and targets:
+            grads = [torch.ones_like(tensor) for tensor in outputs]
+            _synchronize(device)
+            began = time.perf_counter()
+            torch.autograd.backward(outputs, grads, inputs=targets)
+            _synchronize(device)
+            elapsed += time.perf_counter() - began
+            del grads
+        del outputs, targets, leaves
+        times.append(elapsed)
+        tick()
+    return times
+
+
+def _storage_key(tensor: Tensor) -> tuple[object, ...]:
+    try:
+        storage = tensor.untyped_storage()
+        return (tensor.device, storage.data_ptr(), storage.nbytes())
+    except (RuntimeError, NotImplementedError, TypeError):
+        # No plain storage (a sparse tensor or a tensor subclass): count it on its own.
+        return ("tensor", id(tensor))
+
+
+def _storage_bytes(tensor: Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return tensor.numel() * tensor.element_size()
+
+
+def _tensor_bytes(tensors: Iterator[Tensor]) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def profile_sizes(
+    module: nn.Sequential,
+    input: TensorOrTensors,
+    *,
+    chunks: int = 1,
+    param_scale: float = 2.0,
+    device: Device | None = None,
+    progress: bool | None = None,
+) -> list[float]:
+    """The memory every layer of ``module`` needs in training, in bytes.
+
+    The memory of a layer is the activation memory it keeps for backward for one
+    micro-batch (``input`` split into ``chunks``), plus its parameters times
+    ``param_scale``, plus its buffers.
+
+    Activation memory is counted exactly, the same way on every device: the bytes of the
+    storages of the tensors that autograd saves for backward while the layer runs forward
+    (seen through :class:`torch.autograd.graph.saved_tensors_hooks`), each storage once, so
+    views of one tensor are not counted twice. A storage saved by two adjacent layers (the
+    output of one, saved again as the input of the next) counts for the first one only.
+    The layer's own parameters and buffers are not activations and are left out. Tensors a
+    layer keeps in other ways (on an autograd context as attributes, for example) are not
+    seen.
+
+    Args:
+        module: the model, which is not changed (see the module docstring).
+        input: a mini-batch of the size used in training: a tensor or a tuple of tensors.
+        chunks: the number of micro-batches it will be split into (default 1); the first,
+            largest, micro-batch is profiled.
+        param_scale: how many copies of the parameters training keeps (default 2.0: the
+            parameters and their gradients; optimizers keep more, see the guide).
+        device: the device to profile on; by default the device of ``input``.
+        progress: show a progress bar: True, False, or None (the default) for a bar on
+            standard error when it is a terminal and profiling takes more than a second.
+
+    Returns:
+        One size per layer, in bytes.
+
+    Raises:
+        TypeError: ``module`` is not ``nn.Sequential``, or ``input`` is not a tensor or a
+            tuple of tensors, or a layer returns something else.
+        ValueError: ``input`` is not on ``device``, ``chunks`` is not a positive integer or
+            ``param_scale`` is negative or not finite.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        >>> sizes = profile_sizes(model, torch.randn(4, 8), param_scale=0)
+        >>> sizes  # the input the Linear saves, and the output the ReLU saves
+        [128.0, 128.0]
+    """
+    module = check_module(module)
+    batch = Batch(check(input, "input"))
+    chunks = check_chunks(chunks)
+    param_scale = _check_real(param_scale, "param_scale")
+    target = resolve_device(batch, device, "input")
+    micro_batch = scatter(batch.value, chunks)[0]
+
+    sizes: list[float] = []
+    bar = Progress("profiling layer sizes", len(module), unit="layer", enabled=progress)
+    with bar, _preserved_rng(target), torch.enable_grad():
+        batch = _first_input(micro_batch)
+        # Storages saved by the previous and the current layer, kept alive while they are
+        # remembered so that their addresses cannot be reused by new storages.
+        previous: dict[tuple[object, ...], Tensor] = {}
+        for index, layer in enumerate(_layer_copies(module, target)):
+            owned = {_storage_key(t) for t in [*layer.parameters(), *layer.buffers()]}
+            current: dict[tuple[object, ...], Tensor] = {}
+            saved = 0
+
+            def pack(
+                tensor: Tensor,
+                owned: set[tuple[object, ...]] = owned,
+                previous: dict[tuple[object, ...], Tensor] = previous,
+                current: dict[tuple[object, ...], Tensor] = current,
+            ) -> Tensor:
+                nonlocal saved
+                key = _storage_key(tensor)
+                if key not in owned and key not in previous and key not in current:
+                    current[key] = tensor
+                    saved += _storage_bytes(tensor)
+                return tensor
+
+            _, input_value = _layer_input(batch.tensors, batch.atomic)
+            with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+                output = layer(input_value)
+            batch = Batch(check(output, f"output of layer {index}"))
+            del input_value, output
+
+            parameters = _tensor_bytes(layer.parameters())
+            buffers = _tensor_bytes(layer.buffers())
+            sizes.append(saved + parameters * param_scale + buffers)
+            previous = current
+            bar.update(index + 1)
+    return sizes
+
+
+def _unpack(tensor: Tensor) -> Tensor:
+    return tensor
