@@ -19,7 +19,6 @@ from gpipe_microbatch import (
     new_stream,
     scatter,
 )
-
 from gpipe_skip import SkipLayout, inspect_skip_layout, verify_skippables
 
 from .partition import Device, check_balance, resolve_devices, split_module

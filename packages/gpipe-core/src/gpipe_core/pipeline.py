@@ -33,7 +33,6 @@ from gpipe_microbatch import (
     depend,
     wait,
 )
-
 from gpipe_skip import SkipLayout
 
 from .skips import PipelineSkips

@@ -130,8 +130,7 @@ def inspect_skip_layout(partitions: Iterable[nn.Sequential]) -> SkipLayout:
     for j, partition in enumerate(partitions):
         if not isinstance(partition, nn.Sequential):
             raise TypeError(
-                f"every partition must be nn.Sequential "
-                f"(partition {j}: {type(partition).__name__})"
+                f"every partition must be nn.Sequential (partition {j}: {type(partition).__name__})"
             )
         for layer in partition._modules.values():
             if layer is not None:

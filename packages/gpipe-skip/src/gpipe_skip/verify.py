@@ -66,8 +66,7 @@ def scan_layers(layers: Iterable[nn.Module]) -> _Scan:
                 scan.problems.append(
                     (
                         index,
-                        f"{described[index]} stashes {_skip(key)} again "
-                        f"(layer {first} stashes it)",
+                        f"{described[index]} stashes {_skip(key)} again (layer {first} stashes it)",
                     )
                 )
                 continue
