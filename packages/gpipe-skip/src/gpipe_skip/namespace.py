@@ -12,7 +12,7 @@ class Namespace:
     """A namespace for skip names, given to :meth:`Skippable.isolate`.
 
     Every namespace is distinct from every other one. A namespace keeps its identity
-    through :func:`copy.deepcopy` and pickling, so a copied or reloaded model keeps its
+    through ``copy.deepcopy`` and pickling, so a copied or reloaded model keeps its
     skip connections; two namespaces are equal only if one is a copy of the other.
 
     Example:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable
 from types import GeneratorType
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
@@ -12,8 +12,6 @@ from .namespace import DEFAULT_NAMESPACE, Namespace, SkipKey
 from .tracker import current_skip_tracker
 
 __all__ = ["Pop", "Skippable", "Stash", "pop", "skippable", "stash"]
-
-_S = TypeVar("_S", bound="Skippable")
 
 
 class Stash:
@@ -120,7 +118,7 @@ class Skippable(nn.Module):
             cls._generator_forward = forward
             cls.forward = Skippable.forward  # type: ignore[method-assign]
 
-    def isolate(self: _S, ns: Namespace, *, only: Iterable[str] | None = None) -> _S:
+    def isolate(self, ns: Namespace, *, only: Iterable[str] | None = None) -> Skippable:
         """Move this layer's skip names (all, or those in ``only``) into ``ns``.
 
         In one sequential module a skip name may be stashed and popped once per

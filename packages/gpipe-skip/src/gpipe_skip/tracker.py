@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from torch import Tensor
 
@@ -25,8 +25,6 @@ __all__ = [
     "run_partition",
     "use_skip_tracker",
 ]
-
-_Output = TypeVar("_Output")
 
 
 class SkipTracker:
@@ -150,10 +148,10 @@ def use_skip_tracker(tracker: SkipTracker) -> Generator[SkipTracker, None, None]
 
 
 def run_partition(
-    partition: Callable[[Any], _Output],
+    partition: Callable[[Any], Any],
     input: object,
     skips: Mapping[SkipKey, Tensor | None] | None = None,
-) -> tuple[_Output, dict[SkipKey, Tensor | None]]:
+) -> tuple[Any, dict[SkipKey, Tensor | None]]:
     """Run ``partition(input)`` as a function of its input and its incoming skips.
 
     The partition's pops are served from ``skips`` (skips stashed by earlier partitions)

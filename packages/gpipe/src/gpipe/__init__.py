@@ -15,6 +15,7 @@ Example:
 from gpipe_checkpoint import is_checkpointing, is_recomputing
 from gpipe_core import BalanceError, GPipe
 
+from . import skip
 from .__about__ import __version__
 
-__all__ = ["BalanceError", "GPipe", "__version__", "is_checkpointing", "is_recomputing"]
+__all__ = ["BalanceError", "GPipe", "__version__", "is_checkpointing", "is_recomputing", "skip"]
