@@ -343,3 +343,76 @@ def test_eval_mode_and_no_grad(balance: list[int]) -> None:
     plain.eval()
     torch.testing.assert_close(pipe(x), plain(x))
     assert len(current_skip_tracker()) == 0
+
+
+class Node(nn.Module):
+    """A layer of a random skip graph: pops its names, stashes its names (maybe None)."""
+
+    def __init__(self, width: int, none: tuple[str, ...]) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.none = none
+
+    def forward(self, x):
+        for name in self.pop_names:  # type: ignore[attr-defined]
+            skip = yield pop(name)
+            if skip is not None:
+                x = x + skip
+        hidden = torch.tanh(self.linear(x))
+        for index, name in enumerate(self.stash_names):  # type: ignore[attr-defined]
+            yield stash(name, None if name in self.none else hidden * (index + 1))
+        return hidden
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    layers: int
+    pairs: tuple[tuple[int, int], ...]  # (stashing layer, popping layer) per skip name
+    none: frozenset[int]  # the skips that stash None
+    balance: tuple[int, ...]
+    chunks: int
+    checkpoint: str
+    seed: int
+
+
+@st.composite
+def graph_specs(draw: st.DrawFn) -> GraphSpec:
+    layers = draw(st.integers(2, 7))
+    pair = st.tuples(st.integers(0, layers - 2), st.integers(1, layers - 1)).filter(
+        lambda p: p[0] < p[1]
+    )
+    pairs = tuple(draw(st.lists(pair, min_size=1, max_size=4)))
+    none = frozenset(draw(st.sets(st.integers(0, len(pairs) - 1), max_size=1)))
+    parts = draw(st.integers(1, min(4, layers)))
+    return GraphSpec(
+        layers=layers,
+        pairs=pairs,
+        none=none,
+        balance=tuple(draw(st.sampled_from(compositions(layers, parts)))),
+        chunks=draw(st.integers(1, 3)),
+        checkpoint=draw(st.sampled_from(MODES)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def graph_model(spec: GraphSpec) -> nn.Sequential:
+    torch.manual_seed(spec.seed)
+    layers = []
+    for index in range(spec.layers):
+        stashes = [f"s{k}" for k, (a, _) in enumerate(spec.pairs) if a == index]
+        pops = [f"s{k}" for k, (_, b) in enumerate(spec.pairs) if b == index]
+        none = tuple(f"s{k}" for k in spec.none)
+        layers.append(skippable(stash=stashes, pop=pops)(Node)(3, none))
+    return nn.Sequential(*layers).double()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=graph_specs())
+def test_random_skip_graphs(spec: GraphSpec, assert_matches_plain: Callable[..., Any]) -> None:
+    model = graph_model(spec)
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, list(spec.balance), chunks=spec.chunks, checkpoint=spec.checkpoint)
+    crossing = pipe.skip_layout.crossing()
+    owner = [j for j, count in enumerate(spec.balance) for _ in range(count)]
+    assert len(crossing) == sum(1 for a, b in spec.pairs if owner[a] != owner[b])
+    assert_matches_plain(pipe, plain, torch.randn(5, 3, dtype=torch.float64), weighted=True)
