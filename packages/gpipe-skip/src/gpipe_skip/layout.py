@@ -30,7 +30,7 @@ class SkipRoute(NamedTuple):
 
     @property
     def key(self) -> SkipKey:
-        """``(namespace, name)``: the skip's identity."""
+        """The skip's identity: ``(namespace, name)``."""
         return (self.namespace, self.name)
 
     @property

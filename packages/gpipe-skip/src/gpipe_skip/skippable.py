@@ -99,8 +99,8 @@ class Skippable(nn.Module):
     stash_names: ClassVar[tuple[str, ...]] = ()
     #: The names this class declares it pops, in declaration order.
     pop_names: ClassVar[tuple[str, ...]] = ()
-    # The user's generator forward.
-    _generator_forward: ClassVar[Callable[..., Any]]
+    # The user's generator forward (nn.Module's "missing forward" error until decorated).
+    _generator_forward: ClassVar[Callable[..., Any]] = nn.Module.forward
 
     _skip_namespaces: dict[str, Namespace]
 
