@@ -30,7 +30,7 @@ class SkipRoute(NamedTuple):
 
     @property
     def key(self) -> SkipKey:
-        """The skip's identity: ``(namespace, name)``."""
+        """The skip's identity, ``(namespace, name)``."""
         return (self.namespace, self.name)
 
     @property
