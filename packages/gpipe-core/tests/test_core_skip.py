@@ -416,3 +416,46 @@ def test_random_skip_graphs(spec: GraphSpec, assert_matches_plain: Callable[...,
     owner = [j for j, count in enumerate(spec.balance) for _ in range(count)]
     assert len(crossing) == sum(1 for a, b in spec.pairs if owner[a] != owner[b])
     assert_matches_plain(pipe, plain, torch.randn(5, 3, dtype=torch.float64), weighted=True)
+
+
+@skippable(stash=["out"])
+class StashOutput(nn.Module):
+    """Stashes the very tensor it returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.linear(x))
+        yield stash("out", hidden)
+        return hidden
+
+
+@skippable(stash=["detached"])
+class StashDetached(nn.Module):
+    """Stashes a tensor that needs no gradient."""
+
+    def forward(self, x):
+        yield stash("detached", x.detach() * 2)
+        return x
+
+
+@skippable(pop=["out", "detached"])
+class PopBoth(nn.Module):
+    def forward(self, x):
+        out = yield pop("out")
+        detached = yield pop("detached")
+        return x * out + detached
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("balance", [[4], [1, 1, 1, 1], [2, 2], [1, 3]])
+def test_stashing_the_output_itself_and_a_detached_tensor(
+    balance: list[int], checkpoint: str, assert_matches_plain: Callable[..., Any]
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(StashOutput(), StashDetached(), nn.Linear(3, 3), PopBoth()).double()
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, balance, chunks=3, checkpoint=checkpoint)
+    assert_matches_plain(pipe, plain, torch.randn(6, 3, dtype=torch.float64), weighted=True)
