@@ -167,7 +167,9 @@ def test_isolate_only_some_names_and_chaining() -> None:
     last = PopPop().isolate(ns_alice, only=["alice"])
     # "bob" of the last layer stays in the default namespace: the pop finds nothing there.
     model = nn.Sequential(StashCarol(), first, last)
-    with pytest.raises(LookupError, match=r"no skip tensor is stashed under 'bob' in <default"):
+    with pytest.raises(
+        LookupError, match=r"^PopPop: no skip tensor is stashed under 'bob' in <default"
+    ):
         model(torch.zeros(1))
     current_skip_tracker().clear()
     last.isolate(ns_bob, only=["bob"])

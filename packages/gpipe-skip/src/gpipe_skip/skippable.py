@@ -216,7 +216,10 @@ class Skippable(nn.Module):
                     tracker.stash((self.namespace_of(command.name), command.name), command.tensor)
                 elif isinstance(command, Pop):
                     self._check_declared(command.name, "pop", self.pop_names, popped)
-                    value = tracker.pop((self.namespace_of(command.name), command.name))
+                    try:
+                        value = tracker.pop((self.namespace_of(command.name), command.name))
+                    except LookupError as error:
+                        raise LookupError(f"{type(self).__name__}: {error}") from None
                 else:
                     raise TypeError(
                         f"the forward of {type(self).__name__} yielded "
