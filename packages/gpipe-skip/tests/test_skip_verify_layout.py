@@ -6,6 +6,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from gpipe_skip import (
@@ -240,3 +242,46 @@ def test_tracker_pop_of_a_missing_key() -> None:
         tracker.pop((DEFAULT_NAMESPACE, "b"))
     assert (DEFAULT_NAMESPACE, "a") in tracker and repr(tracker) == "SkipTracker(stashed=['a'])"
     assert tracker.pop((DEFAULT_NAMESPACE, "a")) is None and len(tracker) == 0
+
+
+STASH_CLASSES = {
+    name: skippable(stash=[name])(type(f"Stash_{name}", (nn.Identity,), {})) for name in "ab"
+}
+POP_CLASSES = {
+    name: skippable(pop=[name])(type(f"Pop_{name}", (nn.Identity,), {})) for name in "ab"
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["stash", "pop"]), st.sampled_from("ab"), st.integers(0, 1)),
+        max_size=7,
+    )
+)
+def test_verify_accepts_exactly_the_valid_layouts(layers: list[tuple[str, str, int]]) -> None:
+    namespaces = [DEFAULT_NAMESPACE, Namespace()]
+    modules = []
+    for verb, name, ns in layers:
+        cls = STASH_CLASSES[name] if verb == "stash" else POP_CLASSES[name]
+        modules.append(cls().isolate(namespaces[ns]))
+    # The reference: per (namespace, name), exactly one stash followed by exactly one pop.
+    events: dict[tuple[int, str], list[tuple[int, str]]] = {}
+    for index, (verb, name, ns) in enumerate(layers):
+        events.setdefault((ns, name), []).append((index, verb))
+    valid = all([verb for _, verb in seq] == ["stash", "pop"] for seq in events.values())
+    model = nn.Sequential(*modules)
+    if valid:
+        verify_skippables(model)
+        layout = inspect_skip_layout([model])
+        assert len(layout.routes) == len(events)
+        return
+    with pytest.raises(TypeError) as info:
+        verify_skippables(model)
+    lines = str(info.value).split("\n")[1:]
+    assert lines
+    for line in lines:
+        index = int(re.match(r"  - layer (\d+) ", line).group(1))  # type: ignore[union-attr]
+        verb, name, ns = layers[index]
+        assert f"'{name}' in {namespaces[ns]!r}" in line
+        assert f"{verb}es " in line if verb == "stash" else "pops " in line
