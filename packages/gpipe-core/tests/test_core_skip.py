@@ -22,7 +22,14 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gpipe_core import GPipe
-from gpipe_skip import Namespace, current_skip_tracker, pop, skippable, stash
+from gpipe_skip import (
+    Namespace,
+    current_skip_tracker,
+    inspect_skip_layout,
+    pop,
+    skippable,
+    stash,
+)
 
 MODES = ("always", "except_last", "never")
 
@@ -141,6 +148,8 @@ def test_unet_layout() -> None:
     ]
     assert len(pipe.skip_layout.routes) == 3
     assert "partition 0 (layer 0) -> partition 2 (layer 6)" in repr(pipe.skip_layout)
+    # The same report from the wrapped module's partitions.
+    assert inspect_skip_layout(pipe.partitions).routes == pipe.skip_layout.routes
 
 
 @skippable(stash=["carol"])
