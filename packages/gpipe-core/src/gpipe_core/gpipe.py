@@ -19,6 +19,7 @@ from gpipe_microbatch import (
     new_stream,
     scatter,
 )
+from gpipe_skip import SkipLayout, inspect_skip_layout, verify_skippables
 
 from .partition import Device, check_balance, resolve_devices, split_module
 from .pipeline import Pipeline
@@ -63,7 +64,8 @@ class GPipe(nn.Module):
             per micro-batch (needs the ``gpipe-bn`` distribution).
 
     Raises:
-        TypeError: ``module`` is not an :class:`~torch.nn.Sequential`.
+        TypeError: ``module`` is not an :class:`~torch.nn.Sequential`, or its skippable
+            layers do not pair up (see :func:`gpipe_skip.verify_skippables`).
         BalanceError: ``balance`` does not split ``module`` into non-empty partitions.
         ValueError: too few devices, bad ``chunks`` or ``checkpoint``, or a parameter
             shared by partitions on different devices.
@@ -82,6 +84,7 @@ class GPipe(nn.Module):
     chunks: int
     checkpoint: CheckpointMode
     partitions: nn.ModuleList
+    skip_layout: SkipLayout
 
     def __init__(
         self,
@@ -98,6 +101,7 @@ class GPipe(nn.Module):
             raise TypeError(
                 f"module must be nn.Sequential to be partitioned (module: {type(module).__name__})"
             )
+        verify_skippables(module)
         self.chunks = check_chunks(chunks)
         self.checkpoint = _check_checkpoint(checkpoint)
         self.balance = check_balance(module, balance)
@@ -108,6 +112,8 @@ class GPipe(nn.Module):
             )
         self.devices = resolve_devices(devices, len(self.balance))
         self.partitions = nn.ModuleList(split_module(module, self.balance, self.devices))
+        #: Which skip connections cross which partitions (see :mod:`gpipe_skip`).
+        self.skip_layout = inspect_skip_layout(self._partition_list())
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -233,6 +239,7 @@ class GPipe(nn.Module):
             self._ensure_copy_streams(m),
             [current_stream(device) for device in self.devices],
             checkpoint_stop,
+            skip_layout=self.skip_layout,
         )
         pipeline.run(batches, self._pool)
         return gather(batches)

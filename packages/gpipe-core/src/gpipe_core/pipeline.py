@@ -33,7 +33,9 @@ from gpipe_microbatch import (
     depend,
     wait,
 )
+from gpipe_skip import SkipLayout
 
+from .skips import PipelineSkips
 from .worker import ExcInfo, Task, WorkerPool
 
 __all__ = ["PartitionTraits", "Pipeline", "clock_cycles"]
@@ -132,6 +134,8 @@ class Pipeline:
         devices: the device of each partition.
         copy_streams: ``copy_streams[j][i]`` carries micro-batch ``i`` into partition ``j``.
         checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed.
+        skip_layout: the skip connections between partitions, if any (see
+            :mod:`gpipe_core.skips`).
     """
 
     def __init__(
@@ -141,6 +145,7 @@ class Pipeline:
         copy_streams: Sequence[Sequence[AbstractStream]],
         compute_streams: Sequence[AbstractStream],
         checkpoint_stop: int,
+        skip_layout: SkipLayout | None = None,
     ) -> None:
         self.partitions = partitions
         self.devices = devices
@@ -154,6 +159,9 @@ class Pipeline:
             any(parameter.requires_grad for parameter in partition.parameters())
             for partition in partitions
         ]
+        self.skips: PipelineSkips | None = None
+        if skip_layout is not None and not skip_layout.empty:
+            self.skips = PipelineSkips(skip_layout, devices, copy_streams, compute_streams)
 
     def run(self, batches: list[Batch], pool: WorkerPool) -> None:
         """Run every micro-batch through every partition; ``batches`` is updated in place.
@@ -213,6 +221,8 @@ class Pipeline:
 
     def _finish(self, batches: list[Batch], i: int, j: int, batch: Batch) -> None:
         """Store partition ``j``'s output for micro-batch ``i``."""
+        if self.skips is not None and self.skips.involves(j):
+            batch = self.skips.finish(i, j, batch)
         if j != len(self.partitions) - 1:
             # The copy to the next partition waits for this computation.
             wait(batch, self.compute_streams[j], self.copy_streams[j][i])
@@ -241,9 +251,12 @@ class Pipeline:
         if j != 0:
             wait(batch, self.copy_streams[j][i], stream)
         what = f"output of partition {j}"
+        layers: _Function = partition
+        if self.skips is not None and self.skips.involves(j):
+            layers, batch = self.skips.prepare(i, j, partition, what, batch)
 
         def function(input: TensorOrTensors) -> TensorOrTensors:
-            return check(partition(input), what)
+            return check(layers(input), what)
 
         compute: Callable[[], Batch]
         finalize: Callable[[Batch], None] | None = None
@@ -251,7 +264,7 @@ class Pipeline:
             chk = self.traits.checkpoint(j, function, batch, self.trainable[j])
             compute, finalize = partial(self.traits.learn, j, chk), chk.recompute
         else:
-            compute = partial(batch.call, partition, what)
+            compute = partial(batch.call, layers, what)
         if self.checkpoint_stop > 0:
             # The lock must also cover the generator states the checkpoint phase saves.
             compute = partial(self.traits.run, j, device, compute)

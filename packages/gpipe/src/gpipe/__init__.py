@@ -15,7 +15,15 @@ Example:
 from gpipe_checkpoint import is_checkpointing, is_recomputing
 from gpipe_core import BalanceError, GPipe
 
-from . import balance as balance  # the gpipe.balance facade module
+from . import balance, skip  # the gpipe.balance and gpipe.skip facade modules
 from .__about__ import __version__
 
-__all__ = ["BalanceError", "GPipe", "__version__", "is_checkpointing", "is_recomputing"]
+__all__ = [
+    "BalanceError",
+    "GPipe",
+    "__version__",
+    "balance",
+    "is_checkpointing",
+    "is_recomputing",
+    "skip",
+]
