@@ -57,7 +57,7 @@ def check_chunks(chunks: object) -> int:
 def _check_dim(dim: object) -> int | None:
     if dim is not None and (isinstance(dim, bool) or dim not in _INPUT_DIMS):
         raise ValueError(f"dim must be 1, 2, 3 or None (dim: {dim!r})")
-    return dim  # type: ignore[return-value]
+    return dim
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -260,7 +260,8 @@ class DeferredBatchNorm(_BatchNorm):
         return output
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, chunks={self.chunks}, dim={self.dim}"
+        base: str = super().extra_repr()  # type: ignore[no-untyped-call]
+        return f"{base}, chunks={self.chunks}, dim={self.dim}"
 
     # -- copies ------------------------------------------------------------------------
 

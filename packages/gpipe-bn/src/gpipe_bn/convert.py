@@ -19,6 +19,13 @@ _DIMS: tuple[tuple[type[_BatchNorm], int], ...] = (
 
 def _kind_of(module: nn.Module) -> tuple[_BatchNorm, int] | None:
     """``module`` and its ``d`` if it is an ``nn.BatchNorm{d}d``."""
+    # nn.LazyBatchNorm2d becomes an nn.BatchNorm2d in its first forward pass.
+    lazy = isinstance(module, LazyModuleMixin) and module.has_uninitialized_params()
+    if lazy and any(getattr(module, "cls_to_become", None) is kind for kind, _ in _DIMS):
+        raise ValueError(
+            "a lazy batch norm layer cannot be converted before its first forward pass "
+            f"(module: {type(module).__name__})"
+        )
     for kind, dim in _DIMS:
         if isinstance(module, kind):
             return module, dim
@@ -27,11 +34,6 @@ def _kind_of(module: nn.Module) -> tuple[_BatchNorm, int] | None:
 
 def _deferred(module: _BatchNorm, dim: int, chunks: int) -> DeferredBatchNorm:
     """A :class:`DeferredBatchNorm` holding ``module``'s parameters and buffers."""
-    if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
-        raise ValueError(
-            "a lazy batch norm layer cannot be converted before its first forward pass "
-            f"(module: {type(module).__name__})"
-        )
     layer = DeferredBatchNorm(
         module.num_features,
         module.eps,
