@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import pickle
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -376,8 +377,9 @@ def test_one_value_per_channel_is_refused_as_by_batch_norm() -> None:
 
 
 def test_mini_batch_needs_a_module() -> None:
+    not_a_module: Any = [DeferredBatchNorm(4)]
     message = "module must be an nn.Module (module: list)"
-    with pytest.raises(TypeError, match=re.escape(message)), mini_batch([DeferredBatchNorm(4)]):  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=re.escape(message)), mini_batch(not_a_module):
         pass
 
 

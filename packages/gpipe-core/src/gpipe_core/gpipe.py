@@ -9,6 +9,7 @@ from typing import Any, Literal, NoReturn, cast
 import torch
 from torch import nn
 
+from gpipe_bn import convert_deferred_batch_norm, mini_batch
 from gpipe_microbatch import (
     AbstractStream,
     TensorOrTensors,
@@ -59,15 +60,17 @@ class GPipe(nn.Module):
         checkpoint: which micro-batches are checkpointed: ``'always'``,
             ``'except_last'`` (default) or ``'never'``. Nothing is checkpointed in eval
             mode or without grad mode.
-        deferred_batch_norm: keep BatchNorm running statistics per mini-batch rather than
-            per micro-batch (needs the ``gpipe-bn`` distribution).
+        deferred_batch_norm: replace every ``nn.BatchNorm1d/2d/3d`` in ``module`` with a
+            :class:`~gpipe_bn.DeferredBatchNorm`, which updates its running statistics once
+            per mini-batch, as the whole mini-batch would, rather than once per
+            micro-batch. The layers keep their parameters and buffers; ``module`` is
+            changed in place.
 
     Raises:
         TypeError: ``module`` is not an :class:`~torch.nn.Sequential`.
         BalanceError: ``balance`` does not split ``module`` into non-empty partitions.
         ValueError: too few devices, bad ``chunks`` or ``checkpoint``, or a parameter
             shared by partitions on different devices.
-        NotImplementedError: ``deferred_batch_norm=True`` before gpipe-bn is supported.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
@@ -101,12 +104,9 @@ class GPipe(nn.Module):
         self.chunks = check_chunks(chunks)
         self.checkpoint = _check_checkpoint(checkpoint)
         self.balance = check_balance(module, balance)
-        if deferred_batch_norm:
-            raise NotImplementedError(
-                "deferred_batch_norm=True needs the gpipe-bn distribution, which this "
-                "version of gpipe-core does not support yet (deferred_batch_norm: True)"
-            )
         self.devices = resolve_devices(devices, len(self.balance))
+        if deferred_batch_norm:
+            convert_deferred_batch_norm(module, self.chunks)  # in place: module is a container
         self.partitions = nn.ModuleList(split_module(module, self.balance, self.devices))
         self._init_runtime()
 
@@ -234,7 +234,10 @@ class GPipe(nn.Module):
             [current_stream(device) for device in self.devices],
             checkpoint_stop,
         )
-        pipeline.run(batches, self._pool)
+        # Deferred batch norms update their running statistics once, after all m
+        # micro-batches (m may be less than chunks), and not at all if a micro-batch fails.
+        with mini_batch(self):
+            pipeline.run(batches, self._pool)
         return gather(batches)
 
     def extra_repr(self) -> str:
