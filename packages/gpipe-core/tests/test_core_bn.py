@@ -390,7 +390,10 @@ def test_random_models(
         deferred_batch_norm=True,
     )
     # Micro-batches of two samples or more for every chunks.
-    inputs = [torch.randn(size, width, dtype=torch.float64) * 4.0 + 3.0 for size in sizes]
+    inputs = [
+        (torch.randn(size, width, dtype=torch.float64) * 4.0 + 3.0).requires_grad_()
+        for size in sizes
+    ]
     if len(batch_norms(plain)) == 1:
         train_both(pipe, plain, inputs)  # the whole mini-batch, as the plain model sees it
     else:
