@@ -92,6 +92,12 @@ class DeferredBatchNorm(_BatchNorm):
             ``(N, C, L)``; ``2``: ``(N, C, H, W)``; ``3``: ``(N, C, D, H, W)``); ``None``
             accepts any input with at least two dimensions.
 
+    Attributes:
+        chunks (int): outside :func:`mini_batch`, the number of micro-batches after which
+            the running statistics are updated; may be changed at any time.
+        dim (int | None): the ``d`` of the ``nn.BatchNorm{d}d`` whose input shapes are
+            accepted, or ``None`` for any input with at least two dimensions.
+
     Raises:
         ValueError: ``chunks`` is not a positive integer, or ``dim`` is not 1, 2, 3 or None.
 
