@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
 from typing import Any, Literal, NoReturn, cast
 
 import torch
 from torch import nn
 
-from gpipe_bn import convert_deferred_batch_norm, mini_batch
+from gpipe_bn import DeferredBatchNorm, convert_deferred_batch_norm, mini_batch
 from gpipe_microbatch import (
     AbstractStream,
     TensorOrTensors,
@@ -107,6 +108,9 @@ class GPipe(nn.Module):
         self.devices = resolve_devices(devices, len(self.balance))
         if deferred_batch_norm:
             convert_deferred_batch_norm(module, self.chunks)  # in place: module is a container
+        # Deferred batch norms, converted here or by hand, see each forward call as one
+        # mini-batch; models without them skip the walk over their modules in forward.
+        self._deferred_batch_norm = any(isinstance(m, DeferredBatchNorm) for m in module.modules())
         self.partitions = nn.ModuleList(split_module(module, self.balance, self.devices))
         self._init_runtime()
 
@@ -236,7 +240,7 @@ class GPipe(nn.Module):
         )
         # Deferred batch norms update their running statistics once, after all m
         # micro-batches (m may be less than chunks), and not at all if a micro-batch fails.
-        with mini_batch(self):
+        with mini_batch(self) if self._deferred_batch_norm else nullcontext():
             pipeline.run(batches, self._pool)
         return gather(batches)
 
