@@ -402,3 +402,21 @@ def test_random_models(
             loss(pipe(x)).backward()
             assert_same_statistics(pipe, seen.expected())
     assert_same_eval_output(pipe, plain, torch.randn(3, width, dtype=torch.float64))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+def test_statistics_match_on_cuda(checkpoint: str) -> None:
+    torch.manual_seed(40)
+    device = torch.device("cuda", 0)
+    plain = single(2, None).to(device)
+    pipe = GPipe(
+        copy.deepcopy(plain),
+        [2, 3],
+        devices=[device, device],
+        chunks=4,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+        deferred_batch_norm=True,
+    )
+    train_both(pipe, plain, [x.to(device) for x in images(16, 13, 3)])
+    assert_same_eval_output(pipe, plain, images(5)[0].to(device))
