@@ -420,3 +420,26 @@ def test_statistics_match_on_cuda(checkpoint: str) -> None:
     )
     train_both(pipe, plain, [x.to(device) for x in images(16, 13, 3)])
     assert_same_eval_output(pipe, plain, images(5)[0].to(device))
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+def test_nested_pipelines_update_once(checkpoint: str) -> None:
+    # The outer pipeline's call is the mini-batch; the inner calls are parts of it.
+    torch.manual_seed(41)
+    block = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6, momentum=None), nn.Tanh()).double()
+    plain = nn.Sequential(nn.Linear(6, 6).double(), block, nn.Linear(6, 2).double())
+    inner = GPipe(
+        copy.deepcopy(block),
+        [1, 2],
+        chunks=2,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+        deferred_batch_norm=True,
+    )
+    outer = GPipe(
+        nn.Sequential(copy.deepcopy(plain[0]), inner, copy.deepcopy(plain[2])),
+        [1, 2],
+        chunks=2,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+    )
+    inputs = [torch.randn(size, 6, dtype=torch.float64) for size in (16, 12)]
+    train_both(outer, plain, inputs)
