@@ -156,6 +156,23 @@ def test_float32_statistics() -> None:
     torch.testing.assert_close(deferred.running_var, reference.running_var)
 
 
+def test_bfloat16_statistics() -> None:
+    # Merged and updated in float32, stored in bfloat16.
+    torch.manual_seed(14)
+    reference = nn.BatchNorm2d(4, momentum=None).bfloat16()
+    deferred = convert_deferred_batch_norm(copy.deepcopy(reference))
+    x = (torch.randn(16, 4, 5, 5) * 2.0 + 3.0).bfloat16()
+    reference(x)
+    with mini_batch(deferred):
+        for micro_batch in x.chunk(4):
+            deferred(micro_batch)
+    assert deferred.running_var.dtype == torch.bfloat16
+    exact = x.double().transpose(0, 1).flatten(1)
+    torch.testing.assert_close(deferred.running_mean.double(), exact.mean(1), rtol=1e-2, atol=0)
+    torch.testing.assert_close(deferred.running_var.double(), exact.var(1), rtol=1e-2, atol=0)
+    torch.testing.assert_close(deferred.running_var, reference.running_var, rtol=2e-2, atol=0)
+
+
 # -- eval mode, no running statistics ---------------------------------------------------------
 
 

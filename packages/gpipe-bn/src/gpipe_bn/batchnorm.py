@@ -171,17 +171,17 @@ class DeferredBatchNorm(_BatchNorm):
     def _accumulate(self, count: int, mean: Tensor, unbiased_var: Tensor) -> None:
         """Merge a micro-batch's statistics (``count`` values per channel) into the sums."""
         assert self.running_mean is not None
+        # Out of place: the kernel may have saved ``mean`` and ``unbiased_var`` for backward.
         dtype = torch.promote_types(self.running_mean.dtype, torch.float32)
-        # Copies: the kernel may have saved ``mean`` and ``unbiased_var`` for backward.
-        mean = mean.to(dtype, copy=True)
-        m2 = unbiased_var.to(dtype, copy=True).mul_(count - 1)
+        mean = mean.to(dtype)
+        m2 = unbiased_var.to(dtype) * (count - 1)
         if self._mean is None or self._m2 is None:
             self._mean, self._m2 = mean, m2
         else:
             total = self._count + count
-            delta = mean.sub_(self._mean)
-            self._mean.add_(delta, alpha=count / total)
-            self._m2.add_(m2).add_(delta.square_(), alpha=self._count * count / total)
+            delta = mean - self._mean
+            self._mean = self._mean + delta * (count / total)
+            self._m2 = self._m2 + m2 + delta.square() * (self._count * count / total)
         self._count += count
         self._micro_batches += 1
 
@@ -214,9 +214,13 @@ class DeferredBatchNorm(_BatchNorm):
                 (self.running_mean, mean),
                 (self.running_var, m2 / (count - 1)),
             ):
-                value = value.to(running.device)
-                updated = running.to(value.dtype).mul(1.0 - factor).add_(value, alpha=factor)
-                running.copy_(updated)
+                dtype = torch.promote_types(running.dtype, value.dtype)
+                value = value.to(running.device, dtype)
+                if running.dtype == dtype:
+                    running.mul_(1.0 - factor).add_(value, alpha=factor)
+                else:  # half buffers: update in the sums' wider dtype
+                    updated = running.to(dtype).mul_(1.0 - factor).add_(value, alpha=factor)
+                    running.copy_(updated)
 
     # -- forward -----------------------------------------------------------------------
 
@@ -253,8 +257,7 @@ class DeferredBatchNorm(_BatchNorm):
         # Let the kernel compute the micro-batch's mean and unbiased variance, exactly as
         # for nn.BatchNorm: with momentum 1 it writes them into these fresh tensors. The
         # recomputation takes the same path, so its output is bitwise the first one.
-        mean = torch.zeros_like(running_mean)
-        unbiased_var = torch.ones_like(running_var)
+        mean, unbiased_var = running_mean.new_zeros((2, self.num_features)).unbind()
         output = F.batch_norm(
             input, mean, unbiased_var, self.weight, self.bias, True, 1.0, self.eps
         )  # fmt: skip
