@@ -136,11 +136,17 @@ def test_bad_checkpoint(checkpoint: object) -> None:
         GPipe(three_layers(), [3], checkpoint=checkpoint)  # type: ignore[arg-type]
 
 
-def test_deferred_batch_norm_is_not_implemented() -> None:
-    with pytest.raises(NotImplementedError, match=r"gpipe-bn"):
-        GPipe(three_layers(), [3], deferred_batch_norm=True)
-    # False is the default and works.
-    assert GPipe(three_layers(), [3], deferred_batch_norm=False)(torch.randn(2, 2)).shape == (2, 2)
+def test_deferred_batch_norm_converts_only_when_asked() -> None:
+    def model() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+
+    assert type(GPipe(model(), [2], deferred_batch_norm=False)[1]) is nn.BatchNorm1d
+    assert type(GPipe(model(), [2], deferred_batch_norm=True)[1]).__name__ == "DeferredBatchNorm"
+    # A bad argument leaves the module as it was.
+    module = model()
+    with pytest.raises(ValueError, match="too few devices"):
+        GPipe(module, [1, 1], devices=["cpu"], deferred_batch_norm=True)
+    assert type(module[1]) is nn.BatchNorm1d
 
 
 # -- inputs ----------------------------------------------------------------------------------

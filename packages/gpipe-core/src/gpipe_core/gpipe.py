@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
 from typing import Any, Literal, NoReturn, cast
 
 import torch
 from torch import nn
 
+from gpipe_bn import DeferredBatchNorm, convert_deferred_batch_norm, mini_batch
 from gpipe_microbatch import (
     AbstractStream,
     TensorOrTensors,
@@ -60,8 +62,11 @@ class GPipe(nn.Module):
         checkpoint: which micro-batches are checkpointed: ``'always'``,
             ``'except_last'`` (default) or ``'never'``. Nothing is checkpointed in eval
             mode or without grad mode.
-        deferred_batch_norm: keep BatchNorm running statistics per mini-batch rather than
-            per micro-batch (needs the ``gpipe-bn`` distribution).
+        deferred_batch_norm: replace every ``nn.BatchNorm1d/2d/3d`` in ``module`` with a
+            :class:`~gpipe_bn.DeferredBatchNorm`, which updates its running statistics once
+            per mini-batch, as the whole mini-batch would, rather than once per
+            micro-batch. The layers keep their parameters and buffers; ``module`` is
+            changed in place.
 
     Raises:
         TypeError: ``module`` is not an :class:`~torch.nn.Sequential`, or its skippable
@@ -69,7 +74,6 @@ class GPipe(nn.Module):
         BalanceError: ``balance`` does not split ``module`` into non-empty partitions.
         ValueError: too few devices, bad ``chunks`` or ``checkpoint``, or a parameter
             shared by partitions on different devices.
-        NotImplementedError: ``deferred_batch_norm=True`` before gpipe-bn is supported.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
@@ -105,12 +109,12 @@ class GPipe(nn.Module):
         self.chunks = check_chunks(chunks)
         self.checkpoint = _check_checkpoint(checkpoint)
         self.balance = check_balance(module, balance)
-        if deferred_batch_norm:
-            raise NotImplementedError(
-                "deferred_batch_norm=True needs the gpipe-bn distribution, which this "
-                "version of gpipe-core does not support yet (deferred_batch_norm: True)"
-            )
         self.devices = resolve_devices(devices, len(self.balance))
+        if deferred_batch_norm:
+            convert_deferred_batch_norm(module, self.chunks)  # in place: module is a container
+        # Deferred batch norms, converted here or by hand, see each forward call as one
+        # mini-batch; models without them skip the walk over their modules in forward.
+        self._deferred_batch_norm = any(isinstance(m, DeferredBatchNorm) for m in module.modules())
         self.partitions = nn.ModuleList(split_module(module, self.balance, self.devices))
         #: Which skip connections cross which partitions (see :mod:`gpipe_skip`).
         self.skip_layout = inspect_skip_layout(self._partition_list())
@@ -241,7 +245,10 @@ class GPipe(nn.Module):
             checkpoint_stop,
             skip_layout=self.skip_layout,
         )
-        pipeline.run(batches, self._pool)
+        # Deferred batch norms update their running statistics once, after all m
+        # micro-batches (m may be less than chunks), and not at all if a micro-batch fails.
+        with mini_batch(self) if self._deferred_batch_norm else nullcontext():
+            pipeline.run(batches, self._pool)
         return gather(batches)
 
     def extra_repr(self) -> str:

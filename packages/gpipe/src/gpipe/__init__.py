@@ -15,7 +15,7 @@ Example:
 from gpipe_checkpoint import is_checkpointing, is_recomputing
 from gpipe_core import BalanceError, GPipe
 
-from . import balance, skip  # the gpipe.balance and gpipe.skip facade modules
+from . import balance, bn, skip  # the facade modules gpipe.balance, gpipe.bn, gpipe.skip
 from .__about__ import __version__
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "GPipe",
     "__version__",
     "balance",
+    "bn",
     "is_checkpointing",
     "is_recomputing",
     "skip",

@@ -1,0 +1,108 @@
+"""Replace the batch normalization layers of a model with :class:`DeferredBatchNorm`."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
+
+from .batchnorm import DeferredBatchNorm, check_chunks
+
+__all__ = ["convert_deferred_batch_norm"]
+
+_DIMS: tuple[tuple[type[_BatchNorm], int], ...] = (
+    (nn.BatchNorm1d, 1),
+    (nn.BatchNorm2d, 2),
+    (nn.BatchNorm3d, 3),
+)
+
+
+def _kind_of(module: nn.Module) -> tuple[_BatchNorm, int] | None:
+    """``module`` and its ``d`` if it is an ``nn.BatchNorm{d}d``."""
+    # nn.LazyBatchNorm2d becomes an nn.BatchNorm2d in its first forward pass.
+    lazy = isinstance(module, LazyModuleMixin) and module.has_uninitialized_params()
+    if lazy and any(getattr(module, "cls_to_become", None) is kind for kind, _ in _DIMS):
+        raise ValueError(
+            "a lazy batch norm layer cannot be converted before its first forward pass "
+            f"(module: {type(module).__name__})"
+        )
+    for kind, dim in _DIMS:
+        if isinstance(module, kind):
+            return module, dim
+    return None
+
+
+def _deferred(module: _BatchNorm, dim: int, chunks: int) -> DeferredBatchNorm:
+    """A :class:`DeferredBatchNorm` holding ``module``'s parameters and buffers."""
+    layer = DeferredBatchNorm(
+        module.num_features,
+        module.eps,
+        module.momentum,
+        module.affine,
+        module.track_running_stats,
+        device="meta",  # replaced below, without allocating
+        chunks=chunks,
+        dim=dim,
+    )
+    # The same tensors: parameters stay leaves with their requires_grad, optimizers that
+    # hold them keep working, and device and dtype are those of the original.
+    for name in ("weight", "bias"):
+        layer._parameters[name] = module._parameters.get(name)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        layer._buffers[name] = module._buffers.get(name)
+    layer._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
+    layer.train(module.training)
+    return layer
+
+
+def convert_deferred_batch_norm(module: nn.Module, chunks: int = 1) -> nn.Module:
+    """Replace every ``nn.BatchNorm1d``, ``nn.BatchNorm2d`` and ``nn.BatchNorm3d`` in ``module``.
+
+    Each batch normalization layer (subclasses included) is replaced by a
+    :class:`DeferredBatchNorm` that holds the same parameter and buffer tensors, so weights,
+    running statistics, device, dtype, ``requires_grad`` and the training mode are kept, and
+    that accepts the same input shapes. A layer that appears in several places is replaced by
+    one layer in all of them. Other layers (``nn.SyncBatchNorm``, layers already deferred)
+    are left as they are. Hooks registered on a replaced layer are not carried over.
+
+    The tree is changed in place; the return value is ``module``, or its replacement when
+    ``module`` is itself a batch normalization layer.
+
+    Args:
+        module: the model.
+        chunks: the number of micro-batches in a mini-batch, for layers used outside
+            :func:`~gpipe_bn.mini_batch` (see :class:`DeferredBatchNorm`).
+
+    Returns:
+        The converted model.
+
+    Raises:
+        TypeError: ``module`` is not an :class:`~torch.nn.Module`.
+        ValueError: ``chunks`` is not a positive integer, or a lazy batch normalization
+            layer has not been initialized by a first forward pass yet.
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+        >>> model = convert_deferred_batch_norm(model, chunks=4)
+        >>> type(model[1]).__name__, model[1].chunks, model[1].dim
+        ('DeferredBatchNorm', 4, 2)
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module (module: {type(module).__name__})")
+    chunks = check_chunks(chunks)
+    replaced: dict[int, nn.Module] = {}
+
+    def convert(node: nn.Module) -> nn.Module:
+        if id(node) in replaced:
+            return replaced[id(node)]
+        kind = _kind_of(node)
+        new = node if kind is None else _deferred(*kind, chunks)
+        replaced[id(node)] = new
+        if kind is None:
+            for name, child in list(node._modules.items()):
+                if child is not None:
+                    node._modules[name] = convert(child)
+        return new
+
+    return convert(module)
