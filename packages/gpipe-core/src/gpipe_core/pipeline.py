@@ -34,6 +34,7 @@ from gpipe_microbatch import (
     wait,
 )
 
+from .tracing import Tracer
 from .worker import ExcInfo, Task, WorkerPool
 
 __all__ = ["PartitionTraits", "Pipeline", "clock_cycles"]
@@ -132,6 +133,7 @@ class Pipeline:
         devices: the device of each partition.
         copy_streams: ``copy_streams[j][i]`` carries micro-batch ``i`` into partition ``j``.
         checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed.
+        tracer: labels and records the tasks (when a profiler or a trace is active).
     """
 
     def __init__(
@@ -141,6 +143,7 @@ class Pipeline:
         copy_streams: Sequence[Sequence[AbstractStream]],
         compute_streams: Sequence[AbstractStream],
         checkpoint_stop: int,
+        tracer: Tracer | None = None,
     ) -> None:
         self.partitions = partitions
         self.devices = devices
@@ -148,6 +151,7 @@ class Pipeline:
         self.compute_streams = compute_streams
         self.checkpoint_stop = checkpoint_stop
         self.traits = PartitionTraits(len(partitions))
+        self.tracer = tracer
         # Whether each partition has parameters to train: a checkpointed output needs
         # gradients then, even where its input needs none.
         self.trainable = [
@@ -230,6 +234,8 @@ class Pipeline:
                 next_stream = self.copy_streams[j][i]
                 if self.devices[j - 1] == self.devices[j]:
                     wait(batches[i], prev_stream, next_stream)
+                elif self.tracer is not None:
+                    self.tracer.copy(batches[i], i, j, prev_stream, next_stream, self.devices[j])
                 else:
                     copy(batches[i], prev_stream, next_stream)
 
@@ -241,18 +247,28 @@ class Pipeline:
         if j != 0:
             wait(batch, self.copy_streams[j][i], stream)
         what = f"output of partition {j}"
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.input(batch, i, j, device, stream, force=self.trainable[j])
 
         def function(input: TensorOrTensors) -> TensorOrTensors:
             return check(partition(input), what)
 
+        checkpointed: _Function = function
+        if tracer is not None and i < self.checkpoint_stop:
+            checkpointed = tracer.recomputed(function, i, j, device, stream)
+
         compute: Callable[[], Batch]
         finalize: Callable[[Batch], None] | None = None
         if i < self.checkpoint_stop:
-            chk = self.traits.checkpoint(j, function, batch, self.trainable[j])
+            chk = self.traits.checkpoint(j, checkpointed, batch, self.trainable[j])
             compute, finalize = partial(self.traits.learn, j, chk), chk.recompute
         else:
             compute = partial(batch.call, partition, what)
         if self.checkpoint_stop > 0:
             # The lock must also cover the generator states the checkpoint phase saves.
             compute = partial(self.traits.run, j, device, compute)
+        if tracer is not None:
+            wrapped = tracer.task(i, j, device, stream, compute, finalize, i < self.checkpoint_stop)
+            compute, finalize = wrapped
         return Task(device, stream, state, compute=compute, finalize=finalize)
