@@ -487,8 +487,12 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     path = tmp_path / "timeline.png"
     figure = timeline.plot(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    texts = {t.get_text() for t in figure.axes[0].texts}
-    assert {str(i) for i in range(M)} <= texts
+    ax = figure.axes[0]
+    assert len(ax.patches) == len(timeline.events)  # one bar per task
+    # Bars wide enough to hold it carry their micro-batch.
+    texts = {t.get_text() for t in ax.texts}
+    assert texts and texts <= {str(i) for i in range(M)}
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"partition {j}\ncpu" for j in range(N)]
 
 
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
