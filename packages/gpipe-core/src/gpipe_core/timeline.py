@@ -86,7 +86,7 @@ class TaskEvent:
     """One recorded task.
 
     Times are in nanoseconds since the recording started: the host clock
-    (:func:`time.perf_counter_ns`) for CPU work, CUDA events on the partition's stream for
+    (``time.perf_counter_ns``) for CPU work, CUDA events on the partition's stream for
     CUDA work, put on the host clock after synchronisation.
 
     Attributes:
@@ -396,7 +396,7 @@ class Timeline:
                 say); nothing is saved when it is None.
 
         Returns:
-            The :class:`matplotlib.figure.Figure`.
+            The matplotlib ``Figure``.
 
         Raises:
             ImportError: matplotlib is not installed.
