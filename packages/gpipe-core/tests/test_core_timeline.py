@@ -399,6 +399,29 @@ def test_error_in_a_traced_run() -> None:
     assert keys(timeline, Phase.BACKWARD) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
+def test_nested_gpipes_traced_together() -> None:
+    torch.manual_seed(0)
+    inner = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), [1, 1], chunks=2)
+    outer = GPipe(nn.Sequential(nn.Linear(4, 4), inner, nn.Linear(4, 4)), [1, 1, 1], chunks=2)
+    with outer.trace() as outer_timeline, inner.trace() as inner_timeline:
+        outer(torch.randn(4, 4)).sum().backward()
+    everything = sorted((j, i) for j in range(3) for i in range(2))
+    assert keys(outer_timeline, Phase.FORWARD) == everything
+    assert keys(outer_timeline, Phase.BACKWARD) == everything
+    assert keys(outer_timeline, Phase.RECOMPUTE) == [(0, 0), (1, 0), (2, 0)]
+    # The inner pipeline runs for outer micro-batch 0 (checkpointed: no grad, forward only),
+    # for micro-batch 1, and again when micro-batch 0 is recomputed. Its own checkpoint
+    # phase inside the outer recomputation is a forward task, not a recomputation.
+    assert inner_timeline.microbatches == [2, 2, 2]
+    tasks = Counter((e.run, e.phase) for e in inner_timeline.events)
+    assert tasks == {
+        (0, Phase.FORWARD): 4,
+        **{(run, Phase.FORWARD): 4 for run in (1, 2)},
+        **{(run, Phase.BACKWARD): 4 for run in (1, 2)},
+        **{(run, Phase.RECOMPUTE): 2 for run in (1, 2)},
+    }
+
+
 def test_traced_module_can_be_collected() -> None:
     model = p3m4()
     with model.trace() as timeline:
@@ -433,6 +456,17 @@ def test_copy_is_recorded_both_ways() -> None:
     names = [e["args"]["name"] for e in data["traceEvents"] if e["name"] == "thread_name"]
     assert "partition 1 copies" in names
     check_chrome_trace(data, 2)
+
+
+def test_cuda_stamps_are_put_on_the_host_clock() -> None:
+    class FakeEvent:
+        def elapsed_time(self, other: object) -> float:
+            return 0.0025 if other == "event" else 0.0  # milliseconds
+
+    recorder = tracing._Recorder([torch.device("cpu")])
+    recorder.references[3] = (FakeEvent(), recorder.origin + 1000)  # type: ignore[dict-item]
+    assert recorder._resolve(("event", 3)) == 1000 + 2500  # type: ignore[arg-type]
+    assert recorder._resolve(recorder.origin + 7) == 7
 
 
 # -- torch.profiler labels ------------------------------------------------------------------

@@ -29,8 +29,8 @@ from torch import Tensor
 from torch._C._autograd import _profiler_enabled
 from torch.profiler import record_function
 
-from gpipe_checkpoint import is_recomputing
-from gpipe_microbatch import AbstractStream, Batch, TensorOrTensors, copy, get_phony, is_cuda
+from gpipe_checkpoint import is_checkpointing, is_recomputing
+from gpipe_microbatch import AbstractStream, Batch, TensorOrTensors, copy, get_phony
 
 from .timeline import Phase, TaskEvent, Timeline, task_label
 
@@ -38,8 +38,8 @@ __all__ = ["Tracer", "record", "tracer_for"]
 
 _T = TypeVar("_T")
 
-# A point in time: host nanoseconds, or a CUDA event recorded on a stream.
-_Stamp = int | torch.cuda.Event
+# A point in time: host nanoseconds, or a CUDA event recorded on a stream of a device.
+_Stamp = int | tuple[torch.cuda.Event, int]
 
 
 class _Recorder:
@@ -52,13 +52,15 @@ class _Recorder:
         self.cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
         # Each CUDA device's clock is tied to the host clock by one event recorded when
         # the device is idle.
-        self.references: dict[int | None, tuple[torch.cuda.Event, int]] = {}
+        self.references: dict[int, tuple[torch.cuda.Event, int]] = {}
         for device in self.cuda:
             torch.cuda.synchronize(device)
             reference = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            # The device is idle, so the event completes as soon as it is recorded.
+            host = time.perf_counter_ns()
             reference.record(torch.cuda.current_stream(device))
             reference.synchronize()
-            self.references[device.index] = (reference, time.perf_counter_ns())
+            self.references[device.index] = (reference, host)
         self.origin = time.perf_counter_ns()
         self.active = True
 
@@ -86,8 +88,9 @@ class _Recorder:
     def _resolve(self, stamp: _Stamp) -> int:
         if isinstance(stamp, int):
             return stamp - self.origin
-        reference, host = self.references[stamp.device.index]
-        elapsed_ms = float(reference.elapsed_time(stamp))
+        event, index = stamp
+        reference, host = self.references[index]
+        elapsed_ms = float(reference.elapsed_time(event))
         return host + round(elapsed_ms * 1e6) - self.origin
 
     def finish(self) -> Timeline:
@@ -130,10 +133,10 @@ def record(module: object, devices: list[torch.device]) -> Iterator[Timeline]:
 
 
 def _stamp(stream: AbstractStream) -> _Stamp:
-    if is_cuda(stream):
+    if isinstance(stream, torch.cuda.Stream):
         event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        event.record(stream)  # type: ignore[arg-type]
-        return event
+        event.record(stream)
+        return event, stream.device.index
     return time.perf_counter_ns()
 
 
@@ -297,7 +300,8 @@ class Tracer:
         """Wrap a checkpointed function so that its recomputation is recorded."""
 
         def traced(input: TensorOrTensors) -> TensorOrTensors:
-            if not is_recomputing():
+            # A checkpoint phase inside an outer recomputation (a nested GPipe) is not one.
+            if not is_recomputing() or is_checkpointing():
                 return function(input)
             output = self._run(
                 Phase.RECOMPUTE, i, j, device, stream, True, partial(function, input)
