@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from importlib import import_module
 
 __all__ = ["build_parser", "main"]
 
@@ -51,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _has_matplotlib() -> bool:
     try:
-        import matplotlib  # noqa: F401
+        import_module("matplotlib")
     except ImportError:
         return False
     return True
