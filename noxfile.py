@@ -453,7 +453,8 @@ def typecheck(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """Sphinx HTML build; every warning and every unresolved reference is an error."""
     install_torch(session, DEV_TORCH)
-    session.install(*SPHINX)
+    # matplotlib draws the plot of docs/timeline.rst while the docs build.
+    session.install(*SPHINX, "matplotlib>=3.5")
     install_all_packages(session)
     out = DOCS_DIR / "_build" / "html"
     session.run(

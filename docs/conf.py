@@ -34,11 +34,15 @@ copyright = "the gpipe developers"
 release = _release()
 version = ".".join(release.split(".")[:2])
 
+# _ext/timeline_plot.py draws the plot of timeline.rst from a CPU run at build time.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "_ext"))
+
 extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.viewcode",
     "myst_parser",
+    "timeline_plot",
 ]
 
 source_suffix = {".rst": "restructuredtext"}
@@ -69,6 +73,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"torch(\..*)?"),
     (r"py:.*", r"(typing|typing_extensions|collections|collections\.abc|contextlib)\..*"),
     (r"py:.*", r"(_thread|types|threading|queue|enum|abc|dataclasses|functools|argparse)\..*"),
+    (r"py:.*", r"(os|pathlib|matplotlib)(\..*)?"),
     (r"py:.*", r"(Tensor|Module|Sequential|Stream|device|dtype|Generator)"),
     (
         r"py:.*",

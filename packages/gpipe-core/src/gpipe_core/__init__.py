@@ -13,5 +13,28 @@ from .__about__ import __version__
 from .gpipe import CheckpointMode, GPipe
 from .partition import BalanceError, Device
 from .pipeline import clock_cycles
+from .timeline import (
+    PartitionSummary,
+    Phase,
+    TaskEvent,
+    Timeline,
+    TimelineSummary,
+    task_label,
+    theoretical_bubble,
+)
 
-__all__ = ["BalanceError", "CheckpointMode", "Device", "GPipe", "__version__", "clock_cycles"]
+__all__ = [
+    "BalanceError",
+    "CheckpointMode",
+    "Device",
+    "GPipe",
+    "PartitionSummary",
+    "Phase",
+    "TaskEvent",
+    "Timeline",
+    "TimelineSummary",
+    "__version__",
+    "clock_cycles",
+    "task_label",
+    "theoretical_bubble",
+]

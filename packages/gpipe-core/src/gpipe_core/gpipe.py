@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Iterator
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, NoReturn, cast
 
 import torch
@@ -25,6 +25,8 @@ from gpipe_skip import SkipLayout, inspect_skip_layout, verify_skippables
 
 from .partition import Device, check_balance, resolve_devices, split_module
 from .pipeline import Pipeline
+from .timeline import Timeline
+from .tracing import record, tracer_for
 from .worker import WorkerPool
 
 __all__ = ["GPipe"]
@@ -244,12 +246,35 @@ class GPipe(nn.Module):
             [current_stream(device) for device in self.devices],
             checkpoint_stop,
             skip_layout=self.skip_layout,
+            tracer=tracer_for(self, m),
         )
         # Deferred batch norms update their running statistics once, after all m
         # micro-batches (m may be less than chunks), and not at all if a micro-batch fails.
         with mini_batch(self) if self._deferred_batch_norm else nullcontext():
             pipeline.run(batches, self._pool)
         return gather(batches)
+
+    def trace(self) -> AbstractContextManager[Timeline]:
+        """Record the pipeline's tasks while the ``with`` block runs.
+
+        Every forward pass in the block, and the backward passes of its outputs that run in
+        the block too, are recorded: each task's phase, partition, micro-batch, start and
+        end, thread and device. Use the :class:`~gpipe_core.Timeline` after the block (CUDA
+        times are resolved when it exits). Outside such a block, nothing is recorded and
+        nothing is added to the autograd graph.
+
+        Raises:
+            RuntimeError: the module is already being traced.
+
+        Example:
+            >>> model = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), [1, 1], chunks=4)
+            >>> with model.trace() as timeline:
+            ...     model(torch.randn(8, 4, device=model.devices[0])).sum().backward()
+            >>> timeline.summary().theoretical_bubble  # (n - 1) / (m + n - 1)
+            0.2
+            >>> timeline.to_chrome_trace("trace.json")  # doctest: +SKIP
+        """
+        return record(self, self.devices)
 
     def extra_repr(self) -> str:
         devices = [str(device) for device in self.devices]

@@ -36,6 +36,7 @@ from gpipe_microbatch import (
 from gpipe_skip import SkipLayout
 
 from .skips import PipelineSkips
+from .tracing import Tracer
 from .worker import ExcInfo, Task, WorkerPool
 
 __all__ = ["PartitionTraits", "Pipeline", "clock_cycles"]
@@ -136,6 +137,7 @@ class Pipeline:
         checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed.
         skip_layout: the skip connections between partitions, if any (see
             :mod:`gpipe_core.skips`).
+        tracer: labels and records the tasks (when a profiler or a trace is active).
     """
 
     def __init__(
@@ -146,6 +148,7 @@ class Pipeline:
         compute_streams: Sequence[AbstractStream],
         checkpoint_stop: int,
         skip_layout: SkipLayout | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.partitions = partitions
         self.devices = devices
@@ -153,6 +156,7 @@ class Pipeline:
         self.compute_streams = compute_streams
         self.checkpoint_stop = checkpoint_stop
         self.traits = PartitionTraits(len(partitions))
+        self.tracer = tracer
         # Whether each partition has parameters to train: a checkpointed output needs
         # gradients then, even where its input needs none.
         self.trainable = [
@@ -240,6 +244,8 @@ class Pipeline:
                 next_stream = self.copy_streams[j][i]
                 if self.devices[j - 1] == self.devices[j]:
                     wait(batches[i], prev_stream, next_stream)
+                elif self.tracer is not None:
+                    self.tracer.copy(batches[i], i, j, prev_stream, next_stream, self.devices[j])
                 else:
                     copy(batches[i], prev_stream, next_stream)
 
@@ -251,6 +257,9 @@ class Pipeline:
         if j != 0:
             wait(batch, self.copy_streams[j][i], stream)
         what = f"output of partition {j}"
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.input(batch, i, j, device, stream, force=self.trainable[j])
         layers: _Function = partition
         if self.skips is not None and self.skips.involves(j):
             layers, batch = self.skips.prepare(i, j, partition, what, batch)
@@ -258,14 +267,21 @@ class Pipeline:
         def function(input: TensorOrTensors) -> TensorOrTensors:
             return check(layers(input), what)
 
+        checkpointed: _Function = function
+        if tracer is not None and i < self.checkpoint_stop:
+            checkpointed = tracer.recomputed(function, i, j, device, stream)
+
         compute: Callable[[], Batch]
         finalize: Callable[[Batch], None] | None = None
         if i < self.checkpoint_stop:
-            chk = self.traits.checkpoint(j, function, batch, self.trainable[j])
+            chk = self.traits.checkpoint(j, checkpointed, batch, self.trainable[j])
             compute, finalize = partial(self.traits.learn, j, chk), chk.recompute
         else:
             compute = partial(batch.call, layers, what)
         if self.checkpoint_stop > 0:
             # The lock must also cover the generator states the checkpoint phase saves.
             compute = partial(self.traits.run, j, device, compute)
+        if tracer is not None:
+            wrapped = tracer.task(i, j, device, stream, compute, finalize, i < self.checkpoint_stop)
+            compute, finalize = wrapped
         return Task(device, stream, state, compute=compute, finalize=finalize)

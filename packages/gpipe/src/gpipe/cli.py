@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from importlib import import_module
 
 __all__ = ["build_parser", "main"]
 
@@ -35,7 +36,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    demo.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="record one more pipelined step and write its Chrome/Perfetto trace (JSON) here",
+    )
+    demo.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="record one more pipelined step and draw its timeline here (PNG, SVG or PDF; "
+        "needs matplotlib: pip install gpipe[plot])",
+    )
     return parser
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import_module("matplotlib")
+    except ImportError:
+        return False
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoint=args.checkpoint,
             seed=args.seed,
             progress=not args.no_progress,
+            trace=args.trace,
+            plot=args.plot,
         )
         for name, value in (
             ("steps", config.steps),
@@ -61,6 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ):
             if value <= 0:
                 build_parser().error(f"--{name} must be a positive integer (--{name}: {value})")
+        if config.plot is not None and not _has_matplotlib():
+            build_parser().error(
+                f"--plot needs matplotlib: pip install gpipe[plot] (--plot: {config.plot})"
+            )
         report = run_demo(config)
         print(report.format())
         return 0

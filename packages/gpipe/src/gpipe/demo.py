@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from tqdm import tqdm  # type: ignore[import-untyped]
 
-from gpipe_core import GPipe
+from gpipe_core import GPipe, TimelineSummary
 
 __all__ = ["DemoConfig", "DemoReport", "build_model", "run_demo"]
 
@@ -26,6 +26,10 @@ class DemoConfig:
     checkpoint: str = "except_last"
     seed: int = 0
     progress: bool = True
+    #: Where to write the Chrome/Perfetto trace of one extra, recorded step (or None).
+    trace: str | None = None
+    #: Where to draw the timeline of that step (or None; needs matplotlib).
+    plot: str | None = None
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,10 @@ class DemoReport:
     final_loss: float
     pipelined_samples_per_s: float
     plain_samples_per_s: float
+    #: The summary of the recorded step, when a trace or a plot was asked for.
+    timeline: TimelineSummary | None = None
+    #: The files written for it.
+    written: tuple[str, ...] = ()
 
     def format(self) -> str:
         """The report as the command line prints it."""
@@ -53,6 +61,9 @@ class DemoReport:
                 "note: partitions share a device here, so pipelining splits the same "
                 "hardware; it pays off with one device per partition"
             )
+        if self.timeline is not None:
+            lines.append(str(self.timeline))
+        lines.extend(f"wrote {path}" for path in self.written)
         return "\n".join(lines)
 
 
@@ -114,6 +125,27 @@ def _train(
     return losses, time.perf_counter() - start
 
 
+def _record_step(
+    model: GPipe, data: torch.Tensor, target: torch.Tensor, config: DemoConfig
+) -> tuple[TimelineSummary, tuple[str, ...]]:
+    """Record one forward and backward pass of ``model``; write the trace and the plot."""
+    x = data[0].to(model.devices[0])
+    y = target[0].to(model.devices[-1])
+    with model.trace() as timeline:
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()  # type: ignore[no-untyped-call]
+    for parameter in model.parameters():
+        parameter.grad = None
+    written = []
+    if config.trace is not None:
+        timeline.to_chrome_trace(config.trace)
+        written.append(config.trace)
+    if config.plot is not None:
+        timeline.plot(config.plot)
+        written.append(config.plot)
+    return timeline.summary(), tuple(written)
+
+
 def run_demo(config: DemoConfig) -> DemoReport:
     """Train the demo network with and without pipelining on the same synthetic data.
 
@@ -141,6 +173,10 @@ def run_demo(config: DemoConfig) -> DemoReport:
     losses, elapsed = _train(
         pipelined, config.steps, data, target, devices, "gpipe", config.progress
     )
+    summary: TimelineSummary | None = None
+    written: tuple[str, ...] = ()
+    if config.trace is not None or config.plot is not None:
+        summary, written = _record_step(pipelined, data, target, config)
     plain_device = [devices[0]]
     plain.to(devices[0])
     _, plain_elapsed = _train(
@@ -153,4 +189,6 @@ def run_demo(config: DemoConfig) -> DemoReport:
         final_loss=losses[-1],
         pipelined_samples_per_s=samples / elapsed,
         plain_samples_per_s=samples / plain_elapsed,
+        timeline=summary,
+        written=written,
     )
