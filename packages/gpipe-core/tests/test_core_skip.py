@@ -468,3 +468,17 @@ def test_stashing_the_output_itself_and_a_detached_tensor(
     plain = copy.deepcopy(model)
     pipe = GPipe(model, balance, chunks=3, checkpoint=checkpoint)
     assert_matches_plain(pipe, plain, torch.randn(6, 3, dtype=torch.float64), weighted=True)
+
+
+@pytest.mark.parametrize("inner_checkpoint", MODES)
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_a_nested_gpipe_pairs_its_own_skips(
+    checkpoint: str, inner_checkpoint: str, assert_matches_plain: Callable[..., Any]
+) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), unet(3, 3, 0), nn.Linear(2, 3)).double()
+    plain = copy.deepcopy(model)
+    model[1] = GPipe(model[1], [3, 3, 2], chunks=2, checkpoint=inner_checkpoint)
+    # The outer GPipe leaves the inner one's skips to it: no skip crosses its partitions.
+    pipe = GPipe(model, [1, 1, 1], chunks=2, checkpoint=checkpoint)
+    assert pipe.skip_layout.empty
+    assert_matches_plain(pipe, plain, torch.randn(4, 3, dtype=torch.float64), weighted=True)

@@ -139,6 +139,23 @@ def test_nested_skippable_is_a_problem() -> None:
     ]
 
 
+class PairsItsOwn(nn.Sequential):
+    """A container that keeps the layout of its own skips, as a nested GPipe does."""
+
+    def __init__(self, *layers: nn.Module) -> None:
+        super().__init__(*layers)
+        self.skip_layout = inspect_skip_layout([self])
+
+
+def test_a_module_with_its_own_skip_layout_pairs_its_own_skips() -> None:
+    inner = PairsItsOwn(Stash(), nn.ReLU(), Pop())
+    verify_skippables(nn.Sequential(nn.ReLU(), inner, nn.ReLU()))
+    verify_skippables(nn.Sequential(nn.Sequential(inner)))
+    # Without a layout of its own, a container is no such module.
+    del inner.skip_layout
+    assert len(problems(nn.Sequential(inner))) == 2
+
+
 def test_verify_needs_a_sequential() -> None:
     with pytest.raises(TypeError, match=r"module must be nn.Sequential .* \(module: Linear\)"):
         verify_skippables(nn.Linear(1, 1))  # type: ignore[arg-type]

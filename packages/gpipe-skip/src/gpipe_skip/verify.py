@@ -31,6 +31,13 @@ def _skip(key: SkipKey) -> str:
     return f"{name!r} in {namespace!r}"
 
 
+def _pairs_own_skips(module: nn.Module) -> bool:
+    """Whether ``module`` keeps a skip layout of its own, as a GPipe does: it pairs its skips."""
+    from .layout import SkipLayout  # layout imports this module
+
+    return isinstance(module.__dict__.get("skip_layout"), SkipLayout)
+
+
 def scan_layers(layers: Iterable[nn.Module]) -> _Scan:
     """Find every stash and pop of ``layers`` (in order) and every integrity problem."""
     scan = _Scan()
@@ -38,7 +45,11 @@ def scan_layers(layers: Iterable[nn.Module]) -> _Scan:
     described: list[str] = []
     for index, layer in enumerate(layers):
         described.append(_describe(index, layer))
-        for path, module in layer.named_modules():
+        modules = list(layer.named_modules())
+        owners = [path for path, module in modules if _pairs_own_skips(module)]
+        for path, module in modules:
+            if any(not owner or path.startswith(f"{owner}.") for owner in owners):
+                continue
             if path and isinstance(module, Skippable):
                 scan.problems.append(
                     (
@@ -103,7 +114,8 @@ def verify_skippables(module: nn.Sequential) -> None:
 
     In each namespace, every skip name must be stashed by exactly one layer and popped by
     exactly one later layer. Skippable modules must be layers of ``module`` itself, not
-    nested in one. :class:`~gpipe_core.GPipe` runs the same check when it wraps a module.
+    nested in one, but for those of a nested :class:`~gpipe_core.GPipe`, which pairs its
+    own. :class:`~gpipe_core.GPipe` runs the same check when it wraps a module.
 
     Raises:
         TypeError: ``module`` is not an :class:`~torch.nn.Sequential`, or its skip
