@@ -508,3 +508,30 @@ def test_layer_by_layer_profiling() -> None:
     with use_skip_tracker(SkipTracker(detach=True)) as tracker:
         profile()
     assert len(tracker) == 0
+
+
+def test_subclass_generator_may_yield_from_the_parent_forward() -> None:
+    @skippable(stash=["skip"])
+    class Base(nn.Module):
+        def forward(self, x):
+            yield stash("skip", x + 1)
+            return x * 2
+
+    class Sub(Base):
+        def forward(self, x):
+            out = yield from super().forward(x)
+            return out + 10
+
+    class SubSub(Sub):
+        def forward(self, x):
+            out = yield from super().forward(x)
+            return -out
+
+    with use_skip_tracker(SkipTracker()) as tracker:
+        torch.testing.assert_close(Sub()(torch.ones(1)), torch.full((1,), 12.0))
+        torch.testing.assert_close(tracker.pop((DEFAULT_NAMESPACE, "skip")), torch.full((1,), 2.0))
+        torch.testing.assert_close(SubSub()(torch.ones(1)), torch.full((1,), -12.0))
+        torch.testing.assert_close(tracker.pop((DEFAULT_NAMESPACE, "skip")), torch.full((1,), 2.0))
+        # Driven again after a call: the re-entry mark does not outlive the call.
+        torch.testing.assert_close(Base()(torch.ones(1)), torch.full((1,), 2.0))
+        tracker.pop((DEFAULT_NAMESPACE, "skip"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Generator, Iterable
 from types import GeneratorType
 from typing import Any, ClassVar
@@ -111,12 +112,13 @@ class Skippable(nn.Module):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        # A subclass of a skippable class may define its own generator forward; the
-        # driver stays the forward that nn.Module calls.
+        # Every class that defines a generator forward (the decorated class, or a subclass
+        # of it) gets a driver of its own as the forward that nn.Module calls, so that
+        # ``yield from super().forward(x)`` reaches the parent's generator.
         forward = cls.__dict__.get("forward")
-        if forward is not None and forward is not Skippable.forward:
+        if forward is not None and not getattr(forward, "_skippable_driver", False):
             cls._generator_forward = forward
-            cls.forward = Skippable.forward  # type: ignore[method-assign]
+            cls.forward = _driver(forward)  # type: ignore[method-assign]
 
     def isolate(self, ns: Namespace, *, only: Iterable[str] | None = None) -> Skippable:
         """Move this layer's skip names (all, or those in ``only``) into ``ns``.
@@ -192,11 +194,7 @@ class Skippable(nn.Module):
                 one twice, or returns without stashing or popping every declared name.
             TypeError: the generator yields something else than a stash or pop command.
         """
-        result = type(self)._generator_forward(self, *args, **kwargs)
-        if not isinstance(result, GeneratorType):
-            self._check_all_done(set(), set())
-            return result
-        return self._drive(result)
+        return _drive_forward(self, type(self)._generator_forward, args, kwargs)
 
     def _drive(self, generator: Generator[Any, Any, Any]) -> Any:
         tracker = current_skip_tracker()
@@ -256,6 +254,52 @@ class Skippable(nn.Module):
                 f"{', '.join(missing)}; every declared skip must be stashed and popped on "
                 "every call (stash None for a skip that does not apply)"
             )
+
+
+class _Driving(threading.local):
+    """The skippable layers whose generator this thread is running."""
+
+    def __init__(self) -> None:
+        self.layers: set[int] = set()
+
+
+_driving = _Driving()
+
+
+def _drive_forward(
+    layer: Skippable,
+    generator_forward: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Call ``generator_forward`` and drive its generator, unless ``layer`` is driven.
+
+    Inside a running generator of ``layer`` (``yield from super().forward(x)`` in a
+    subclass), the call returns the generator itself, for the outer driver to serve.
+    """
+    result = generator_forward(layer, *args, **kwargs)
+    if id(layer) in _driving.layers:
+        return result
+    if not isinstance(result, GeneratorType):
+        layer._check_all_done(set(), set())
+        return result
+    _driving.layers.add(id(layer))
+    try:
+        return layer._drive(result)
+    finally:
+        _driving.layers.discard(id(layer))
+
+
+def _driver(generator_forward: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``forward`` of a skippable class whose generator forward is ``generator_forward``."""
+
+    def forward(self: Skippable, *args: Any, **kwargs: Any) -> Any:
+        return _drive_forward(self, generator_forward, args, kwargs)
+
+    forward.__doc__ = Skippable.forward.__doc__
+    forward.__qualname__ = getattr(generator_forward, "__qualname__", "forward")
+    forward._skippable_driver = True  # type: ignore[attr-defined]
+    return forward
 
 
 def _names(value: object, argument: str) -> tuple[str, ...]:
@@ -334,7 +378,7 @@ def skippable(
             "__doc__": cls.__doc__,
             "stash_names": stash_names,
             "pop_names": pop_names,
-            "_generator_forward": cls.forward,
+            "forward": cls.forward,  # the generator; __init_subclass__ puts a driver in front
         }
         return type(cls.__name__, (Skippable, cls), namespace)
 
