@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gpipe_core import GPipe, Phase, TaskEvent, Timeline, task_label, theoretical_bubble, tracing
+from gpipe_skip import pop, skippable, stash
 
 MODES = ("always", "except_last", "never")
 N, M = 3, 4
@@ -456,6 +457,36 @@ def test_copy_is_recorded_both_ways() -> None:
     names = [e["args"]["name"] for e in data["traceEvents"] if e["name"] == "thread_name"]
     assert "partition 1 copies" in names
     check_chrome_trace(data, 2)
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    def forward(self, x):
+        yield stash("skip", x * 2)
+        return x
+
+
+@skippable(pop=["skip"])
+class Pop(nn.Module):
+    def forward(self, x):
+        skip = yield pop("skip")
+        return x + skip
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_skip_copies_are_recorded(checkpoint: str) -> None:
+    # "cpu" and "cpu:0" are different devices to the pipeline, so it copies between them.
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(4, 4), Stash(), nn.Linear(4, 4), nn.Linear(4, 4), Pop())
+    devices = [torch.device("cpu"), torch.device("cpu"), torch.device("cpu", 0)]
+    model = GPipe(layers, [2, 2, 1], devices=devices, chunks=2, checkpoint=checkpoint)
+    assert [(r.stash_partition, r.pop_partition) for r in model.skip_layout.routes] == [(0, 2)]
+    timeline = traced_step(model, torch.randn(4, 4, requires_grad=True))
+    copies = Counter((e.partition, e.microbatch, e.backward) for e in timeline.events
+                     if e.phase is Phase.COPY)  # fmt: skip
+    # Into partition 2, for each micro-batch and both ways: its input from partition 1
+    # and the skip from partition 0.
+    assert copies == {(2, i, backward): 2 for i in range(2) for backward in (False, True)}
 
 
 def test_cuda_stamps_are_put_on_the_host_clock() -> None:

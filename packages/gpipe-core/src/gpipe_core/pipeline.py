@@ -165,7 +165,7 @@ class Pipeline:
         ]
         self.skips: PipelineSkips | None = None
         if skip_layout is not None and not skip_layout.empty:
-            self.skips = PipelineSkips(skip_layout, devices, copy_streams, compute_streams)
+            self.skips = PipelineSkips(skip_layout, devices, copy_streams, compute_streams, tracer)
 
     def run(self, batches: list[Batch], pool: WorkerPool) -> None:
         """Run every micro-batch through every partition; ``batches`` is updated in place.
