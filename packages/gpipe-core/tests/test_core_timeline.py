@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import itertools
 import json
 import re
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -116,6 +118,26 @@ def test_eval_and_no_grad_record_forward_only() -> None:
         model(torch.randn(8, 8))
     assert keys(timeline, Phase.FORWARD) == ALL
     assert len(timeline.events) == N * M
+
+
+class SlowDropout(nn.Dropout):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.01)
+        return super().forward(x)
+
+
+def test_forward_tasks_waiting_for_the_generator_lock_are_not_busy() -> None:
+    # Checkpointed partitions that draw random numbers on one device take turns under the
+    # device's generator lock: a task's time starts once it holds the lock.
+    torch.manual_seed(0)
+    layers = [m for _ in range(N) for m in (nn.Linear(4, 4), SlowDropout(0.5))]
+    model = GPipe(nn.Sequential(*layers), [2] * N, chunks=M, checkpoint="always")
+    with model.trace() as timeline:
+        model(torch.randn(8, 4, requires_grad=True))
+    forward = sorted((e.start_ns, e.end_ns) for e in timeline.events if e.phase is Phase.FORWARD)
+    assert len(forward) == N * M
+    for (_, end), (start, _) in itertools.pairwise(forward):
+        assert start >= end
 
 
 def test_one_partition_runs_in_the_calling_thread() -> None:

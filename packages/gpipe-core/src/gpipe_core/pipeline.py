@@ -278,10 +278,11 @@ class Pipeline:
             compute, finalize = partial(self.traits.learn, j, chk), chk.recompute
         else:
             compute = partial(batch.call, layers, what)
-        if self.checkpoint_stop > 0:
-            # The lock must also cover the generator states the checkpoint phase saves.
-            compute = partial(self.traits.run, j, device, compute)
         if tracer is not None:
             wrapped = tracer.task(i, j, device, stream, compute, finalize, i < self.checkpoint_stop)
             compute, finalize = wrapped
+        if self.checkpoint_stop > 0:
+            # The lock must also cover the generator states the checkpoint phase saves.
+            # (A task waiting for it is not busy: the tracer times what runs under it.)
+            compute = partial(self.traits.run, j, device, compute)
         return Task(device, stream, state, compute=compute, finalize=finalize)
