@@ -496,14 +496,18 @@ class Pop(nn.Module):
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_skip_copies_are_recorded(checkpoint: str) -> None:
+def test_skip_copies_are_recorded(
+    checkpoint: str, assert_matches_plain: Callable[..., Any]
+) -> None:
     # "cpu" and "cpu:0" are different devices to the pipeline, so it copies between them.
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(4, 4), Stash(), nn.Linear(4, 4), nn.Linear(4, 4), Pop())
+    plain = copy.deepcopy(layers)
     devices = [torch.device("cpu"), torch.device("cpu"), torch.device("cpu", 0)]
     model = GPipe(layers, [2, 2, 1], devices=devices, chunks=2, checkpoint=checkpoint)
     assert [(r.stash_partition, r.pop_partition) for r in model.skip_layout.routes] == [(0, 2)]
-    timeline = traced_step(model, torch.randn(4, 4, requires_grad=True))
+    with model.trace() as timeline:
+        assert_matches_plain(model, plain, torch.randn(4, 4), weighted=True)
     copies = Counter((e.partition, e.microbatch, e.backward) for e in timeline.events
                      if e.phase is Phase.COPY)  # fmt: skip
     # Into partition 2, for each micro-batch and both ways: its input from partition 1
