@@ -454,7 +454,7 @@ def docs(session: nox.Session) -> None:
     """Sphinx HTML build; every warning and every unresolved reference is an error."""
     install_torch(session, DEV_TORCH)
     # matplotlib draws the plot of docs/timeline.rst while the docs build.
-    session.install(*SPHINX, "matplotlib>=3.5")
+    session.install(*SPHINX, "matplotlib>=3.6")
     install_all_packages(session)
     out = DOCS_DIR / "_build" / "html"
     session.run(

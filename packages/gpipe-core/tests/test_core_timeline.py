@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import itertools
 import json
 import re
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gpipe_core import GPipe, Phase, TaskEvent, Timeline, task_label, theoretical_bubble, tracing
+from gpipe_skip import pop, skippable, stash
 
 MODES = ("always", "except_last", "never")
 N, M = 3, 4
@@ -115,6 +118,26 @@ def test_eval_and_no_grad_record_forward_only() -> None:
         model(torch.randn(8, 8))
     assert keys(timeline, Phase.FORWARD) == ALL
     assert len(timeline.events) == N * M
+
+
+class SlowDropout(nn.Dropout):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.01)
+        return super().forward(x)
+
+
+def test_forward_tasks_waiting_for_the_generator_lock_are_not_busy() -> None:
+    # Checkpointed partitions that draw random numbers on one device take turns under the
+    # device's generator lock: a task's time starts once it holds the lock.
+    torch.manual_seed(0)
+    layers = [m for _ in range(N) for m in (nn.Linear(4, 4), SlowDropout(0.5))]
+    model = GPipe(nn.Sequential(*layers), [2] * N, chunks=M, checkpoint="always")
+    with model.trace() as timeline:
+        model(torch.randn(8, 4, requires_grad=True))
+    forward = sorted((e.start_ns, e.end_ns) for e in timeline.events if e.phase is Phase.FORWARD)
+    assert len(forward) == N * M
+    for (_, end), (start, _) in itertools.pairwise(forward):
+        assert start >= end
 
 
 def test_one_partition_runs_in_the_calling_thread() -> None:
@@ -456,6 +479,40 @@ def test_copy_is_recorded_both_ways() -> None:
     names = [e["args"]["name"] for e in data["traceEvents"] if e["name"] == "thread_name"]
     assert "partition 1 copies" in names
     check_chrome_trace(data, 2)
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    def forward(self, x):
+        yield stash("skip", x * 2)
+        return x
+
+
+@skippable(pop=["skip"])
+class Pop(nn.Module):
+    def forward(self, x):
+        skip = yield pop("skip")
+        return x + skip
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_skip_copies_are_recorded(
+    checkpoint: str, assert_matches_plain: Callable[..., Any]
+) -> None:
+    # "cpu" and "cpu:0" are different devices to the pipeline, so it copies between them.
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(4, 4), Stash(), nn.Linear(4, 4), nn.Linear(4, 4), Pop())
+    plain = copy.deepcopy(layers)
+    devices = [torch.device("cpu"), torch.device("cpu"), torch.device("cpu", 0)]
+    model = GPipe(layers, [2, 2, 1], devices=devices, chunks=2, checkpoint=checkpoint)
+    assert [(r.stash_partition, r.pop_partition) for r in model.skip_layout.routes] == [(0, 2)]
+    with model.trace() as timeline:
+        assert_matches_plain(model, plain, torch.randn(4, 4), weighted=True)
+    copies = Counter((e.partition, e.microbatch, e.backward) for e in timeline.events
+                     if e.phase is Phase.COPY)  # fmt: skip
+    # Into partition 2, for each micro-batch and both ways: its input from partition 1
+    # and the skip from partition 0.
+    assert copies == {(2, i, backward): 2 for i in range(2) for backward in (False, True)}
 
 
 def test_cuda_stamps_are_put_on_the_host_clock() -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import gpipe.timeline
 import gpipe_core
 
@@ -18,3 +22,13 @@ def test_every_name_is_the_same_object() -> None:
     ]
     for name in gpipe.timeline.__all__:
         assert getattr(gpipe.timeline, name) is getattr(gpipe_core, name), name
+
+
+def test_import_gpipe_gives_gpipe_timeline() -> None:
+    # In a fresh interpreter: here gpipe.timeline is already imported by this module.
+    code = "import gpipe; print(gpipe.timeline.Timeline.__module__, 'timeline' in gpipe.__all__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                            check=False)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["gpipe_core.timeline", "True"]

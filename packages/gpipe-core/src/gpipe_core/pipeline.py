@@ -165,7 +165,7 @@ class Pipeline:
         ]
         self.skips: PipelineSkips | None = None
         if skip_layout is not None and not skip_layout.empty:
-            self.skips = PipelineSkips(skip_layout, devices, copy_streams, compute_streams)
+            self.skips = PipelineSkips(skip_layout, devices, copy_streams, compute_streams, tracer)
 
     def run(self, batches: list[Batch], pool: WorkerPool) -> None:
         """Run every micro-batch through every partition; ``batches`` is updated in place.
@@ -278,10 +278,11 @@ class Pipeline:
             compute, finalize = partial(self.traits.learn, j, chk), chk.recompute
         else:
             compute = partial(batch.call, layers, what)
-        if self.checkpoint_stop > 0:
-            # The lock must also cover the generator states the checkpoint phase saves.
-            compute = partial(self.traits.run, j, device, compute)
         if tracer is not None:
             wrapped = tracer.task(i, j, device, stream, compute, finalize, i < self.checkpoint_stop)
             compute, finalize = wrapped
+        if self.checkpoint_stop > 0:
+            # The lock must also cover the generator states the checkpoint phase saves.
+            # (A task waiting for it is not busy: the tracer times what runs under it.)
+            compute = partial(self.traits.run, j, device, compute)
         return Task(device, stream, state, compute=compute, finalize=finalize)

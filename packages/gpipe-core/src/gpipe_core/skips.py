@@ -24,6 +24,8 @@ from torch import Tensor, nn
 from gpipe_microbatch import AbstractStream, Batch, TensorOrTensors, check, copy, wait
 from gpipe_skip import SkipKey, SkipLayout, run_partition
 
+from .tracing import Tracer
+
 __all__ = ["PipelineSkips", "SkipCall", "send_skips"]
 
 # How a partition's flat output splits: whether its output is one tensor, how many tensors
@@ -110,7 +112,9 @@ def send_skips(
     """Send skip tensors from partition ``source`` to partition ``target`` (in place).
 
     The one place where skip tensors cross partitions: a differentiable copy between
-    devices, or a stream wait when both partitions share a device.
+    devices, or a stream wait when both partitions share a device. (While a trace or a
+    profiler records the run, :meth:`PipelineSkips.prepare` makes the copy through
+    :meth:`Tracer.copy <gpipe_core.tracing.Tracer.copy>` instead, which records it.)
     """
     if same_device:
         wait(batch, source_stream, target_stream)
@@ -127,8 +131,10 @@ class PipelineSkips:
         devices: Sequence[torch.device],
         copy_streams: Sequence[Sequence[AbstractStream]],
         compute_streams: Sequence[AbstractStream],
+        tracer: Tracer | None = None,
     ) -> None:
         self.layout = layout
+        self.tracer = tracer
         self.devices = devices
         self.copy_streams = copy_streams
         self.compute_streams = compute_streams
@@ -160,14 +166,13 @@ class PipelineSkips:
         target_stream = self.copy_streams[j][i]
         for source, keys in by_source.items():
             moving = Batch(tuple(skips_in[key] for key in keys))  # type: ignore[misc]
-            send_skips(
-                moving,
-                source,
-                j,
-                self.copy_streams[source][i],
-                target_stream,
-                self.devices[source] == self.devices[j],
-            )
+            source_stream = self.copy_streams[source][i]
+            same_device = self.devices[source] == self.devices[j]
+            if self.tracer is not None and not same_device:
+                # Recorded as a copy into partition j, like its input.
+                self.tracer.copy(moving, i, j, source_stream, target_stream, self.devices[j])
+            else:
+                send_skips(moving, source, j, source_stream, target_stream, same_device)
             # The partition's compute stream waits for the copies, as for its input.
             wait(moving, target_stream, self.compute_streams[j])
             skips_in.update(zip(keys, moving, strict=True))

@@ -355,7 +355,7 @@ class Timeline:
 
     @staticmethod
     def _flows(events: list[TaskEvent], pid: int) -> list[dict[str, Any]]:
-        # The first forward and the last backward task of each (run, partition, micro-batch)
+        # The first forward and the first backward task of each (run, partition, micro-batch)
         # (a graph differentiated twice has two backward tasks).
         first: dict[tuple[int, int, int, bool], TaskEvent] = {}
         for e in events:

@@ -15,7 +15,7 @@ Example:
 from gpipe_checkpoint import is_checkpointing, is_recomputing
 from gpipe_core import BalanceError, GPipe
 
-from . import balance, bn, skip  # the facade modules gpipe.balance, gpipe.bn, gpipe.skip
+from . import balance, bn, skip, timeline  # the facade modules gpipe.<name>
 from .__about__ import __version__
 
 __all__ = [
@@ -27,4 +27,5 @@ __all__ = [
     "is_checkpointing",
     "is_recomputing",
     "skip",
+    "timeline",
 ]
