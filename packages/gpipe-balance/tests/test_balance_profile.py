@@ -450,6 +450,18 @@ def test_sample_on_another_device(balancer: str) -> None:
 
 
 @pytest.mark.parametrize("balancer", list(BALANCERS))
+def test_sample_on_cpu_profiled_on_cuda(balancer: str) -> None:
+    # Named without an index, with or without CUDA on the machine: the same clear error.
+    name = "sample" if balancer == "balance_by_time" else "input"
+    model = nn.Sequential(nn.Linear(2, 2))
+    for device in ("cuda", torch.device("cuda")):
+        with pytest.raises(
+            ValueError, match=rf"{name} must be on the profiled device \({name}: cpu, device: cuda"
+        ):
+            BALANCERS[balancer](1, model, torch.randn(2, 2), device=device)
+
+
+@pytest.mark.parametrize("balancer", list(BALANCERS))
 def test_sample_not_tensors(balancer: str) -> None:
     model = nn.Sequential(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="must be a tensor or a tuple of tensors"):

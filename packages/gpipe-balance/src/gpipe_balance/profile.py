@@ -51,7 +51,8 @@ def check_module(module: object) -> nn.Sequential:
 def _normalize(device: Device) -> torch.device:
     result = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     index: int | None = result.index
-    if result.type == "cuda" and index is None:
+    # Without CUDA, "cuda" stays as it is: no sample can be there, and the caller says so.
+    if result.type == "cuda" and index is None and torch.cuda.is_available():
         result = torch.device("cuda", torch.cuda.current_device())
     return result
 
