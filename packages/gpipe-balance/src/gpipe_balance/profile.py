@@ -218,11 +218,20 @@ def profile_times(
     timeout = _check_real(timeout, "timeout")
     passes: list[list[float]] = []
     start = time.perf_counter()
-    bar = Progress("profiling layer times", timeout, unit="s", enabled=progress)
+    # The bar shows the share of the work done, in percent. The warm-up pass and one measured
+    # pass always run, and the passes go on until the timeout: the share is the smaller of
+    # the two, and the bar is full only once profiling is done.
+    runs = 2 * len(module)
+    done = 0
+    bar = Progress("profiling layer times", 100, unit="%", enabled=progress)
     with bar, _preserved_rng(target), torch.enable_grad():
 
         def tick() -> None:
-            bar.update(time.perf_counter() - start)
+            nonlocal done
+            done += 1
+            elapsed = time.perf_counter() - start
+            share = min(done / runs, elapsed / timeout if timeout else 1.0)
+            bar.update(min(math.floor(100 * share), 99))
 
         # The first pass pays one-time costs (allocations, kernel selection, lazy
         # initialization): it warms up and is not counted.
@@ -231,6 +240,7 @@ def profile_times(
             passes.append(_time_pass(module, batch, target, tick))
             if time.perf_counter() - start >= timeout:
                 break
+        bar.update(100)
     return [statistics.median(times) for times in zip(*passes, strict=True)]
 
 
