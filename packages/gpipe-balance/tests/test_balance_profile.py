@@ -572,6 +572,25 @@ def test_cuda_sample_on_another_device() -> None:
         balance_by_size(1, model, torch.randn(2, 2, device="cuda"), device="cpu")
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_cuda_profiled_device_is_the_current_device() -> None:
+    class Noise(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            # On the current device, as a layer may do: in a pipeline, its partition's device.
+            return x + torch.randn(x.shape, device="cuda")
+
+    model = nn.Sequential(nn.Linear(4, 4), Noise())
+    sample = torch.randn(2, 4, device="cuda:1")
+    states = [torch.cuda.get_rng_state(index) for index in range(2)]
+    assert torch.cuda.current_device() == 0
+    assert len(profile_times(model, sample, timeout=0)) == 2
+    assert len(profile_sizes(model, sample)) == 2
+    assert torch.cuda.current_device() == 0
+    for index, state in enumerate(states):
+        assert torch.equal(torch.cuda.get_rng_state(index), state), index
+
+
 def test_time_leaves_out_the_warm_up_pass(clock: list[float]) -> None:
     calls = []
 

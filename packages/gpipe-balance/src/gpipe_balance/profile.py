@@ -8,7 +8,8 @@ number generator states (CPU, and the profiled CUDA device) are restored afterwa
 
 The layers run in order in the calling thread, each on the previous layer's output, so
 layers that hand tensors to later layers through thread-local state (skippable layers, for
-example) work as in a plain forward pass.
+example) work as in a plain forward pass. The profiled device is the current CUDA device
+while they run, as a partition's device is in a pipeline.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gpipe_microbatch import Batch, TensorOrTensors, check, check_chunks, scatter
+from gpipe_microbatch import Batch, TensorOrTensors, check, check_chunks, scatter, use_device
 
 from .progress import Progress
 
@@ -224,7 +225,7 @@ def profile_times(
     runs = 2 * len(module)
     done = 0
     bar = Progress("profiling layer times", 100, unit="%", enabled=progress)
-    with bar, _preserved_rng(target), torch.enable_grad():
+    with bar, use_device(target), _preserved_rng(target), torch.enable_grad():
 
         def tick() -> None:
             nonlocal done
@@ -360,7 +361,7 @@ def profile_sizes(
 
     sizes: list[float] = []
     bar = Progress("profiling layer sizes", len(module), unit="layer", enabled=progress)
-    with bar, _preserved_rng(target), torch.enable_grad():
+    with bar, use_device(target), _preserved_rng(target), torch.enable_grad():
         batch = _first_input(micro_batch)
         # Storages saved by the previous and the current layer, kept alive while they are
         # remembered so that their addresses cannot be reused by new storages.
