@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-import time
+import types
 from typing import Any
 
 import pytest
@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
+import gpipe_balance.profile as profile_module
 from gpipe_balance import (
     BalanceError,
     balance_by_size,
@@ -262,39 +263,67 @@ def test_sizes_profile_one_micro_batch() -> None:
     assert profile_sizes(model, torch.randn(7, 4), chunks=3, param_scale=0) == [48.0, 48.0]
 
 
-def test_time_finds_the_slow_layer() -> None:
-    class Slow(nn.Module):
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The clock profile_times reads, made fake: layers advance it instead of sleeping, so
+    the measured times are exact and do not depend on the load of the machine."""
+    now = [0.0]
+    monkeypatch.setattr(profile_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    return now
+
+
+def takes(clock: list[float], *seconds: float) -> nn.Sequential:
+    """A model whose layer ``i`` takes ``seconds[i]`` on ``clock`` in its forward."""
+
+    class Takes(nn.Module):
+        def __init__(self, seconds: float) -> None:
+            super().__init__()
+            self.seconds = seconds
+
         def forward(self, x: Tensor) -> Tensor:
-            time.sleep(0.03)
+            clock[0] += self.seconds
             return x + 1
 
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), Slow(), nn.Linear(4, 4), nn.ReLU())
+    return nn.Sequential(*[Takes(s) for s in seconds])
+
+
+def test_time_finds_the_slow_layer(clock: list[float]) -> None:
+    model = takes(clock, 1.0, 1.0, 30.0, 1.0, 1.0)
     sample = torch.randn(2, 4)
-    # Several measured passes: the medians shrug off a scheduling hiccup on a busy machine.
-    times = profile_times(model, sample, timeout=0.3)
-    assert max(range(5), key=times.__getitem__) == 2
+    assert profile_times(model, sample, timeout=0) == [1.0, 1.0, 30.0, 1.0, 1.0]
     # The slow layer alone is the only split with the smallest bottleneck.
-    assert balance_by_time(3, model, sample, timeout=0.3) == [2, 1, 2]
+    assert balance_by_time(3, model, sample, timeout=0) == [2, 1, 2]
 
 
-def test_time_repeats_until_the_timeout() -> None:
+def test_time_repeats_until_the_timeout(clock: list[float]) -> None:
     calls = []
 
     class Count(nn.Module):
         def forward(self, x: Tensor) -> Tensor:
-            calls.append(1)
+            calls.append(clock[0])
+            clock[0] += 1.0
             return x * 2
 
     profile_times(nn.Sequential(Count()), torch.randn(2, 2), timeout=0)
-    assert len(calls) == 2  # the warm-up pass and one measured pass
+    assert calls == [0.0, 1.0]  # the warm-up pass and one measured pass
     calls.clear()
-    began = time.perf_counter()
-    profile_times(nn.Sequential(Count()), torch.randn(2, 2), timeout=0.05)
-    assert time.perf_counter() - began >= 0.05
-    assert len(calls) > 1
+    clock[0] = 0.0
+    profile_times(nn.Sequential(Count()), torch.randn(2, 2), timeout=5.0)
+    assert calls == [0.0, 1.0, 2.0, 3.0, 4.0]  # passes start until 5 s have passed
 
 
-def test_time_includes_backward() -> None:
+def test_time_is_the_median_of_the_passes(clock: list[float]) -> None:
+    seconds = iter([0.0, 1.0, 100.0, 2.0])  # the warm-up pass, then three measured passes
+
+    class Hiccup(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            clock[0] += next(seconds)
+            return x + 1
+
+    assert profile_times(nn.Sequential(Hiccup()), torch.randn(2, 2), timeout=103.0) == [2.0]
+
+
+def test_time_includes_backward(clock: list[float]) -> None:
     class SlowBackward(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, x: Tensor) -> Tensor:
@@ -302,7 +331,7 @@ def test_time_includes_backward() -> None:
 
         @staticmethod
         def backward(ctx: Any, grad: Tensor) -> Tensor:
-            time.sleep(0.03)
+            clock[0] += 30.0
             return grad
 
     class Layer(nn.Module):
@@ -310,9 +339,7 @@ def test_time_includes_backward() -> None:
             return SlowBackward.apply(x)
 
     model = nn.Sequential(nn.Linear(4, 4), Layer(), nn.Linear(4, 4))
-    times = profile_times(model, torch.randn(2, 4), timeout=0.3)
-    assert times[1] >= 0.03
-    assert max(range(3), key=times.__getitem__) == 1
+    assert profile_times(model, torch.randn(2, 4), timeout=0) == [0.0, 30.0, 0.0]
 
 
 def test_inplace_layers() -> None:
@@ -450,6 +477,18 @@ def test_sample_on_another_device(balancer: str) -> None:
 
 
 @pytest.mark.parametrize("balancer", list(BALANCERS))
+def test_sample_on_cpu_profiled_on_cuda(balancer: str) -> None:
+    # Named without an index, with or without CUDA on the machine: the same clear error.
+    name = "sample" if balancer == "balance_by_time" else "input"
+    model = nn.Sequential(nn.Linear(2, 2))
+    for device in ("cuda", torch.device("cuda")):
+        with pytest.raises(
+            ValueError, match=rf"{name} must be on the profiled device \({name}: cpu, device: cuda"
+        ):
+            BALANCERS[balancer](1, model, torch.randn(2, 2), device=device)
+
+
+@pytest.mark.parametrize("balancer", list(BALANCERS))
 def test_sample_not_tensors(balancer: str) -> None:
     model = nn.Sequential(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="must be a tensor or a tuple of tensors"):
@@ -533,17 +572,36 @@ def test_cuda_sample_on_another_device() -> None:
         balance_by_size(1, model, torch.randn(2, 2, device="cuda"), device="cpu")
 
 
-def test_time_leaves_out_the_warm_up_pass() -> None:
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_cuda_profiled_device_is_the_current_device() -> None:
+    class Noise(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            # On the current device, as a layer may do: in a pipeline, its partition's device.
+            return x + torch.randn(x.shape, device="cuda")
+
+    model = nn.Sequential(nn.Linear(4, 4), Noise())
+    sample = torch.randn(2, 4, device="cuda:1")
+    states = [torch.cuda.get_rng_state(index) for index in range(2)]
+    assert torch.cuda.current_device() == 0
+    assert len(profile_times(model, sample, timeout=0)) == 2
+    assert len(profile_sizes(model, sample)) == 2
+    assert torch.cuda.current_device() == 0
+    for index, state in enumerate(states):
+        assert torch.equal(torch.cuda.get_rng_state(index), state), index
+
+
+def test_time_leaves_out_the_warm_up_pass(clock: list[float]) -> None:
     calls = []
 
     class SlowOnce(nn.Module):
         def forward(self, x: Tensor) -> Tensor:
             calls.append(1)
             if len(calls) == 1:
-                time.sleep(0.05)  # a one-time cost, as lazy initialization is
+                clock[0] += 50.0  # a one-time cost, as lazy initialization is
             return x + 1
 
     model = nn.Sequential(SlowOnce(), nn.Linear(4, 4))
     times = profile_times(model, torch.randn(2, 4), timeout=0)
     assert len(calls) == 2
-    assert times[0] < 0.05
+    assert times == [0.0, 0.0]

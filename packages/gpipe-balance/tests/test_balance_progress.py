@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import sys
+import types
 
 import pytest
 import torch
@@ -85,3 +86,42 @@ def test_profilers_pass_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     profile_sizes(model, torch.randn(2, 2), progress=True)
     profile_module.profile_times(model, torch.randn(2, 2), timeout=0, progress=False)
     assert seen == [None, True, False]
+
+
+@pytest.mark.parametrize(
+    ("seconds_per_layer", "timeout"),
+    [(1.0, 1.0), (0.1, 10.0), (0.5, 0.0)],
+    ids=["slow passes", "long timeout", "no timeout"],
+)
+def test_time_bar_is_full_only_at_the_end(
+    monkeypatch: pytest.MonkeyPatch, seconds_per_layer: float, timeout: float
+) -> None:
+    # A fake clock: every layer takes seconds_per_layer, whatever the machine does.
+    clock = [0.0]
+    monkeypatch.setattr(
+        profile_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0])
+    )
+
+    class Tick(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            clock[0] += seconds_per_layer
+            return x + 1
+
+    fractions: list[float] = []
+
+    class Spy(Progress):
+        def update(self, position: float) -> None:
+            super().update(position)
+            fractions.append(self.position / self.total if self.total else 1.0)
+
+    monkeypatch.setattr(profile_module, "Progress", Spy)
+    profile_module.profile_times(
+        nn.Sequential(Tick(), Tick(), Tick()), torch.randn(2, 2), timeout=timeout, progress=False
+    )
+    # The warm-up pass and at least one measured pass, until the timeout: the bar moves
+    # forward and is full only when profiling is done, however long the passes take.
+    assert len(fractions) >= 6
+    assert fractions[0] < 0.5
+    assert fractions == sorted(fractions)
+    assert fractions[-1] == 1
+    assert all(fraction < 1 for fraction in fractions[:-1])

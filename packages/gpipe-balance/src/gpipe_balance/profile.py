@@ -8,7 +8,8 @@ number generator states (CPU, and the profiled CUDA device) are restored afterwa
 
 The layers run in order in the calling thread, each on the previous layer's output, so
 layers that hand tensors to later layers through thread-local state (skippable layers, for
-example) work as in a plain forward pass.
+example) work as in a plain forward pass. The profiled device is the current CUDA device
+while they run, as a partition's device is in a pipeline.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gpipe_microbatch import Batch, TensorOrTensors, check, check_chunks, scatter
+from gpipe_microbatch import Batch, TensorOrTensors, check, check_chunks, scatter, use_device
 
 from .progress import Progress
 
@@ -51,7 +52,8 @@ def check_module(module: object) -> nn.Sequential:
 def _normalize(device: Device) -> torch.device:
     result = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     index: int | None = result.index
-    if result.type == "cuda" and index is None:
+    # Without CUDA, "cuda" stays as it is: no sample can be there, and the caller says so.
+    if result.type == "cuda" and index is None and torch.cuda.is_available():
         result = torch.device("cuda", torch.cuda.current_device())
     return result
 
@@ -217,11 +219,20 @@ def profile_times(
     timeout = _check_real(timeout, "timeout")
     passes: list[list[float]] = []
     start = time.perf_counter()
-    bar = Progress("profiling layer times", timeout, unit="s", enabled=progress)
-    with bar, _preserved_rng(target), torch.enable_grad():
+    # The bar shows the share of the work done, in percent. The warm-up pass and one measured
+    # pass always run, and the passes go on until the timeout: the share is the smaller of
+    # the two, and the bar is full only once profiling is done.
+    runs = 2 * len(module)
+    done = 0
+    bar = Progress("profiling layer times", 100, unit="%", enabled=progress)
+    with bar, use_device(target), _preserved_rng(target), torch.enable_grad():
 
         def tick() -> None:
-            bar.update(time.perf_counter() - start)
+            nonlocal done
+            done += 1
+            elapsed = time.perf_counter() - start
+            share = min(done / runs, elapsed / timeout if timeout else 1.0)
+            bar.update(min(math.floor(100 * share), 99))
 
         # The first pass pays one-time costs (allocations, kernel selection, lazy
         # initialization): it warms up and is not counted.
@@ -230,6 +241,7 @@ def profile_times(
             passes.append(_time_pass(module, batch, target, tick))
             if time.perf_counter() - start >= timeout:
                 break
+        bar.update(100)
     return [statistics.median(times) for times in zip(*passes, strict=True)]
 
 
@@ -349,7 +361,7 @@ def profile_sizes(
 
     sizes: list[float] = []
     bar = Progress("profiling layer sizes", len(module), unit="layer", enabled=progress)
-    with bar, _preserved_rng(target), torch.enable_grad():
+    with bar, use_device(target), _preserved_rng(target), torch.enable_grad():
         batch = _first_input(micro_batch)
         # Storages saved by the previous and the current layer, kept alive while they are
         # remembered so that their addresses cannot be reused by new storages.
