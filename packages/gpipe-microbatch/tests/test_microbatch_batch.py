@@ -334,3 +334,17 @@ def test_check_chunks_returns_a_positive_integer() -> None:
     from gpipe_microbatch import check_chunks
 
     assert check_chunks(3) == 3
+
+
+@pytest.mark.parametrize(("batch_size", "chunks"), [(5, 1), (1, 4)])
+def test_scatter_into_one_micro_batch_keeps_the_input_itself(batch_size: int, chunks: int) -> None:
+    x = torch.randn(batch_size, 3)
+    y = torch.arange(batch_size)
+    assert scatter(x, chunks)[0].tensor is x
+    (pair,) = scatter((x, y), chunks)
+    assert pair.tensors[0] is x and pair.tensors[1] is y
+
+
+def test_scatter_into_several_micro_batches_gives_views() -> None:
+    x = torch.randn(4, 3)
+    assert all(b.tensor._base is x for b in scatter(x, 2))

@@ -82,6 +82,10 @@ class PartitionTraits:
     ``nn.ReLU(inplace=True)``, say) cannot be recomputed from that input. The first
     checkpointed task of each partition hands it a copy and watches; partitions seen
     modifying their input keep getting copies, the others get their input as it is.
+    Tasks without checkpointing are watched the same way when there are several
+    micro-batches: the inputs are then views of one mini-batch or aliases of other
+    tensors of the run, which share version counters (and views that need grad cannot be
+    modified in place at all).
     """
 
     def __init__(self, partitions: int) -> None:
@@ -101,6 +105,24 @@ class PartitionTraits:
         if self.modifies_input[j] is None or chk.input_modified:
             self.modifies_input[j] = chk.input_modified
         return batch
+
+    def call(self, j: int, function: _Function, what: str, batch: Batch, shared: bool) -> Batch:
+        """Call partition ``j`` (``function``) on ``batch`` without checkpointing.
+
+        ``shared``: the input shares its version counter with other tensors of the run
+        (views of the mini-batch, or the aliases that order backward between
+        micro-batches). Then the partition gets a copy and is watched, until it is seen
+        not modifying its input in place (see above).
+        """
+        if not shared or self.modifies_input[j] is False or not torch.is_grad_enabled():
+            return batch.call(function, what)
+        copies = Batch(batch.tensor.clone() if batch.atomic else tuple(t.clone() for t in batch))
+        versions = [tensor._version for tensor in copies]
+        output = copies.call(function, what)
+        self.modifies_input[j] = any(
+            tensor._version != version for tensor, version in zip(copies, versions, strict=True)
+        )
+        return output
 
     def run(self, j: int, device: torch.device, compute: Callable[[], Batch]) -> Batch:
         """Run ``compute`` for partition ``j``, under the generator lock if it draws."""
@@ -277,7 +299,7 @@ class Pipeline:
             chk = self.traits.checkpoint(j, checkpointed, batch, self.trainable[j])
             compute, finalize = partial(self.traits.learn, j, chk), chk.recompute
         else:
-            compute = partial(batch.call, layers, what)
+            compute = partial(self.traits.call, j, layers, what, batch, len(batches) > 1)
         if tracer is not None:
             wrapped = tracer.task(i, j, device, stream, compute, finalize, i < self.checkpoint_stop)
             compute, finalize = wrapped

@@ -167,7 +167,8 @@ def scatter(input: object, chunks: int) -> list[Batch]:
 
     The split follows :func:`torch.chunk`: every micro-batch but the last has
     ``ceil(batch_size / chunks)`` samples, and a batch smaller than ``chunks`` gives fewer
-    micro-batches. An empty batch gives one empty micro-batch.
+    micro-batches. An empty batch gives one empty micro-batch. A single micro-batch holds
+    the input's own tensors; several micro-batches are views of them.
 
     Args:
         input: a tensor or a tuple of tensors with the same batch size.
@@ -186,6 +187,10 @@ def scatter(input: object, chunks: int) -> list[Batch]:
     check_chunks(chunks)
     size = _batch_size(value)
     if size == 0:
+        return [Batch(value)]
+    if chunks == 1 or size == 1:
+        # One micro-batch: the input itself, not a view of it, so that a first layer may
+        # modify it in place exactly as without micro-batches.
         return [Batch(value)]
     if isinstance(value, Tensor):
         return [Batch(piece) for piece in value.chunk(chunks)]
