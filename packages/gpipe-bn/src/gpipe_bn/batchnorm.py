@@ -32,26 +32,12 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gpipe_checkpoint import is_recomputing
+from gpipe_microbatch import check_chunks
 
-__all__ = ["DeferredBatchNorm", "check_chunks", "mini_batch"]
+__all__ = ["DeferredBatchNorm", "mini_batch"]
 
 # The input dimensions nn.BatchNorm{1,2,3}d accept.
 _INPUT_DIMS = {1: (2, 3), 2: (4,), 3: (5,)}
-
-
-def check_chunks(chunks: object) -> int:
-    """Check that ``chunks`` is a positive integer; returns it.
-
-    Raises:
-        ValueError: ``chunks`` is not a positive integer (booleans are refused too).
-
-    Example:
-        >>> check_chunks(4)
-        4
-    """
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
-        raise ValueError(f"chunks must be a positive integer (chunks: {chunks!r})")
-    return chunks
 
 
 def _check_dim(dim: object) -> int | None:

@@ -6,7 +6,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from .batchnorm import DeferredBatchNorm, check_chunks
+from gpipe_microbatch import check_chunks
+
+from .batchnorm import DeferredBatchNorm
 
 __all__ = ["convert_deferred_batch_norm"]
 
