@@ -22,6 +22,7 @@ Forward passes that re-run a checkpointed function for backward (see
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -125,6 +126,8 @@ class DeferredBatchNorm(_BatchNorm):
         self.dim = _check_dim(dim)
         # How many mini_batch() contexts hold this layer; the outermost one updates.
         self._deferring = 0
+        # A layer shared by pipeline partitions is run by several worker threads at once.
+        self._lock = threading.Lock()
         self._discard()
 
     # -- what has been accumulated -----------------------------------------------------
@@ -248,10 +251,10 @@ class DeferredBatchNorm(_BatchNorm):
             input, mean, unbiased_var, self.weight, self.bias, True, 1.0, self.eps
         )  # fmt: skip
         if not is_recomputing():
-            with torch.no_grad():
+            with self._lock, torch.no_grad():
                 self._accumulate(input.numel() // input.size(1), mean, unbiased_var)
-            if self._deferring == 0 and self._micro_batches >= self.chunks:
-                self.commit()
+                if self._deferring == 0 and self._micro_batches >= self.chunks:
+                    self.commit()
         return output
 
     def extra_repr(self) -> str:
@@ -261,11 +264,16 @@ class DeferredBatchNorm(_BatchNorm):
     # -- copies ------------------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        # A copy starts with nothing pending and in no mini_batch() context.
+        # A copy starts with nothing pending, in no mini_batch() context, with its own lock.
         state: dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
         state = dict(state)
         state.update(_deferring=0, _micro_batches=0, _count=0, _mean=None, _m2=None)
+        del state["_lock"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        self._lock = threading.Lock()
 
 
 @contextmanager
