@@ -333,6 +333,26 @@ def test_threads_sharing_a_layer_lose_no_micro_batch() -> None:
         sys.setswitchinterval(interval)
 
 
+def test_a_failed_update_leaves_the_other_layers_usable() -> None:
+    # An update that raises on exit (an interrupt, say) must not leave the layers after
+    # it held by a context that is gone: they would never update again.
+    torch.manual_seed(16)
+    first, second = DeferredBatchNorm(4), DeferredBatchNorm(4)
+    model = nn.Sequential(first, second)
+
+    def fail() -> None:
+        raise KeyboardInterrupt
+
+    first.commit = fail  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt), mini_batch(model):
+        model(torch.randn(6, 4))
+    del first.commit
+    with mini_batch(model):
+        model(torch.randn(6, 4))
+    assert int(first.num_batches_tracked) == 1
+    assert int(second.num_batches_tracked) == 1
+
+
 def test_an_empty_context_changes_nothing() -> None:
     deferred = DeferredBatchNorm(4)
     with mini_batch(deferred):

@@ -321,8 +321,11 @@ def mini_batch(module: nn.Module) -> Iterator[None]:
         yield
         completed = True
     finally:
+        # Release every layer before updating any: an update that raises must not leave
+        # the others held by this context.
         for layer in layers:
             layer._deferring -= 1
+        for layer in layers:
             if layer._deferring == 0:
                 if completed:
                     layer.commit()
