@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from gpipe_bn import DeferredBatchNorm, convert_deferred_batch_norm
 
@@ -135,6 +136,17 @@ def test_lazy_batch_norm() -> None:
     assert type(lazy) is nn.BatchNorm2d
     converted = convert_deferred_batch_norm(lazy)
     assert isinstance(converted, DeferredBatchNorm) and converted.num_features == 3
+
+
+def test_parametrized_batch_norm_is_refused() -> None:
+    # Its weight lives in a parametrization that a new layer would not carry: refuse it
+    # rather than normalize without the weight.
+    layer = nn.BatchNorm1d(3)
+    parametrize.register_parametrization(layer, "weight", nn.Softplus())
+    model = nn.Sequential(layer)
+    with pytest.raises(ValueError, match=r"parametrized .*ParametrizedBatchNorm1d"):
+        convert_deferred_batch_norm(model)
+    assert model[0] is layer
 
 
 @pytest.mark.parametrize("module", [None, "model", torch.zeros(2), [nn.BatchNorm1d(2)]])

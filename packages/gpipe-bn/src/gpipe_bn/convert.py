@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.utils import parametrize
 
 from gpipe_microbatch import check_chunks
 
@@ -30,6 +31,12 @@ def _kind_of(module: nn.Module) -> tuple[_BatchNorm, int] | None:
         )
     for kind, dim in _DIMS:
         if isinstance(module, kind):
+            # Its parametrized weight or bias would not carry over to the new layer.
+            if parametrize.is_parametrized(module):
+                raise ValueError(
+                    "a batch norm layer with parametrized tensors cannot be converted "
+                    f"(module: {type(module).__name__})"
+                )
             return module, dim
     return None
 
@@ -80,8 +87,10 @@ def convert_deferred_batch_norm(module: nn.Module, chunks: int = 1) -> nn.Module
 
     Raises:
         TypeError: ``module`` is not an :class:`~torch.nn.Module`.
-        ValueError: ``chunks`` is not a positive integer, or a lazy batch normalization
-            layer has not been initialized by a first forward pass yet.
+        ValueError: ``chunks`` is not a positive integer, a lazy batch normalization
+            layer has not been initialized by a first forward pass yet, or a batch
+            normalization layer has parametrized tensors (see
+            :mod:`torch.nn.utils.parametrize`).
 
     Example:
         >>> from torch import nn
