@@ -149,6 +149,14 @@ def test_parametrized_batch_norm_is_refused() -> None:
     assert model[0] is layer
 
 
+def test_a_refused_layer_leaves_the_tree_as_it_was() -> None:
+    model = nn.Sequential(nn.BatchNorm1d(2), nn.Sequential(nn.BatchNorm2d(2), nn.LazyBatchNorm1d()))
+    with pytest.raises(ValueError, match="first forward pass"):
+        convert_deferred_batch_norm(model)
+    assert type(model[0]) is nn.BatchNorm1d
+    assert type(model[1][0]) is nn.BatchNorm2d
+
+
 @pytest.mark.parametrize("module", [None, "model", torch.zeros(2), [nn.BatchNorm1d(2)]])
 def test_not_a_module(module: object) -> None:
     message = f"module must be an nn.Module (module: {type(module).__name__})"

@@ -74,8 +74,8 @@ def convert_deferred_batch_norm(module: nn.Module, chunks: int = 1) -> nn.Module
     one layer in all of them. Other layers (``nn.SyncBatchNorm``, layers already deferred)
     are left as they are. Hooks registered on a replaced layer are not carried over.
 
-    The tree is changed in place; the return value is ``module``, or its replacement when
-    ``module`` is itself a batch normalization layer.
+    The tree is changed in place (not at all if an error is raised); the return value is
+    ``module``, or its replacement when ``module`` is itself a batch normalization layer.
 
     Args:
         module: the model.
@@ -102,6 +102,8 @@ def convert_deferred_batch_norm(module: nn.Module, chunks: int = 1) -> nn.Module
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module (module: {type(module).__name__})")
     chunks = check_chunks(chunks)
+    for node in module.modules():  # refuse before replacing anything
+        _kind_of(node)
     replaced: dict[int, nn.Module] = {}
 
     def convert(node: nn.Module) -> nn.Module:
