@@ -363,6 +363,25 @@ def test_an_empty_context_changes_nothing() -> None:
     assert int(deferred.num_batches_tracked) == 0
 
 
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_an_empty_mini_batch_is_counted_and_changes_no_statistics(momentum: float | None) -> None:
+    # nn.BatchNorm takes an empty batch in training: one more batch tracked, nothing else.
+    torch.manual_seed(17)
+    reference, deferred = pair(2, momentum=momentum)
+    empty = batch(0)
+    reference(empty)
+    with mini_batch(deferred):
+        deferred(empty)
+        deferred(empty)
+    assert_same_statistics(deferred, reference)
+    x = batch(6)
+    reference(x)
+    with mini_batch(deferred):
+        deferred(empty)
+        deferred(x)
+    assert_same_statistics(deferred, reference)
+
+
 def test_discard() -> None:
     torch.manual_seed(11)
     reference, deferred = pair(2, chunks=3)

@@ -160,6 +160,9 @@ class DeferredBatchNorm(_BatchNorm):
     def _accumulate(self, count: int, mean: Tensor, unbiased_var: Tensor) -> None:
         """Merge a micro-batch's statistics (``count`` values per channel) into the sums."""
         assert self.running_mean is not None
+        self._micro_batches += 1
+        if count == 0:  # an empty micro-batch: counted, with nothing to merge
+            return
         # Out of place: the kernel may have saved ``mean`` and ``unbiased_var`` for backward.
         dtype = torch.promote_types(self.running_mean.dtype, torch.float32)
         mean = mean.to(dtype)
@@ -172,7 +175,6 @@ class DeferredBatchNorm(_BatchNorm):
             self._mean = self._mean + delta * (count / total)
             self._m2 = self._m2 + m2 + delta.square() * (self._count * count / total)
         self._count += count
-        self._micro_batches += 1
 
     def commit(self) -> None:
         """Update the running statistics with the micro-batches counted so far.
@@ -188,9 +190,9 @@ class DeferredBatchNorm(_BatchNorm):
             >>> bn.pending, int(bn.num_batches_tracked)
             (0, 1)
         """
-        mean, m2, count = self._mean, self._m2, self._count
+        mean, m2, count, micro_batches = self._mean, self._m2, self._count, self._micro_batches
         self._discard()
-        if mean is None or m2 is None or self.running_mean is None or self.running_var is None:
+        if micro_batches == 0 or self.running_mean is None or self.running_var is None:
             return
         # What nn.BatchNorm does for one mini-batch of ``count`` values per channel.
         factor = 0.0 if self.momentum is None else self.momentum
@@ -198,6 +200,8 @@ class DeferredBatchNorm(_BatchNorm):
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
                 factor = 1.0 / float(self.num_batches_tracked)
+        if mean is None or m2 is None:  # empty micro-batches only: the statistics stay
+            return
         with torch.no_grad():
             for running, value in (
                 (self.running_mean, mean),
