@@ -430,6 +430,20 @@ def test_bad_chunks(chunks: object) -> None:
         DeferredBatchNorm(4, chunks=chunks)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("chunks", [0, -2, 1.5, True, None])
+def test_bad_chunks_set_later(chunks: object) -> None:
+    # chunks may be changed at any time; a bad value must not pass as "update every time".
+    deferred = DeferredBatchNorm(4, chunks=3)
+    message = f"chunks must be a positive integer (chunks: {chunks!r})"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        deferred.chunks = chunks  # type: ignore[assignment]
+    assert deferred.chunks == 3
+    deferred.chunks = 2
+    deferred(torch.randn(3, 4))
+    deferred(torch.randn(3, 4))
+    assert int(deferred.num_batches_tracked) == 1
+
+
 @pytest.mark.parametrize("dim", [0, 4, True, "2"])
 def test_bad_dim(dim: object) -> None:
     with pytest.raises(ValueError, match=re.escape(f"dim must be 1, 2, 3 or None (dim: {dim!r})")):

@@ -80,8 +80,6 @@ class DeferredBatchNorm(_BatchNorm):
             accepts any input with at least two dimensions.
 
     Attributes:
-        chunks (int): outside :func:`mini_batch`, the number of micro-batches after which
-            the running statistics are updated; may be changed at any time.
         dim (int | None): the ``d`` of the ``nn.BatchNorm{d}d`` whose input shapes are
             accepted, or ``None`` for any input with at least two dimensions.
 
@@ -105,7 +103,6 @@ class DeferredBatchNorm(_BatchNorm):
         1
     """
 
-    chunks: int
     dim: int | None
 
     def __init__(
@@ -122,13 +119,27 @@ class DeferredBatchNorm(_BatchNorm):
         dim: int | None = None,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
-        self.chunks = check_chunks(chunks)
+        self.chunks = chunks
         self.dim = _check_dim(dim)
         # How many mini_batch() contexts hold this layer; the outermost one updates.
         self._deferring = 0
         # A layer shared by pipeline partitions is run by several worker threads at once.
         self._lock = threading.Lock()
         self._discard()
+
+    @property
+    def chunks(self) -> int:
+        """Outside :func:`mini_batch`, the number of micro-batches after which the running
+        statistics are updated; may be changed at any time.
+
+        Raises:
+            ValueError: set to something that is not a positive integer.
+        """
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, chunks: int) -> None:
+        self._chunks = check_chunks(chunks)
 
     # -- what has been accumulated -----------------------------------------------------
 
