@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+import warnings
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
+from torch.nn.utils import parametrize, spectral_norm, weight_norm
 
 from gpipe_bn import DeferredBatchNorm, convert_deferred_batch_norm
 
@@ -138,13 +140,35 @@ def test_lazy_batch_norm() -> None:
     assert isinstance(converted, DeferredBatchNorm) and converted.num_features == 3
 
 
-def test_parametrized_batch_norm_is_refused() -> None:
-    # Its weight lives in a parametrization that a new layer would not carry: refuse it
-    # rather than normalize without the weight.
+def parametrized() -> nn.Module:
     layer = nn.BatchNorm1d(3)
     parametrize.register_parametrization(layer, "weight", nn.Softplus())
+    return layer
+
+
+@pytest.mark.parametrize(
+    ("make", "seen"),
+    [
+        (parametrized, "(module: ParametrizedBatchNorm1d, parameters: ['bias'], buffers: "),
+        (
+            lambda: weight_norm(nn.BatchNorm1d(3), dim=0),
+            "(module: BatchNorm1d, parameters: ['bias', 'weight_g', 'weight_v'], buffers: ",
+        ),
+        (
+            lambda: spectral_norm(nn.BatchNorm1d(3)),
+            "parameters: ['bias', 'weight_orig'], buffers: ['running_mean', 'running_var', "
+            "'num_batches_tracked', 'weight_u', 'weight_v'], modules: [])",
+        ),
+    ],
+)
+def test_reparametrized_batch_norm_is_refused(make: Any, seen: str) -> None:
+    # The weight lives elsewhere (a parametrization, tensors and hooks of weight_norm or
+    # spectral_norm) and a new layer would not carry it: refuse rather than drop it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # weight_norm is deprecated
+        layer = make()
     model = nn.Sequential(layer)
-    with pytest.raises(ValueError, match=r"parametrized .*ParametrizedBatchNorm1d"):
+    with pytest.raises(ValueError, match=re.escape(seen)):
         convert_deferred_batch_norm(model)
     assert model[0] is layer
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
-from torch.nn.utils import parametrize
 
 from gpipe_microbatch import check_chunks
 
@@ -13,6 +12,9 @@ from .batchnorm import DeferredBatchNorm
 
 __all__ = ["convert_deferred_batch_norm"]
 
+# What an nn.BatchNorm{1,2,3}d holds (None where it has no affine or running statistics).
+_PARAMETERS = {"weight", "bias"}
+_BUFFERS = {"running_mean", "running_var", "num_batches_tracked"}
 _DIMS: tuple[tuple[type[_BatchNorm], int], ...] = (
     (nn.BatchNorm1d, 1),
     (nn.BatchNorm2d, 2),
@@ -31,14 +33,22 @@ def _kind_of(module: nn.Module) -> tuple[_BatchNorm, int] | None:
         )
     for kind, dim in _DIMS:
         if isinstance(module, kind):
-            # Its parametrized weight or bias would not carry over to the new layer.
-            if parametrize.is_parametrized(module):
-                raise ValueError(
-                    "a batch norm layer with parametrized tensors cannot be converted "
-                    f"(module: {type(module).__name__})"
-                )
+            _check_plain(module)
             return module, dim
     return None
+
+
+def _check_plain(module: _BatchNorm) -> None:
+    """Refuse a layer holding what the new layer would not keep: a weight reparametrized
+    (``torch.nn.utils.parametrize``, ``weight_norm``, ``spectral_norm``) or extra tensors."""
+    parameters, buffers = list(module._parameters), list(module._buffers)
+    modules = list(module._modules)
+    if set(parameters) != _PARAMETERS or set(buffers) != _BUFFERS or modules:
+        raise ValueError(
+            "a batch norm layer with a reparametrized weight or tensors of its own cannot "
+            f"be converted (module: {type(module).__name__}, parameters: {parameters}, "
+            f"buffers: {buffers}, modules: {modules})"
+        )
 
 
 def _deferred(module: _BatchNorm, dim: int, chunks: int) -> DeferredBatchNorm:
@@ -89,8 +99,9 @@ def convert_deferred_batch_norm(module: nn.Module, chunks: int = 1) -> nn.Module
         TypeError: ``module`` is not an :class:`~torch.nn.Module`.
         ValueError: ``chunks`` is not a positive integer, a lazy batch normalization
             layer has not been initialized by a first forward pass yet, or a batch
-            normalization layer has parametrized tensors (see
-            :mod:`torch.nn.utils.parametrize`).
+            normalization layer holds tensors the new layer would not keep (a weight
+            reparametrized by :mod:`torch.nn.utils.parametrize`, ``weight_norm`` or
+            ``spectral_norm``, or tensors of a subclass).
 
     Example:
         >>> from torch import nn
