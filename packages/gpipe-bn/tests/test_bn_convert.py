@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import re
+import warnings
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrize, spectral_norm, weight_norm
 
 from gpipe_bn import DeferredBatchNorm, convert_deferred_batch_norm
 
@@ -135,6 +138,47 @@ def test_lazy_batch_norm() -> None:
     assert type(lazy) is nn.BatchNorm2d
     converted = convert_deferred_batch_norm(lazy)
     assert isinstance(converted, DeferredBatchNorm) and converted.num_features == 3
+
+
+def parametrized() -> nn.Module:
+    layer = nn.BatchNorm1d(3)
+    parametrize.register_parametrization(layer, "weight", nn.Softplus())
+    return layer
+
+
+@pytest.mark.parametrize(
+    ("make", "seen"),
+    [
+        (parametrized, "(module: ParametrizedBatchNorm1d, parameters: ['bias'], buffers: "),
+        (
+            lambda: weight_norm(nn.BatchNorm1d(3), dim=0),
+            "(module: BatchNorm1d, parameters: ['bias', 'weight_g', 'weight_v'], buffers: ",
+        ),
+        (
+            lambda: spectral_norm(nn.BatchNorm1d(3)),
+            "parameters: ['bias', 'weight_orig'], buffers: ['running_mean', 'running_var', "
+            "'num_batches_tracked', 'weight_u', 'weight_v'], modules: [])",
+        ),
+    ],
+)
+def test_reparametrized_batch_norm_is_refused(make: Any, seen: str) -> None:
+    # The weight lives elsewhere (a parametrization, tensors and hooks of weight_norm or
+    # spectral_norm) and a new layer would not carry it: refuse rather than drop it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # weight_norm is deprecated
+        layer = make()
+    model = nn.Sequential(layer)
+    with pytest.raises(ValueError, match=re.escape(seen)):
+        convert_deferred_batch_norm(model)
+    assert model[0] is layer
+
+
+def test_a_refused_layer_leaves_the_tree_as_it_was() -> None:
+    model = nn.Sequential(nn.BatchNorm1d(2), nn.Sequential(nn.BatchNorm2d(2), nn.LazyBatchNorm1d()))
+    with pytest.raises(ValueError, match="first forward pass"):
+        convert_deferred_batch_norm(model)
+    assert type(model[0]) is nn.BatchNorm1d
+    assert type(model[1][0]) is nn.BatchNorm2d
 
 
 @pytest.mark.parametrize("module", [None, "model", torch.zeros(2), [nn.BatchNorm1d(2)]])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import pickle
 import re
+import sys
+import threading
 from typing import Any
 
 import pytest
@@ -299,6 +301,58 @@ def test_contexts_nest_and_the_outermost_commits() -> None:
     assert_same_statistics(deferred, reference)
 
 
+def test_threads_sharing_a_layer_lose_no_micro_batch() -> None:
+    # A layer shared by two pipeline partitions runs in two worker threads at once; an
+    # unguarded merge loses micro-batches now and then, so try a few mini-batches.
+    torch.manual_seed(15)
+    reference = nn.BatchNorm1d(4096, momentum=1.0).double()
+    deferred = convert_deferred_batch_norm(copy.deepcopy(reference))
+
+    def feed(barrier: threading.Barrier, micro_batches: list[torch.Tensor]) -> None:
+        barrier.wait()
+        for micro_batch in micro_batches:
+            deferred(micro_batch)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        for _ in range(3):
+            inputs = [torch.randn(2, 4096, dtype=torch.float64) * 3.0 + 50.0 for _ in range(400)]
+            barrier = threading.Barrier(2)
+            with mini_batch(deferred):
+                threads = [
+                    threading.Thread(target=feed, args=(barrier, inputs[i::2])) for i in range(2)
+                ]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+            reference(torch.cat(inputs))
+            assert_same_statistics(deferred, reference)
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def test_a_failed_update_leaves_the_other_layers_usable() -> None:
+    # An update that raises on exit (an interrupt, say) must not leave the layers after
+    # it held by a context that is gone: they would never update again.
+    torch.manual_seed(16)
+    first, second = DeferredBatchNorm(4), DeferredBatchNorm(4)
+    model = nn.Sequential(first, second)
+
+    def fail() -> None:
+        raise KeyboardInterrupt
+
+    first.commit = fail  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt), mini_batch(model):
+        model(torch.randn(6, 4))
+    del first.commit
+    with mini_batch(model):
+        model(torch.randn(6, 4))
+    assert int(first.num_batches_tracked) == 1
+    assert int(second.num_batches_tracked) == 1
+
+
 def test_an_empty_context_changes_nothing() -> None:
     deferred = DeferredBatchNorm(4)
     with mini_batch(deferred):
@@ -307,6 +361,25 @@ def test_an_empty_context_changes_nothing() -> None:
     with mini_batch(deferred):
         deferred(torch.randn(3, 4))
     assert int(deferred.num_batches_tracked) == 0
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_an_empty_mini_batch_is_counted_and_changes_no_statistics(momentum: float | None) -> None:
+    # nn.BatchNorm takes an empty batch in training: one more batch tracked, nothing else.
+    torch.manual_seed(17)
+    reference, deferred = pair(2, momentum=momentum)
+    empty = batch(0)
+    reference(empty)
+    with mini_batch(deferred):
+        deferred(empty)
+        deferred(empty)
+    assert_same_statistics(deferred, reference)
+    x = batch(6)
+    reference(x)
+    with mini_batch(deferred):
+        deferred(empty)
+        deferred(x)
+    assert_same_statistics(deferred, reference)
 
 
 def test_discard() -> None:
@@ -355,6 +428,20 @@ def test_bad_chunks(chunks: object) -> None:
     message = f"chunks must be a positive integer (chunks: {chunks!r})"
     with pytest.raises(ValueError, match=re.escape(message)):
         DeferredBatchNorm(4, chunks=chunks)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("chunks", [0, -2, 1.5, True, None])
+def test_bad_chunks_set_later(chunks: object) -> None:
+    # chunks may be changed at any time; a bad value must not pass as "update every time".
+    deferred = DeferredBatchNorm(4, chunks=3)
+    message = f"chunks must be a positive integer (chunks: {chunks!r})"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        deferred.chunks = chunks  # type: ignore[assignment]
+    assert deferred.chunks == 3
+    deferred.chunks = 2
+    deferred(torch.randn(3, 4))
+    deferred(torch.randn(3, 4))
+    assert int(deferred.num_batches_tracked) == 1
 
 
 @pytest.mark.parametrize("dim", [0, 4, True, "2"])

@@ -22,6 +22,7 @@ Forward passes that re-run a checkpointed function for backward (see
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -32,26 +33,12 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gpipe_checkpoint import is_recomputing
+from gpipe_microbatch import check_chunks
 
-__all__ = ["DeferredBatchNorm", "check_chunks", "mini_batch"]
+__all__ = ["DeferredBatchNorm", "mini_batch"]
 
 # The input dimensions nn.BatchNorm{1,2,3}d accept.
 _INPUT_DIMS = {1: (2, 3), 2: (4,), 3: (5,)}
-
-
-def check_chunks(chunks: object) -> int:
-    """Check that ``chunks`` is a positive integer; returns it.
-
-    Raises:
-        ValueError: ``chunks`` is not a positive integer (booleans are refused too).
-
-    Example:
-        >>> check_chunks(4)
-        4
-    """
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
-        raise ValueError(f"chunks must be a positive integer (chunks: {chunks!r})")
-    return chunks
 
 
 def _check_dim(dim: object) -> int | None:
@@ -93,8 +80,6 @@ class DeferredBatchNorm(_BatchNorm):
             accepts any input with at least two dimensions.
 
     Attributes:
-        chunks (int): outside :func:`mini_batch`, the number of micro-batches after which
-            the running statistics are updated; may be changed at any time.
         dim (int | None): the ``d`` of the ``nn.BatchNorm{d}d`` whose input shapes are
             accepted, or ``None`` for any input with at least two dimensions.
 
@@ -118,7 +103,6 @@ class DeferredBatchNorm(_BatchNorm):
         1
     """
 
-    chunks: int
     dim: int | None
 
     def __init__(
@@ -135,11 +119,27 @@ class DeferredBatchNorm(_BatchNorm):
         dim: int | None = None,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
-        self.chunks = check_chunks(chunks)
+        self.chunks = chunks
         self.dim = _check_dim(dim)
         # How many mini_batch() contexts hold this layer; the outermost one updates.
         self._deferring = 0
+        # A layer shared by pipeline partitions is run by several worker threads at once.
+        self._lock = threading.Lock()
         self._discard()
+
+    @property
+    def chunks(self) -> int:
+        """Outside :func:`mini_batch`, the number of micro-batches after which the running
+        statistics are updated; may be changed at any time.
+
+        Raises:
+            ValueError: set to something that is not a positive integer.
+        """
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, chunks: int) -> None:
+        self._chunks = check_chunks(chunks)
 
     # -- what has been accumulated -----------------------------------------------------
 
@@ -171,6 +171,9 @@ class DeferredBatchNorm(_BatchNorm):
     def _accumulate(self, count: int, mean: Tensor, unbiased_var: Tensor) -> None:
         """Merge a micro-batch's statistics (``count`` values per channel) into the sums."""
         assert self.running_mean is not None
+        self._micro_batches += 1
+        if count == 0:  # an empty micro-batch: counted, with nothing to merge
+            return
         # Out of place: the kernel may have saved ``mean`` and ``unbiased_var`` for backward.
         dtype = torch.promote_types(self.running_mean.dtype, torch.float32)
         mean = mean.to(dtype)
@@ -183,7 +186,6 @@ class DeferredBatchNorm(_BatchNorm):
             self._mean = self._mean + delta * (count / total)
             self._m2 = self._m2 + m2 + delta.square() * (self._count * count / total)
         self._count += count
-        self._micro_batches += 1
 
     def commit(self) -> None:
         """Update the running statistics with the micro-batches counted so far.
@@ -199,9 +201,9 @@ class DeferredBatchNorm(_BatchNorm):
             >>> bn.pending, int(bn.num_batches_tracked)
             (0, 1)
         """
-        mean, m2, count = self._mean, self._m2, self._count
+        mean, m2, count, micro_batches = self._mean, self._m2, self._count, self._micro_batches
         self._discard()
-        if mean is None or m2 is None or self.running_mean is None or self.running_var is None:
+        if micro_batches == 0 or self.running_mean is None or self.running_var is None:
             return
         # What nn.BatchNorm does for one mini-batch of ``count`` values per channel.
         factor = 0.0 if self.momentum is None else self.momentum
@@ -209,6 +211,8 @@ class DeferredBatchNorm(_BatchNorm):
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
                 factor = 1.0 / float(self.num_batches_tracked)
+        if mean is None or m2 is None:  # empty micro-batches only: the statistics stay
+            return
         with torch.no_grad():
             for running, value in (
                 (self.running_mean, mean),
@@ -262,10 +266,10 @@ class DeferredBatchNorm(_BatchNorm):
             input, mean, unbiased_var, self.weight, self.bias, True, 1.0, self.eps
         )  # fmt: skip
         if not is_recomputing():
-            with torch.no_grad():
+            with self._lock, torch.no_grad():
                 self._accumulate(input.numel() // input.size(1), mean, unbiased_var)
-            if self._deferring == 0 and self._micro_batches >= self.chunks:
-                self.commit()
+                if self._deferring == 0 and self._micro_batches >= self.chunks:
+                    self.commit()
         return output
 
     def extra_repr(self) -> str:
@@ -275,11 +279,16 @@ class DeferredBatchNorm(_BatchNorm):
     # -- copies ------------------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        # A copy starts with nothing pending and in no mini_batch() context.
+        # A copy starts with nothing pending, in no mini_batch() context, with its own lock.
         state: dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
         state = dict(state)
         state.update(_deferring=0, _micro_batches=0, _count=0, _mean=None, _m2=None)
+        del state["_lock"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        self._lock = threading.Lock()
 
 
 @contextmanager
@@ -327,8 +336,11 @@ def mini_batch(module: nn.Module) -> Iterator[None]:
         yield
         completed = True
     finally:
+        # Release every layer before updating any: an update that raises must not leave
+        # the others held by this context.
         for layer in layers:
             layer._deferring -= 1
+        for layer in layers:
             if layer._deferring == 0:
                 if completed:
                     layer.commit()

@@ -6,10 +6,15 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from .batchnorm import DeferredBatchNorm, check_chunks
+from gpipe_microbatch import check_chunks
+
+from .batchnorm import DeferredBatchNorm
 
 __all__ = ["convert_deferred_batch_norm"]
 
+# What an nn.BatchNorm{1,2,3}d holds (None where it has no affine or running statistics).
+_PARAMETERS = {"weight", "bias"}
+_BUFFERS = {"running_mean", "running_var", "num_batches_tracked"}
 _DIMS: tuple[tuple[type[_BatchNorm], int], ...] = (
     (nn.BatchNorm1d, 1),
     (nn.BatchNorm2d, 2),
@@ -28,8 +33,22 @@ def _kind_of(module: nn.Module) -> tuple[_BatchNorm, int] | None:
         )
     for kind, dim in _DIMS:
         if isinstance(module, kind):
+            _check_plain(module)
             return module, dim
     return None
+
+
+def _check_plain(module: _BatchNorm) -> None:
+    """Refuse a layer holding what the new layer would not keep: a weight reparametrized
+    (``torch.nn.utils.parametrize``, ``weight_norm``, ``spectral_norm``) or extra tensors."""
+    parameters, buffers = list(module._parameters), list(module._buffers)
+    modules = list(module._modules)
+    if set(parameters) != _PARAMETERS or set(buffers) != _BUFFERS or modules:
+        raise ValueError(
+            "a batch norm layer with a reparametrized weight or tensors of its own cannot "
+            f"be converted (module: {type(module).__name__}, parameters: {parameters}, "
+            f"buffers: {buffers}, modules: {modules})"
+        )
 
 
 def _deferred(module: _BatchNorm, dim: int, chunks: int) -> DeferredBatchNorm:
@@ -65,8 +84,8 @@ def convert_deferred_batch_norm(module: nn.Module, chunks: int = 1) -> nn.Module
     one layer in all of them. Other layers (``nn.SyncBatchNorm``, layers already deferred)
     are left as they are. Hooks registered on a replaced layer are not carried over.
 
-    The tree is changed in place; the return value is ``module``, or its replacement when
-    ``module`` is itself a batch normalization layer.
+    The tree is changed in place (not at all if an error is raised); the return value is
+    ``module``, or its replacement when ``module`` is itself a batch normalization layer.
 
     Args:
         module: the model.
@@ -78,8 +97,11 @@ def convert_deferred_batch_norm(module: nn.Module, chunks: int = 1) -> nn.Module
 
     Raises:
         TypeError: ``module`` is not an :class:`~torch.nn.Module`.
-        ValueError: ``chunks`` is not a positive integer, or a lazy batch normalization
-            layer has not been initialized by a first forward pass yet.
+        ValueError: ``chunks`` is not a positive integer, a lazy batch normalization
+            layer has not been initialized by a first forward pass yet, or a batch
+            normalization layer holds tensors the new layer would not keep (a weight
+            reparametrized by :mod:`torch.nn.utils.parametrize`, ``weight_norm`` or
+            ``spectral_norm``, or tensors of a subclass).
 
     Example:
         >>> from torch import nn
@@ -91,6 +113,8 @@ def convert_deferred_batch_norm(module: nn.Module, chunks: int = 1) -> nn.Module
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module (module: {type(module).__name__})")
     chunks = check_chunks(chunks)
+    for node in module.modules():  # refuse before replacing anything
+        _kind_of(node)
     replaced: dict[int, nn.Module] = {}
 
     def convert(node: nn.Module) -> nn.Module:
