@@ -193,3 +193,29 @@ def test_checkpoint_replays_cuda_dropout() -> None:
     y.sum().backward()
     assert x.grad is not None
     assert torch.equal(x.grad == 0, y.detach() == 0)
+
+
+@pytest.mark.parametrize("use", ["save", "restore"])
+def test_generator_states_are_read_and_written_under_one_lock(use: str) -> None:
+    # torch can deadlock two threads that get or set a generator's state at once (its
+    # mutex against the GIL); gpipe's own reads and writes wait for one Python lock.
+    from gpipe_checkpoint import rng
+
+    cpu = torch.device("cpu")
+    states = save_rng_states(cpu)
+    done = threading.Event()
+
+    def touch() -> None:
+        if use == "save":
+            save_rng_states(cpu)
+        else:
+            with restore_rng_states(cpu, states):
+                pass
+        done.set()
+
+    with rng._state_lock:
+        thread = threading.Thread(target=touch)
+        thread.start()
+        blocked = not done.wait(0.2)
+    thread.join(10)
+    assert blocked and done.is_set()

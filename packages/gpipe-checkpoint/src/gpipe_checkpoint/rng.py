@@ -31,24 +31,34 @@ def save_rng_states(device: torch.device) -> RNGStates:
         >>> torch.equal(a, b)
         True
     """
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return RNGStates(torch.get_rng_state(), cuda)
+    with _state_lock:
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return RNGStates(torch.get_rng_state(), cuda)
+
+
+def _set_states(device: torch.device, states: RNGStates) -> None:
+    with _state_lock:
+        torch.set_rng_state(states.cpu)
+        if states.cuda is not None:
+            torch.cuda.set_rng_state(states.cuda, device)
 
 
 @contextmanager
 def restore_rng_states(device: torch.device, states: RNGStates) -> Generator[None, None, None]:
     """Run the body with the generators set to ``states``, then put back their states."""
-    cpu_before = torch.get_rng_state()
-    cuda_before = torch.cuda.get_rng_state(device) if states.cuda is not None else None
-    torch.set_rng_state(states.cpu)
-    if states.cuda is not None:
-        torch.cuda.set_rng_state(states.cuda, device)
+    before = save_rng_states(device if states.cuda is not None else torch.device("cpu"))
+    _set_states(device, states)
     try:
         yield
     finally:
-        torch.set_rng_state(cpu_before)
-        if cuda_before is not None:
-            torch.cuda.set_rng_state(cuda_before, device)
+        _set_states(device, before)
+
+
+# torch takes a generator's mutex while holding the GIL to get or set its state, and may
+# run Python code (a garbage collection) while holding that mutex: two threads getting or
+# setting states at once can deadlock, each holding what the other waits for. Threads
+# wait for this lock instead, which releases the GIL while waiting.
+_state_lock = threading.Lock()
 
 
 _locks: dict[str, threading.RLock] = {}
