@@ -9,6 +9,7 @@ from gpipe_microbatch import (
     CPUStream,
     CPUStreamType,
     current_stream,
+    normalize_device,
     default_stream,
     get_device,
     is_cuda,
@@ -162,3 +163,26 @@ def test_cpu_stream_survives_copy_and_pickle_as_the_same_object() -> None:
     restored = pickle.loads(pickle.dumps(CPUStream))
     assert restored is CPUStream
     assert not is_cuda(restored)
+
+
+@pytest.mark.parametrize(
+    ("device", "expected"),
+    [
+        ("cpu", torch.device("cpu")),
+        (torch.device("cpu"), torch.device("cpu")),
+        (1, torch.device("cuda", 1)),
+        ("cuda:2", torch.device("cuda", 2)),
+        ("meta", torch.device("meta")),
+    ],
+)
+def test_normalize_device(device: object, expected: torch.device) -> None:
+    assert normalize_device(device) == expected  # type: ignore[arg-type]
+
+
+def test_normalize_bare_cuda() -> None:
+    expected = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cuda")
+    )
+    assert normalize_device("cuda") == expected

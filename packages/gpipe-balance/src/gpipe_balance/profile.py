@@ -26,14 +26,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gpipe_microbatch import Batch, TensorOrTensors, check, check_chunks, scatter, use_device
+from gpipe_microbatch import (
+    Batch,
+    Device,
+    TensorOrTensors,
+    check,
+    check_chunks,
+    normalize_device,
+    scatter,
+    use_device,
+)
 
 from .progress import Progress
 
 __all__ = ["Device", "check_module", "profile_sizes", "profile_times", "resolve_device"]
-
-#: A device as users may name it: a :class:`torch.device`, a string, or a CUDA index.
-Device = torch.device | str | int
 
 
 def check_module(module: object) -> nn.Sequential:
@@ -49,15 +55,6 @@ def check_module(module: object) -> nn.Sequential:
     return module
 
 
-def _normalize(device: Device) -> torch.device:
-    result = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    index: int | None = result.index
-    # Without CUDA, "cuda" stays as it is: no sample can be there, and the caller says so.
-    if result.type == "cuda" and index is None and torch.cuda.is_available():
-        result = torch.device("cuda", torch.cuda.current_device())
-    return result
-
-
 def resolve_device(batch: Batch, device: Device | None, what: str) -> torch.device:
     """The profiled device: ``device``, or the device of ``batch`` when it is None.
 
@@ -71,7 +68,7 @@ def resolve_device(batch: Batch, device: Device | None, what: str) -> torch.devi
         )
     if device is None:
         return devices[0]
-    target = _normalize(device)
+    target = normalize_device(device)
     if devices[0] != target:
         raise ValueError(
             f"{what} must be on the profiled device ({what}: {devices[0]}, device: {target})"

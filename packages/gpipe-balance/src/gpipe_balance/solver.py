@@ -10,7 +10,7 @@ from numbers import Rational, Real
 
 from .errors import BalanceError
 
-__all__ = ["block_costs", "check_partitions", "solve"]
+__all__ = ["block_costs", "check_balance", "check_partitions", "solve"]
 
 
 def check_partitions(partitions: object, layers: int) -> int:
@@ -57,6 +57,28 @@ def _scaled(costs: object) -> list[int]:
     return [cost.numerator * (factor // cost.denominator) for cost in exact]
 
 
+def check_balance(balance: object, layers: int) -> list[int]:
+    """Check that ``balance`` splits ``layers`` layers into non-empty blocks; returns it.
+
+    Raises:
+        BalanceError: ``balance`` is not a list of counts, is empty, has an entry that is
+            not a positive integer, or does not sum to ``layers``.
+    """
+    if isinstance(balance, (str, bytes)) or not isinstance(balance, Iterable):
+        raise BalanceError(f"balance must be a list of layer counts (balance: {balance!r})")
+    counts = list(balance)
+    if not counts:
+        raise BalanceError("balance must have at least one partition (balance: [])")
+    for count in counts:
+        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+            raise BalanceError(f"balance must contain only positive integers (balance: {counts})")
+    if sum(counts) != layers:
+        raise BalanceError(
+            f"balance must sum to the number of layers (balance: {counts}, layers: {layers})"
+        )
+    return counts
+
+
 def block_costs(costs: Iterable[float], balance: Iterable[int]) -> list[float]:
     """The cost of every block of ``balance``: the sum of the costs of its layers.
 
@@ -69,14 +91,7 @@ def block_costs(costs: Iterable[float], balance: Iterable[int]) -> list[float]:
             sum to the number of costs.
     """
     values = [float(cost) for cost in costs]
-    counts = list(balance)
-    for count in counts:
-        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
-            raise BalanceError(f"balance must contain only positive integers (balance: {counts})")
-    if sum(counts) != len(values):
-        raise BalanceError(
-            f"balance must sum to the number of layers (balance: {counts}, layers: {len(values)})"
-        )
+    counts = check_balance(balance, len(values))
     result: list[float] = []
     start = 0
     for count in counts:

@@ -9,19 +9,10 @@ import torch
 from torch import nn
 
 from gpipe_balance import BalanceError
+from gpipe_balance.solver import check_balance as check_counts
+from gpipe_microbatch import Device, normalize_device
 
 __all__ = ["BalanceError", "Device", "check_balance", "resolve_devices", "split_module"]
-
-#: A device as users may name it: a :class:`torch.device`, a string, or a CUDA index.
-Device = torch.device | str | int
-
-
-def _normalize(device: Device) -> torch.device:
-    result = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    index: int | None = result.index
-    if result.type == "cuda" and index is None:
-        result = torch.device("cuda", torch.cuda.current_device())
-    return result
 
 
 def check_balance(module: nn.Sequential, balance: object) -> list[int]:
@@ -31,19 +22,7 @@ def check_balance(module: nn.Sequential, balance: object) -> list[int]:
         BalanceError: ``balance`` is empty, has an entry that is not a positive integer,
             or does not sum to the number of layers.
     """
-    if isinstance(balance, (str, bytes)) or not isinstance(balance, Iterable):
-        raise BalanceError(f"balance must be a list of layer counts (balance: {balance!r})")
-    counts = list(balance)
-    if not counts:
-        raise BalanceError("balance must have at least one partition (balance: [])")
-    for count in counts:
-        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
-            raise BalanceError(f"balance must contain only positive integers (balance: {counts})")
-    if sum(counts) != len(module):
-        raise BalanceError(
-            f"balance must sum to the number of layers (balance: {counts}, layers: {len(module)})"
-        )
-    return counts
+    return check_counts(balance, len(module))
 
 
 def resolve_devices(devices: Iterable[Device] | None, partitions: int) -> list[torch.device]:
@@ -65,7 +44,7 @@ def resolve_devices(devices: Iterable[Device] | None, partitions: int) -> list[t
             raise TypeError(
                 f"devices must be a list of devices, one per partition (devices: {devices!r})"
             )
-        resolved = [_normalize(device) for device in devices]
+        resolved = [normalize_device(device) for device in devices]
     if len(resolved) < partitions:
         raise ValueError(
             "too few devices to hold the partitions "

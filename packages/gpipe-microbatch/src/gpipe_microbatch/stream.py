@@ -14,11 +14,13 @@ import torch
 __all__ = [
     "AbstractStream",
     "CPUStream",
+    "Device",
     "current_stream",
     "default_stream",
     "get_device",
     "is_cuda",
     "new_stream",
+    "normalize_device",
     "record_stream",
     "use_device",
     "use_stream",
@@ -44,6 +46,28 @@ CPUStream = CPUStreamType()
 
 #: A CUDA stream or :data:`CPUStream`.
 AbstractStream = torch.cuda.Stream | CPUStreamType
+
+
+#: A device as users may name it: a :class:`torch.device`, a string, or a CUDA index.
+Device = torch.device | str | int
+
+
+def normalize_device(device: Device) -> torch.device:
+    """``device`` as a :class:`torch.device`, with the current index for a bare ``'cuda'``.
+
+    Without CUDA, ``'cuda'`` stays as it is (no tensor can be there; the caller says so).
+
+    Example:
+        >>> normalize_device(0)
+        device(type='cuda', index=0)
+        >>> normalize_device("cpu")
+        device(type='cpu')
+    """
+    result = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    index: int | None = result.index
+    if result.type == "cuda" and index is None and torch.cuda.is_available():
+        result = torch.device("cuda", torch.cuda.current_device())
+    return result
 
 
 def is_cuda(stream: AbstractStream) -> bool:
