@@ -12,7 +12,8 @@ four ways, interleaved round by round so that the machine's load affects them al
 
 It prints the median step time of each way and the ratios ``off / no hook`` (the cost of the
 feature when unused: 1.00 within noise), ``trace / off`` and ``profiler / off``, and the
-time of the hook's check itself. Only ratios within this run are meaningful.
+time of the hook's check itself. The ways take turns going first. Only ratios within this
+run are meaningful.
 """
 
 from __future__ import annotations
@@ -70,8 +71,11 @@ def measure(partitions: int, chunks: int, width: int, rounds: int) -> dict[str, 
         with way():
             step()
     times: dict[str, list[float]] = {name: [] for name in ways}
-    for _ in range(rounds):
-        for name, way in ways.items():
+    order = list(ways)
+    for k in range(rounds):
+        # Each way goes first in turn, so that no way always follows the same one.
+        for name in order[k % len(order) :] + order[: k % len(order)]:
+            way = ways[name]
             with way():
                 start = time.perf_counter()
                 step()
