@@ -98,6 +98,14 @@ def test_parameter_shared_across_devices_is_refused() -> None:
     assert shared.weight.device.type == "cpu"
 
 
+def test_refused_split_leaves_batch_norms_unconverted() -> None:
+    shared = nn.Linear(2, 2)
+    model = nn.Sequential(shared, nn.BatchNorm1d(2), shared)
+    with pytest.raises(ValueError, match="shared by partitions on different devices"):
+        GPipe(model, [1, 2], devices=["cpu", "meta"], deferred_batch_norm=True)
+    assert type(model[1]) is nn.BatchNorm1d
+
+
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 def test_parameter_shared_on_one_device_is_allowed(
     checkpoint: str, assert_matches_plain: Callable[..., Any]

@@ -23,7 +23,7 @@ from gpipe_microbatch import (
 )
 from gpipe_skip import SkipLayout, inspect_skip_layout, verify_skippables
 
-from .partition import Device, check_balance, resolve_devices, split_module
+from .partition import Device, check_balance, check_split, resolve_devices, split_module
 from .pipeline import Pipeline
 from .timeline import Timeline
 from .tracing import record, tracer_for
@@ -113,6 +113,8 @@ class GPipe(nn.Module):
         self.balance = check_balance(module, balance)
         self.devices = resolve_devices(devices, len(self.balance))
         if deferred_batch_norm:
+            # Every check that could refuse the module first: a refused module is unchanged.
+            check_split(module, self.balance, self.devices)
             convert_deferred_batch_norm(module, self.chunks)  # in place: module is a container
         # Deferred batch norms, converted here or by hand, see each forward call as one
         # mini-batch; models without them skip the walk over their modules in forward.

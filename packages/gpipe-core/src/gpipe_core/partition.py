@@ -12,7 +12,14 @@ from gpipe_balance import BalanceError
 from gpipe_balance.solver import check_balance as check_counts
 from gpipe_microbatch import Device, normalize_device
 
-__all__ = ["BalanceError", "Device", "check_balance", "resolve_devices", "split_module"]
+__all__ = [
+    "BalanceError",
+    "Device",
+    "check_balance",
+    "check_split",
+    "resolve_devices",
+    "split_module",
+]
 
 
 def check_balance(module: nn.Sequential, balance: object) -> list[int]:
@@ -67,20 +74,38 @@ def _check_shared(partitions: Sequence[nn.Sequential], devices: Sequence[torch.d
                 )
 
 
+def _partitions(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
+    layers = list(module._modules.items())
+    partitions: list[nn.Sequential] = []
+    start = 0
+    for count in balance:
+        partitions.append(nn.Sequential(OrderedDict(layers[start : start + count])))
+        start += count
+    return partitions
+
+
+def check_split(
+    module: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device]
+) -> None:
+    """Check that ``module`` can be split as :func:`split_module` would, changing nothing.
+
+    Raises:
+        ValueError: a parameter is shared by partitions on different devices.
+    """
+    _check_shared(_partitions(module, balance), devices)
+
+
 def split_module(
     module: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device]
 ) -> list[nn.Sequential]:
     """Split ``module`` into ``len(balance)`` partitions and move each to its device.
 
     Layers keep their names, so ``partitions[1][0]`` may be the original ``module[3]``.
+
+    Raises:
+        ValueError: a parameter is shared by partitions on different devices.
     """
-    layers = list(module._modules.items())
-    partitions: list[nn.Sequential] = []
-    start = 0
-    for count in balance:
-        chunk = layers[start : start + count]
-        partitions.append(nn.Sequential(OrderedDict(chunk)))
-        start += count
+    partitions = _partitions(module, balance)
     _check_shared(partitions, devices)
     for partition, device in zip(partitions, devices, strict=False):
         partition.to(device)
