@@ -39,6 +39,8 @@ RUFF = "ruff==0.17.5"
 MYPY = "mypy>=2.4,<2.5"
 SPHINX = ["sphinx>=8", "myst-parser>=4"]
 TEST_DEPS = ["pytest>=8", "hypothesis>=6"]
+# The plot extra of gpipe (Timeline.plot, the demo's --plot, the plot in the docs).
+PLOT = "matplotlib>=3.6"
 
 nox.options.sessions = ["tests", "lint", "typecheck", "docs", "build"]
 nox.options.reuse_existing_virtualenvs = True
@@ -454,7 +456,7 @@ def docs(session: nox.Session) -> None:
     """Sphinx HTML build; every warning and every unresolved reference is an error."""
     install_torch(session, DEV_TORCH)
     # matplotlib draws the plot of docs/timeline.rst while the docs build.
-    session.install(*SPHINX, "matplotlib>=3.6")
+    session.install(*SPHINX, PLOT)
     install_all_packages(session)
     out = DOCS_DIR / "_build" / "html"
     session.run(
@@ -517,6 +519,8 @@ def demo(session: nox.Session) -> None:
     """Run the command-line demo: python -m gpipe demo [args]."""
     install_torch(session, DEV_TORCH)
     install_all_packages(session)
+    if "--plot" in session.posargs:
+        session.install(PLOT)
     session.run("python", "-m", "gpipe", "demo", *session.posargs)
 
 
