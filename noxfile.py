@@ -110,6 +110,8 @@ class Package:
     version: str
     siblings: tuple[str, ...]
     external: tuple[str, ...]
+    #: The requirements of its optional extras (``pip install gpipe[plot]``), siblings aside.
+    extras: tuple[str, ...] = ()
 
     @property
     def rel(self) -> str:
@@ -164,6 +166,12 @@ def discover_packages() -> tuple[Package, ...]:
                 siblings.append(_requirement_name(requirement))
             else:
                 external.append(requirement)
+        extras = [
+            requirement
+            for requirements in project.get("optional-dependencies", {}).values()
+            for requirement in requirements
+            if _requirement_name(requirement) not in raw
+        ]
         packages[name] = Package(
             name=name,
             path=path,
@@ -171,6 +179,7 @@ def discover_packages() -> tuple[Package, ...]:
             version=_read_version(path, project, tool),
             siblings=tuple(siblings),
             external=tuple(external),
+            extras=tuple(dict.fromkeys(extras)),
         )
 
     # Kahn's algorithm, alphabetical among packages that are ready at the same time.
@@ -420,6 +429,8 @@ def tests(session: nox.Session, torch: str) -> None:
         uninstall_gpipe(session)
         session.install("--no-deps", *[str(wheels[p.name]) for p in needed])
         external = external_requirements(needed)
+        # The package's own optional extras too, so that its tests cover them.
+        external += [r for r in package.extras if r not in external]
         if external:
             session.install(*external)
         session.run("python", "-m", "pip", "check")
