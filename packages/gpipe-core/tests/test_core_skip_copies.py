@@ -103,9 +103,9 @@ def test_long_skip_is_sent_straight_to_the_last_partition(
     sends: list[tuple[int, int, list[tuple[int, ...]]]] = []
     real_send = core_skips.send_skips
 
-    def counting_send(batch: Batch, source: int, target: int, *args: Any) -> None:
+    def counting_send(batch: Batch, source: int, target: int, *args: Any, **kwargs: Any) -> None:
         sends.append((source, target, [tuple(t.shape) for t in batch]))
-        real_send(batch, source, target, *args)
+        real_send(batch, source, target, *args, **kwargs)
 
     monkeypatch.setattr(core_skips, "send_skips", counting_send)
     seen: list[list[tuple[int, ...]]] = [[], [], []]

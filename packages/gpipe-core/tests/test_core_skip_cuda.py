@@ -77,9 +77,9 @@ def check(
     sends: list[tuple[int, int, bool]] = []
     real_send = core_skips.send_skips
 
-    def counting_send(batch: Batch, source: int, target: int, *args: Any) -> None:
+    def counting_send(batch: Batch, source: int, target: int, *args: Any, **kwargs: Any) -> None:
         sends.append((source, target, args[-1]))
-        real_send(batch, source, target, *args)
+        real_send(batch, source, target, *args, **kwargs)
 
     monkeypatch.setattr(core_skips, "send_skips", counting_send)
     net = model()

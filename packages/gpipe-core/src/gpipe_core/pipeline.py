@@ -29,14 +29,13 @@ from gpipe_microbatch import (
     TensorOrTensors,
     ThreadState,
     check,
-    copy,
     depend,
     wait,
 )
 from gpipe_skip import SkipLayout
 
 from .skips import PipelineSkips
-from .tracing import Tracer
+from .tracing import Tracer, move
 from .worker import ExcInfo, Task, WorkerPool
 
 __all__ = ["PartitionTraits", "Pipeline", "clock_cycles"]
@@ -262,14 +261,10 @@ class Pipeline:
             if i != 0:
                 depend(batches[i - 1], batches[i])
             if j != 0:
-                prev_stream = self.copy_streams[j - 1][i]
-                next_stream = self.copy_streams[j][i]
-                if self.devices[j - 1] == self.devices[j]:
-                    wait(batches[i], prev_stream, next_stream)
-                elif self.tracer is not None:
-                    self.tracer.copy(batches[i], i, j, prev_stream, next_stream, self.devices[j])
-                else:
-                    copy(batches[i], prev_stream, next_stream)
+                move(
+                    batches[i], i, j, self.copy_streams[j - 1][i], self.copy_streams[j][i],
+                    self.devices[j], self.devices[j - 1] == self.devices[j], self.tracer,
+                )  # fmt: skip
 
     def _task(self, batches: list[Batch], i: int, j: int, state: ThreadState) -> Task:
         partition = self.partitions[j]

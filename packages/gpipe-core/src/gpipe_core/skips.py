@@ -21,10 +21,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from gpipe_microbatch import AbstractStream, Batch, TensorOrTensors, check, copy, wait
+from gpipe_microbatch import AbstractStream, Batch, TensorOrTensors, check, wait
 from gpipe_skip import SkipKey, SkipLayout, run_partition
 
-from .tracing import Tracer
+from .tracing import Tracer, move
 
 __all__ = ["PipelineSkips", "SkipCall", "send_skips"]
 
@@ -108,18 +108,18 @@ def send_skips(
     source_stream: AbstractStream,
     target_stream: AbstractStream,
     same_device: bool,
+    *,
+    i: int,
+    device: torch.device,
+    tracer: Tracer | None,
 ) -> None:
-    """Send skip tensors from partition ``source`` to partition ``target`` (in place).
+    """Send micro-batch ``i``'s skip tensors from partition ``source`` to ``target`` (in place).
 
-    The one place where skip tensors cross partitions: a differentiable copy between
-    devices, or a stream wait when both partitions share a device. (While a trace or a
-    profiler records the run, :meth:`PipelineSkips.prepare` makes the copy through
-    :meth:`Tracer.copy <gpipe_core.tracing.Tracer.copy>` instead, which records it.)
+    The one place where skip tensors cross partitions, by :func:`~gpipe_core.tracing.move`
+    as the main path's tensors do: a stream wait when both partitions share a device,
+    else a differentiable copy (recorded as a copy into ``target`` while traced).
     """
-    if same_device:
-        wait(batch, source_stream, target_stream)
-    else:
-        copy(batch, source_stream, target_stream)
+    move(batch, i, target, source_stream, target_stream, device, same_device, tracer)
 
 
 class PipelineSkips:
@@ -166,13 +166,11 @@ class PipelineSkips:
         target_stream = self.copy_streams[j][i]
         for source, keys in by_source.items():
             moving = Batch(tuple(skips_in[key] for key in keys))  # type: ignore[misc]
-            source_stream = self.copy_streams[source][i]
-            same_device = self.devices[source] == self.devices[j]
-            if self.tracer is not None and not same_device:
-                # Recorded as a copy into partition j, like its input.
-                self.tracer.copy(moving, i, j, source_stream, target_stream, self.devices[j])
-            else:
-                send_skips(moving, source, j, source_stream, target_stream, same_device)
+            send_skips(
+                moving, source, j, self.copy_streams[source][i], target_stream,
+                self.devices[source] == self.devices[j],
+                i=i, device=self.devices[j], tracer=self.tracer,
+            )  # fmt: skip
             # The partition's compute stream waits for the copies, as for its input.
             wait(moving, target_stream, self.compute_streams[j])
             skips_in.update(zip(keys, moving, strict=True))

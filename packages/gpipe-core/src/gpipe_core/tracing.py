@@ -30,11 +30,11 @@ from torch._C._autograd import _profiler_enabled
 from torch.profiler import record_function
 
 from gpipe_checkpoint import is_checkpointing, is_recomputing
-from gpipe_microbatch import AbstractStream, Batch, TensorOrTensors, copy, get_phony
+from gpipe_microbatch import AbstractStream, Batch, TensorOrTensors, copy, get_phony, wait
 
 from .timeline import Phase, TaskEvent, Timeline, task_label
 
-__all__ = ["Tracer", "record", "tracer_for"]
+__all__ = ["Tracer", "move", "record", "tracer_for"]
 
 _T = TypeVar("_T")
 
@@ -145,6 +145,29 @@ def _profiling() -> bool:
     return bool(getattr(_autograd_profiler, "_is_profiler_enabled", False)) or bool(
         _profiler_enabled()
     )
+
+
+def move(
+    batch: Batch,
+    i: int,
+    j: int,
+    source_stream: AbstractStream,
+    target_stream: AbstractStream,
+    device: torch.device,
+    same_device: bool,
+    tracer: Tracer | None,
+) -> None:
+    """Bring micro-batch ``i``'s ``batch`` to partition ``j`` on ``device`` (in place).
+
+    A stream wait when the source is on the same device, else a differentiable copy,
+    recorded as a copy task while ``tracer`` records the run.
+    """
+    if same_device:
+        wait(batch, source_stream, target_stream)
+    elif tracer is not None:
+        tracer.copy(batch, i, j, source_stream, target_stream, device)
+    else:
+        copy(batch, source_stream, target_stream)
 
 
 def tracer_for(module: object, microbatches: int) -> Tracer | None:
