@@ -274,6 +274,7 @@ class StepRun:
                 raise error[1].with_traceback(error[2])
         finally:
             self.mailbox.error = None
+            self.mailbox.items.clear()
             for in_flight in self.in_flight:
                 in_flight.clear()
         return cast(list[Tensor], self.losses)
@@ -296,8 +297,10 @@ class StepRun:
                     pool.submit(j, self._task(j, state, actions))
                     pending.append(j)
                 while pending:
-                    pool.result(pending[0])
+                    ok, payload = pool.result(pending[0])
                     del pending[0]
+                    if not ok:  # raised around the program (entering its thread state)
+                        self.mailbox.cancel(cast(ExcInfo, payload))
             except BaseException:
                 # Interrupted (KeyboardInterrupt, say): stop the workers and collect them,
                 # so that no stale result is left for the next run.
@@ -400,7 +403,10 @@ class StepRun:
             batch = self.inputs[i]
         else:
             message, values = self._receive(j, i, ("forward", i, j), False)
-            tensors = [_leaf(t, grad and r) for t, r in zip(values, message.requires_grad)]  # type: ignore[arg-type]
+            flags = message.requires_grad
+            tensors = [
+                _leaf(cast(Tensor, t), grad and r) for t, r in zip(values, flags, strict=True)
+            ]
             batch = Batch(tensors[0] if message.atomic else tuple(tensors))
         call: SkipCall | None = None
         layers: Callable[[TensorOrTensors], TensorOrTensors] = self.partitions[j]
@@ -502,7 +508,7 @@ class StepRun:
         skip_grads: dict[SkipKey, Tensor | None] = {}
         if self.layout is not None:
             for target in self.skip_targets[j]:
-                message, values = self._receive(j, i, ("skip-grads", i, j, target), True)
+                values = self._receive(j, i, ("skip-grads", i, j, target), True)[1]
                 keys = [r.key for r in self.layout.provides(j) if r.pop_partition == target]
                 skip_grads.update(zip(keys, values, strict=True))
         if i < self.checkpoint_stop:
