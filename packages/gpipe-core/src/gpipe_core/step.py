@@ -516,10 +516,10 @@ class StepRun:
 
         def compute() -> None:
             roots: list[Tensor] = []
-            gradients: list[Tensor | None] = []
+            gradients: list[Tensor] = []
             if entry.loss is not None and entry.loss.requires_grad:
                 roots.append(entry.loss)
-                gradients.append(None)
+                gradients.append(torch.ones_like(entry.loss))
             outputs = entry.outputs or ()
             if entry.call is not None:
                 assert entry.call.structure is not None
@@ -529,7 +529,7 @@ class StepRun:
                     roots.append(tensor)
                     gradients.append(gradient)
             if roots:
-                torch.autograd.backward(roots, gradients)
+                _run_backward(roots, gradients)
 
         self._record(Phase.BACKWARD, i, j, True, compute)
         entry.outputs = entry.loss = None
@@ -577,6 +577,28 @@ class StepRun:
 
 
 _NOTHING = Batch(())
+
+# torch.autograd.backward checks and converts its arguments in Python on every call,
+# which costs about as much as a small partition's backward pass. The roots and gradients
+# here are made to match (a gradient per root, of its shape, dtype and device), so the
+# engine is called directly where this PyTorch has it.
+_engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+
+
+def _run_backward(roots: list[Tensor], gradients: list[Tensor]) -> None:
+    """``torch.autograd.backward(roots, gradients)``, gradients accumulating into leaves."""
+    if _engine is None:  # pragma: no cover - every supported PyTorch has the engine
+        torch.autograd.backward(roots, gradients)
+        return
+    _engine.run_backward(
+        tuple(roots),
+        tuple(gradients),
+        False,  # keep_graph
+        False,  # create_graph
+        (),  # inputs
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
 
 
 def _split(call: SkipCall | None, output: Batch) -> tuple[Batch, dict[SkipKey, Tensor | None]]:
