@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gpipe_microbatch import Batch, TensorOrTensors, ThreadState, check, fork, get_phony, join
+from gpipe_microbatch import Batch, TensorOrTensors, ThreadState, check, get_phony
 
 from .phase import enable_checkpointing, enable_recomputing
 from .rng import RNGStates, restore_rng_states, save_rng_states
@@ -117,14 +117,14 @@ class Checkpointing:
         needs_grad = [index for index, tensor in enumerate(batch) if tensor.requires_grad]
         if not needs_grad:
             return
-        # Recompute takes a phony forked off one output, so the checkpoint phase's backward
-        # waits for it; every output that needs a gradient is joined to its result, so the
-        # recomputation runs whichever outputs the loss uses.
-        tensor, phony = fork(batch[needs_grad[0]])
-        batch.replace(needs_grad[0], tensor)
-        phony = Recompute.apply(phony, self, *self.batch)  # type: ignore[no-untyped-call]
-        for index in needs_grad:
-            batch.replace(index, join(batch[index], phony))
+        # One node passes the gradients of every output that needs one through to the
+        # checkpoint phase's backward, recomputing first: the recomputation runs whichever
+        # outputs the loss uses, and right before the checkpoint phase's backward.
+        tensors = Recompute.apply(  # type: ignore[no-untyped-call]
+            self, len(self.batch), *self.batch, *(batch[index] for index in needs_grad)
+        )
+        for index, tensor in zip(needs_grad, tensors, strict=True):
+            batch.replace(index, tensor)
 
 
 def _copies(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -181,19 +181,24 @@ class Checkpoint(torch.autograd.Function):
 
 
 class Recompute(torch.autograd.Function):
-    """The recompute phase: an identity on a phony whose backward re-runs the function.
+    """The recompute phase: an identity on the outputs whose backward re-runs the function.
 
-    Called as ``Recompute.apply(phony, checkpointing, *input)``.
+    Called as ``Recompute.apply(checkpointing, len(input), *input, *output)`` with the
+    outputs of the checkpoint phase that need gradients; returns those outputs. Their
+    gradients pass through unchanged once the recomputation has run.
     """
 
     @staticmethod
-    def forward(ctx: Any, phony: Tensor, chk: Checkpointing, *input: Tensor) -> Tensor:
+    def forward(ctx: Any, chk: Checkpointing, inputs: int, *tensors: Tensor) -> tuple[Tensor, ...]:
         ctx.chk = chk
-        ctx.save_for_backward(*input)
-        return phony.detach()
+        ctx.inputs = inputs
+        ctx.save_for_backward(*tensors[:inputs])
+        # Unused outputs pass no gradient (None) on to the checkpoint phase's backward.
+        ctx.set_materialize_grads(False)
+        return tuple(tensor.detach() for tensor in tensors[inputs:])
 
     @staticmethod
-    def backward(ctx: Any, *grad_output: Tensor | None) -> tuple[None, ...]:
+    def backward(ctx: Any, *grad_output: Tensor | None) -> tuple[Tensor | None, ...]:
         if not torch.autograd._is_checkpoint_valid():  # type: ignore[no-untyped-call]
             raise RuntimeError(
                 "checkpointing works with .backward() only, not with torch.autograd.grad() "
@@ -215,7 +220,7 @@ class Recompute(torch.autograd.Function):
             output = _call(chk.function, chk.batch.atomic, arguments)
         tensors = (output,) if isinstance(output, Tensor) else output
         chk.recomputed.append((tensors, input_leaf))
-        return (None,) * (2 + len(input))
+        return (None, None, *((None,) * ctx.inputs), *grad_output)
 
 
 def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
