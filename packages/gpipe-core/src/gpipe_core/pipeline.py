@@ -7,9 +7,11 @@ micro-batch at the same time.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
+from queue import SimpleQueue
 from typing import cast
 
 import torch
@@ -30,6 +32,11 @@ from gpipe_microbatch import (
     ThreadState,
     check,
     depend,
+    fork,
+    is_cuda,
+    join,
+    use_device,
+    use_stream,
     wait,
 )
 from gpipe_skip import SkipLayout
@@ -148,6 +155,49 @@ def _same_states(a: RNGStates, b: RNGStates) -> bool:
     return a.cuda is None or b.cuda is None or torch.equal(a.cuda, b.cuda)
 
 
+class _Runner:
+    """A job for a worker of :class:`~gpipe_core.worker.WorkerPool`: calls ``run``."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self.run = run
+
+
+class _Flow:
+    """What the workers of one pipeline run share.
+
+    Partition ``j``'s worker learns from ``inboxes[j]`` that partition ``j - 1`` has
+    finished its next micro-batch (True) or has stopped (False). When a task fails, the
+    tasks of later clocks are not run, as in clock order (see :func:`clock_cycles`), and
+    the caller gets the error of the earliest clock (the first partition's of that clock).
+    """
+
+    def __init__(self, partitions: int) -> None:
+        self.inboxes: list[SimpleQueue[bool]] = [SimpleQueue() for _ in range(partitions)]
+        #: Tasks of clocks after this one are not run.
+        self.stop = sys.maxsize
+        self.lock = threading.Lock()
+        self.errors: list[tuple[int, int, ExcInfo]] = []
+
+    def fail(self, clock: int, j: int, exc_info: ExcInfo) -> None:
+        """Record partition ``j``'s error at ``clock``; later clocks are not run."""
+        with self.lock:
+            self.errors.append((clock, j, exc_info))
+            self.stop = min(self.stop, clock)
+
+    def raise_first(self) -> None:
+        """Raise the error of the earliest clock, if any, with its traceback."""
+        if not self.errors:
+            return
+        _, _, (_, exc, tb) = min(self.errors, key=lambda error: error[:2])
+        self.errors.clear()
+        try:
+            raise exc.with_traceback(tb)
+        finally:
+            del exc, tb
+
+
 class Pipeline:
     """One pipelined forward pass over ``partitions``.
 
@@ -192,10 +242,11 @@ class Pipeline:
         """Run every micro-batch through every partition; ``batches`` is updated in place.
 
         With one partition the tasks run in the calling thread; otherwise each partition's
-        tasks run on its worker in ``pool``. A pipeline nested in a checkpointed partition
-        also runs in the calling thread, in clock order: the outer recomputation must
-        replay its random draws in the same order, and its workers would wait forever for
-        a generator lock the calling thread holds.
+        tasks run on its worker in ``pool``, each task as soon as its input is ready (see
+        :class:`_Flow`). A pipeline nested in a checkpointed partition also runs in the
+        calling thread, in clock order: the outer recomputation must replay its random
+        draws in the same order, and its workers would wait forever for a generator lock
+        the calling thread holds.
         """
         state = ThreadState.capture()
         nested = _held.depth > 0 or is_checkpointing() or is_recomputing()
@@ -205,44 +256,92 @@ class Pipeline:
                 for i, j in schedule:
                     self._finish(batches, i, j, self._task(batches, i, j, state).run())
             return
+        flow = _Flow(len(self.partitions))
         with pool.lock:
-            for schedule in clock_cycles(len(batches), len(self.partitions)):
-                self._fence(batches, schedule)
-                self._clock(batches, schedule, state, pool)
-
-    def _clock(
-        self,
-        batches: list[Batch],
-        schedule: list[tuple[int, int]],
-        state: ThreadState,
-        pool: WorkerPool,
-    ) -> None:
-        """Run one clock's tasks in parallel and wait for all of them."""
-        pending: list[tuple[int, int]] = []
-        error: ExcInfo | None = None
-        try:
-            for i, j in schedule:
-                pool.submit(j, self._task(batches, i, j, state))
-                pending.append((i, j))
-            while pending:
-                i, j = pending[0]
-                ok, payload = pool.result(j)
-                del pending[0]
-                if not ok:
-                    if error is None:
-                        error = cast(ExcInfo, payload)
-                    continue
-                self._finish(batches, i, j, cast(Batch, payload))
-        finally:
-            # Interrupted (KeyboardInterrupt, say): collect what is still running, so no
-            # stale result is left for the next run.
-            for _, j in pending:
-                pool.result(j)
-        if error is not None:
+            pending: list[int] = []
             try:
-                raise error[1].with_traceback(error[2])
+                for j in range(len(self.partitions)):
+                    pool.submit(j, _Runner(partial(self._flow, batches, j, state, flow)))
+                    pending.append(j)
+                while pending:
+                    ok, payload = pool.result(pending[0])
+                    j = pending.pop(0)
+                    if not ok:  # not raised by a task: record it all the same
+                        flow.fail(-1, j, cast(ExcInfo, payload))
             finally:
-                error = None
+                if pending:
+                    # Interrupted (KeyboardInterrupt, say): stop every worker after its
+                    # current task and collect them, so no stale result is left behind.
+                    flow.stop = -1
+                    for j in pending:
+                        pool.result(j)
+        flow.raise_first()
+
+    def _flow(self, batches: list[Batch], j: int, state: ThreadState, flow: _Flow) -> None:
+        """Run partition ``j``'s tasks in order, each as soon as its input is ready.
+
+        Runs on partition ``j``'s worker. The tasks see the same graph as in clock order:
+        in backward, partition ``j`` finishes micro-batch ``i`` before ``i - 1`` (the
+        phony forked off its output for ``i - 1``, before partition ``j + 1`` gets it,
+        is joined to its input for ``i``).
+        """
+        m, n = len(batches), len(self.partitions)
+        device, stream = self.devices[j], self.compute_streams[j]
+        cpu = device.type != "cuda" and not is_cuda(stream)
+        inbox, outbox = flow.inboxes[j], (flow.inboxes[j + 1] if j + 1 < n else None)
+        phony: torch.Tensor | None = None
+        done = False
+        try:
+            for i in range(m):
+                if j != 0 and not inbox.get():
+                    return  # the previous partition stopped
+                if i + j > flow.stop:
+                    return  # a task of an earlier clock failed: clock order stops here
+                try:
+                    if cpu:
+                        with state.apply():
+                            phony = self._step(batches, i, j, state, phony)
+                    else:
+                        with use_device(device), use_stream(stream), state.apply():
+                            phony = self._step(batches, i, j, state, phony)
+                except BaseException:
+                    exc_type, exc, tb = sys.exc_info()
+                    assert exc_type is not None and exc is not None and tb is not None
+                    flow.fail(i + j, j, (exc_type, exc, tb))
+                    del exc_type, exc, tb
+                    return
+                if outbox is not None:
+                    outbox.put(True)
+            done = True
+        finally:
+            if outbox is not None and not done:
+                outbox.put(False)
+
+    def _step(
+        self, batches: list[Batch], i: int, j: int, state: ThreadState, phony: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Run task ``(i, j)`` with its fence; returns the phony for task ``(i + 1, j)``."""
+        batch = batches[i]
+        if phony is not None:
+            index = batch.find_tensor_idx()
+            batch.replace(index, join(batch[index], phony))
+        if j != 0:
+            move(
+                batch, i, j, self.copy_streams[j - 1][i], self.copy_streams[j][i],
+                self.devices[j], self.devices[j - 1] == self.devices[j], self.tracer,
+            )  # fmt: skip
+        task = self._task(batches, i, j, state)
+        output = task.compute()
+        if task.finalize is not None:
+            task.finalize(output)
+        self._finish(batches, i, j, output)
+        if i == len(batches) - 1:
+            return None
+        output = batches[i]
+        index = output.find_tensor_idx()
+        tensor, phony = fork(output[index])
+        output.replace(index, tensor)
+        return phony
 
     def _finish(self, batches: list[Batch], i: int, j: int, batch: Batch) -> None:
         """Store partition ``j``'s output for micro-batch ``i``."""

@@ -17,14 +17,23 @@ import threading
 from collections.abc import Callable
 from queue import SimpleQueue
 from types import TracebackType
+from typing import Protocol
 
 import torch
 
-from gpipe_microbatch import AbstractStream, Batch, ThreadState, use_device, use_stream
+from gpipe_microbatch import AbstractStream, Batch, ThreadState, is_cuda, use_device, use_stream
 
-__all__ = ["ExcInfo", "Result", "Task", "WorkerPool"]
+__all__ = ["ExcInfo", "Job", "Result", "Task", "WorkerPool"]
 
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
+
+
+class Job(Protocol):
+    """Anything a worker can run: a :class:`Task`, or a pipeline's whole share of a run."""
+
+    def run(self) -> object:
+        """Run in the worker's thread; the result (or the exception) goes back."""
+        ...  # pragma: no cover
 
 
 class Task:
@@ -54,6 +63,13 @@ class Task:
 
     def run(self) -> Batch:
         """Run the task in the calling thread."""
+        if self.device.type != "cuda" and not is_cuda(self.stream):
+            # No device or stream to make current.
+            with self.state.apply():
+                batch = self.compute()
+                if self.finalize is not None:
+                    self.finalize(batch)
+            return batch
         with use_device(self.device), use_stream(self.stream), self.state.apply():
             batch = self.compute()
             if self.finalize is not None:
@@ -61,11 +77,12 @@ class Task:
         return batch
 
 
-#: What a worker sends back: ``(True, batch)`` or ``(False, exc_info)``.
-Result = tuple[bool, Batch] | tuple[bool, ExcInfo]
+#: What a worker sends back: ``(True, what the job returned)`` (the batch of a
+#: :class:`Task`) or ``(False, exc_info)``.
+Result = tuple[bool, object]
 
 
-def _worker_loop(in_queue: SimpleQueue[Task | None], out_queue: SimpleQueue[Result]) -> None:
+def _worker_loop(in_queue: SimpleQueue[Job | None], out_queue: SimpleQueue[Result]) -> None:
     while True:
         task = in_queue.get()
         if task is None:
@@ -91,7 +108,7 @@ class WorkerPool:
 
     def __init__(self, workers: int) -> None:
         self.lock = threading.Lock()
-        self.in_queues: list[SimpleQueue[Task | None]] = [SimpleQueue() for _ in range(workers)]
+        self.in_queues: list[SimpleQueue[Job | None]] = [SimpleQueue() for _ in range(workers)]
         self.out_queues: list[SimpleQueue[Result]] = [SimpleQueue() for _ in range(workers)]
         self.threads: list[threading.Thread] = []
         self.closed = False
@@ -109,7 +126,7 @@ class WorkerPool:
             thread.start()
             self.threads.append(thread)
 
-    def submit(self, partition: int, task: Task) -> None:
+    def submit(self, partition: int, task: Job) -> None:
         """Queue ``task`` on the worker of ``partition``, starting the workers if needed."""
         if self.closed:
             raise RuntimeError("the worker pool of this GPipe module is closed")
