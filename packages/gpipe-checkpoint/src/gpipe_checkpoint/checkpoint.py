@@ -127,6 +127,30 @@ class Checkpointing:
             batch.replace(index, tensor)
 
 
+# The engine call behind torch.autograd.backward (torch >= 2.3), if this torch has it.
+_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def _backward(tensors: list[Tensor], grads: list[Tensor]) -> None:
+    """``torch.autograd.backward(tensors, grads)``, minus its argument checks when needless.
+
+    The gradients come from autograd for outputs of the same shapes and types; only a
+    function that changed them when recomputed needs the checks (and their error).
+    """
+    if _engine_run_backward is None or any(
+        type(tensor) is not Tensor
+        or type(grad) is not Tensor
+        or tensor.shape != grad.shape
+        or tensor.dtype != grad.dtype
+        for tensor, grad in zip(tensors, grads, strict=True)
+    ):
+        torch.autograd.backward(tensors, grads)
+        return
+    _engine_run_backward(
+        tuple(tensors), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True
+    )
+
+
 def _copies(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     return tuple(tensor.clone() for tensor in tensors)
 
@@ -174,7 +198,7 @@ class Checkpoint(torch.autograd.Function):
             if tensor.requires_grad and grad is not None
         ]
         if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            _backward([t for t, _ in pairs], [g for _, g in pairs])
         grad_input: list[Tensor | None] = [None, None]
         grad_input.extend(leaf.grad for leaf in input_leaf)
         return tuple(grad_input)
