@@ -41,3 +41,40 @@ def test_gradients_through_several_outputs() -> None:
     assert x.grad is not None and weight.grad is not None
     torch.testing.assert_close(x.grad, weight.detach() + 2 * x.detach().cos())
     torch.testing.assert_close(weight.grad, x.detach())
+
+
+def test_recompute_forks_a_phony_that_orders_a_later_checkpoint_first() -> None:
+    from gpipe_checkpoint import Checkpointing
+    from gpipe_microbatch import Batch
+
+    order: list[str] = []
+
+    def tagged(name: str, weight: torch.Tensor) -> object:
+        def function(x: torch.Tensor) -> torch.Tensor:
+            if is_recomputing():
+                order.append(name)
+            return x * weight
+
+        return function
+
+    wa, wb = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    b_chk = Checkpointing(tagged("b", wb), Batch(torch.randn(3)))
+    b_out = b_chk.checkpoint()
+    phony = b_chk.recompute(b_out)
+    a_chk = Checkpointing(tagged("a", wa), Batch(torch.randn(3)))
+    a_out = a_chk.checkpoint(join=phony)
+    a_chk.recompute(a_out)
+    # Only a's output: b is reached through the phony alone, after a's backward.
+    a_out.tensor.sum().backward()
+    assert order == ["a", "b"]
+    assert wa.grad is not None
+
+
+def test_recompute_without_autograd_forks_a_phony_without_edge() -> None:
+    from gpipe_checkpoint import Checkpointing
+    from gpipe_microbatch import Batch
+
+    chk = Checkpointing(lambda x: x * 2, Batch(torch.randn(3)), requires_grad=False)
+    output = chk.checkpoint()
+    phony = chk.recompute(output)
+    assert phony.numel() == 0 and not phony.requires_grad

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -100,31 +100,47 @@ class Checkpointing:
         # differentiated more than once with retain_graph=True).
         self.saved: _Saved | None = None
 
-    def checkpoint(self) -> Batch:
-        """Run the function without autograd history; returns the output batch."""
+    def checkpoint(self, join: Tensor | None = None) -> Batch:
+        """Run the function without autograd history; returns the output batch.
+
+        Args:
+            join: a phony (from :func:`~gpipe_microbatch.fork` or :meth:`recompute`) to
+                join to this phase, as :func:`~gpipe_microbatch.join` would join it to the
+                input: in backward, the phony's branch is released once this phase's
+                backward is done. Saves an autograd node per ordering edge.
+        """
         # The phony requires grad, so the output joins the graph even where the input
         # does not require grad: the parameters inside ``function`` need gradients.
-        phony = get_phony(self.batch[0].device, requires_grad=self.requires_grad)
+        phony = join
+        if phony is None or not (phony.requires_grad and torch.is_grad_enabled()):
+            phony = get_phony(self.batch[0].device, requires_grad=self.requires_grad)
         output = Checkpoint.apply(phony, self, *self.batch)  # type: ignore[no-untyped-call]
         return Batch(output)
 
-    def recompute(self, batch: Batch) -> None:
+    def recompute(self, batch: Batch) -> Tensor:
         """Hook the recompute phase onto ``batch``, the output of :meth:`checkpoint`.
 
         The recomputation then runs when the gradient reaches any output in ``batch``,
         right before the checkpoint phase's backward.
+
+        Returns:
+            A phony forked off the outputs, as :func:`~gpipe_microbatch.fork` would fork
+            it: the recomputation also waits for the phony's gradient, so joining it to
+            later work orders that work's backward before this recomputation. Without
+            autograd (no output needs a gradient) it carries no edge.
         """
         needs_grad = [index for index, tensor in enumerate(batch) if tensor.requires_grad]
         if not needs_grad:
-            return
+            return get_phony(batch[0].device, requires_grad=False)
         # One node passes the gradients of every output that needs one through to the
         # checkpoint phase's backward, recomputing first: the recomputation runs whichever
         # outputs the loss uses, and right before the checkpoint phase's backward.
-        tensors = Recompute.apply(  # type: ignore[no-untyped-call]
+        *tensors, phony = Recompute.apply(  # type: ignore[no-untyped-call]
             self, len(self.batch), *self.batch, *(batch[index] for index in needs_grad)
         )
         for index, tensor in zip(needs_grad, tensors, strict=True):
             batch.replace(index, tensor)
+        return cast(Tensor, phony)
 
 
 # The engine call behind torch.autograd.backward (torch >= 2.3), if this torch has it.
@@ -208,8 +224,9 @@ class Recompute(torch.autograd.Function):
     """The recompute phase: an identity on the outputs whose backward re-runs the function.
 
     Called as ``Recompute.apply(checkpointing, len(input), *input, *output)`` with the
-    outputs of the checkpoint phase that need gradients; returns those outputs. Their
-    gradients pass through unchanged once the recomputation has run.
+    outputs of the checkpoint phase that need gradients; returns those outputs and a
+    phony. Their gradients pass through unchanged once the recomputation has run, which
+    waits for the phony's gradient too (if the phony is used).
     """
 
     @staticmethod
@@ -219,7 +236,8 @@ class Recompute(torch.autograd.Function):
         ctx.save_for_backward(*tensors[:inputs])
         # Unused outputs pass no gradient (None) on to the checkpoint phase's backward.
         ctx.set_materialize_grads(False)
-        return tuple(tensor.detach() for tensor in tensors[inputs:])
+        phony = get_phony(tensors[inputs].device, requires_grad=False).detach()
+        return (*(tensor.detach() for tensor in tensors[inputs:]), phony)
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor | None) -> tuple[Tensor | None, ...]:
@@ -244,7 +262,7 @@ class Recompute(torch.autograd.Function):
             output = _call(chk.function, chk.batch.atomic, arguments)
         tensors = (output,) if isinstance(output, Tensor) else output
         chk.recomputed.append((tensors, input_leaf))
-        return (None, None, *((None,) * ctx.inputs), *grad_output)
+        return (None, None, *((None,) * ctx.inputs), *grad_output[:-1])
 
 
 def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:

@@ -31,7 +31,6 @@ from gpipe_microbatch import (
     TensorOrTensors,
     ThreadState,
     check,
-    depend,
     fork,
     is_cuda,
     join,
@@ -105,9 +104,10 @@ class PartitionTraits:
         copy_input = self.modifies_input[j] is not False
         return Checkpointing(function, batch, copy_input=copy_input, requires_grad=requires_grad)
 
-    def learn(self, j: int, chk: Checkpointing) -> Batch:
-        """Run the checkpoint phase of ``chk`` and remember whether it modified its input."""
-        batch = chk.checkpoint()
+    def learn(self, j: int, chk: Checkpointing, join: torch.Tensor | None = None) -> Batch:
+        """Run the checkpoint phase of ``chk`` (joining ``join``) and remember whether it
+        modified its input."""
+        batch = chk.checkpoint(join)
         if self.modifies_input[j] is None or chk.input_modified:
             self.modifies_input[j] = chk.input_modified
         return batch
@@ -153,6 +153,12 @@ def _same_states(a: RNGStates, b: RNGStates) -> bool:
     if not torch.equal(a.cpu, b.cpu):
         return False
     return a.cuda is None or b.cuda is None or torch.equal(a.cuda, b.cuda)
+
+
+def _recompute(chk: Checkpointing, forked: list[torch.Tensor] | None, batch: Batch) -> None:
+    phony = chk.recompute(batch)
+    if forked is not None:
+        forked.append(phony)
 
 
 class _Runner:
@@ -251,10 +257,10 @@ class Pipeline:
         state = ThreadState.capture()
         nested = _held.depth > 0 or is_checkpointing() or is_recomputing()
         if len(self.partitions) == 1 or nested:
+            phonies: list[torch.Tensor | None] = [None] * len(self.partitions)
             for schedule in clock_cycles(len(batches), len(self.partitions)):
-                self._fence(batches, schedule)
                 for i, j in schedule:
-                    self._finish(batches, i, j, self._task(batches, i, j, state).run())
+                    phonies[j] = self._step(batches, i, j, state, phonies[j])
             return
         flow = _Flow(len(self.partitions))
         with pool.lock:
@@ -286,8 +292,6 @@ class Pipeline:
         is joined to its input for ``i``).
         """
         m, n = len(batches), len(self.partitions)
-        device, stream = self.devices[j], self.compute_streams[j]
-        cpu = device.type != "cuda" and not is_cuda(stream)
         inbox, outbox = flow.inboxes[j], (flow.inboxes[j + 1] if j + 1 < n else None)
         phony: torch.Tensor | None = None
         done = False
@@ -298,12 +302,7 @@ class Pipeline:
                 if i + j > flow.stop:
                     return  # a task of an earlier clock failed: clock order stops here
                 try:
-                    if cpu:
-                        with state.apply():
-                            phony = self._step(batches, i, j, state, phony)
-                    else:
-                        with use_device(device), use_stream(stream), state.apply():
-                            phony = self._step(batches, i, j, state, phony)
+                    phony = self._step(batches, i, j, state, phony)
                 except BaseException:
                     exc_type, exc, tb = sys.exc_info()
                     assert exc_type is not None and exc is not None and tb is not None
@@ -320,9 +319,29 @@ class Pipeline:
     def _step(
         self, batches: list[Batch], i: int, j: int, state: ThreadState, phony: torch.Tensor | None
     ) -> torch.Tensor | None:
-        """Run task ``(i, j)`` with its fence; returns the phony for task ``(i + 1, j)``."""
+        """Run task ``(i, j)`` and its fence, under ``state``, on the partition's device and
+        stream.
+
+        ``phony``: forked off partition ``j``'s output for micro-batch ``i - 1``; it is
+        joined to this task, so that in backward partition ``j`` finishes micro-batch
+        ``i`` before ``i - 1`` (each recomputation then runs right before its own
+        backward). Returns the phony for micro-batch ``i + 1`` (None after the last).
+        """
+        device, stream = self.devices[j], self.compute_streams[j]
+        if device.type != "cuda" and not is_cuda(stream):
+            # No device or stream to make current.
+            with state.apply():
+                return self._fenced(batches, i, j, state, phony)
+        with use_device(device), use_stream(stream), state.apply():
+            return self._fenced(batches, i, j, state, phony)
+
+    def _fenced(
+        self, batches: list[Batch], i: int, j: int, state: ThreadState, phony: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        checkpointed = i < self.checkpoint_stop
         batch = batches[i]
-        if phony is not None:
+        if phony is not None and not checkpointed:
+            # A checkpointed task joins the phony itself, saving an autograd node.
             index = batch.find_tensor_idx()
             batch.replace(index, join(batch[index], phony))
         if j != 0:
@@ -330,13 +349,17 @@ class Pipeline:
                 batch, i, j, self.copy_streams[j - 1][i], self.copy_streams[j][i],
                 self.devices[j], self.devices[j - 1] == self.devices[j], self.tracer,
             )  # fmt: skip
-        task = self._task(batches, i, j, state)
+        forked: list[torch.Tensor] = []
+        task = self._task(batches, i, j, state, phony if checkpointed else None, forked)
         output = task.compute()
         if task.finalize is not None:
             task.finalize(output)
         self._finish(batches, i, j, output)
         if i == len(batches) - 1:
             return None
+        if forked:
+            # Forked off the checkpointed output by its recompute phase.
+            return forked[0]
         output = batches[i]
         index = output.find_tensor_idx()
         tensor, phony = fork(output[index])
@@ -352,20 +375,17 @@ class Pipeline:
             wait(batch, self.compute_streams[j], self.copy_streams[j][i])
         batches[i] = batch
 
-    def _fence(self, batches: list[Batch], schedule: list[tuple[int, int]]) -> None:
-        """Order backward and copy micro-batches into the partitions about to run them."""
-        for i, j in schedule:
-            # In backward, partition j must finish micro-batch i before i - 1, so that each
-            # recomputation runs right before its own backward.
-            if i != 0:
-                depend(batches[i - 1], batches[i])
-            if j != 0:
-                move(
-                    batches[i], i, j, self.copy_streams[j - 1][i], self.copy_streams[j][i],
-                    self.devices[j], self.devices[j - 1] == self.devices[j], self.tracer,
-                )  # fmt: skip
-
-    def _task(self, batches: list[Batch], i: int, j: int, state: ThreadState) -> Task:
+    def _task(
+        self,
+        batches: list[Batch],
+        i: int,
+        j: int,
+        state: ThreadState,
+        phony: torch.Tensor | None = None,
+        forked: list[torch.Tensor] | None = None,
+    ) -> Task:
+        """Task ``(i, j)``; a checkpointed one joins ``phony`` and appends the phony its
+        recompute phase forks to ``forked``."""
         partition = self.partitions[j]
         device = self.devices[j]
         stream = self.compute_streams[j]
@@ -391,7 +411,8 @@ class Pipeline:
         finalize: Callable[[Batch], None] | None = None
         if i < self.checkpoint_stop:
             chk = self.traits.checkpoint(j, checkpointed, batch, self.trainable[j])
-            compute, finalize = partial(self.traits.learn, j, chk), chk.recompute
+            compute = partial(self.traits.learn, j, chk, phony)
+            finalize = partial(_recompute, chk, forked)
         else:
             compute = partial(self.traits.call, j, layers, what, batch, len(batches) > 1)
         if tracer is not None:
