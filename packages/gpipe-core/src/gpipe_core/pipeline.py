@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from functools import partial
 from queue import SimpleQueue
 from typing import cast
@@ -260,7 +261,9 @@ class Pipeline:
             phonies: list[torch.Tensor | None] = [None] * len(self.partitions)
             for schedule in clock_cycles(len(batches), len(self.partitions)):
                 for i, j in schedule:
-                    phonies[j] = self._step(batches, i, j, state, phonies[j])
+                    # The caller's state is in effect: this is the caller's thread.
+                    with self._placed(j):
+                        phonies[j] = self._step(batches, i, j, state, phonies[j])
             return
         flow = _Flow(len(self.partitions))
         with pool.lock:
@@ -286,58 +289,65 @@ class Pipeline:
     def _flow(self, batches: list[Batch], j: int, state: ThreadState, flow: _Flow) -> None:
         """Run partition ``j``'s tasks in order, each as soon as its input is ready.
 
-        Runs on partition ``j``'s worker. The tasks see the same graph as in clock order:
+        Runs on partition ``j``'s worker, under the caller's thread ``state``. The tasks
+        see the same graph as in clock order:
         in backward, partition ``j`` finishes micro-batch ``i`` before ``i - 1`` (the
         phony forked off its output for ``i - 1``, before partition ``j + 1`` gets it,
         is joined to its input for ``i``).
         """
-        m, n = len(batches), len(self.partitions)
-        inbox, outbox = flow.inboxes[j], (flow.inboxes[j + 1] if j + 1 < n else None)
-        phony: torch.Tensor | None = None
+        outbox = flow.inboxes[j + 1] if j + 1 < len(self.partitions) else None
         done = False
         try:
-            for i in range(m):
-                if j != 0 and not inbox.get():
-                    return  # the previous partition stopped
-                if i + j > flow.stop:
-                    return  # a task of an earlier clock failed: clock order stops here
-                try:
-                    phony = self._step(batches, i, j, state, phony)
-                except BaseException:
-                    exc_type, exc, tb = sys.exc_info()
-                    assert exc_type is not None and exc is not None and tb is not None
-                    flow.fail(i + j, j, (exc_type, exc, tb))
-                    del exc_type, exc, tb
-                    return
-                if outbox is not None:
-                    outbox.put(True)
-            done = True
+            # The caller's state is applied once, as the caller's thread has it throughout.
+            with self._placed(j), state.apply():
+                done = self._steps(batches, j, state, flow)
         finally:
             if outbox is not None and not done:
                 outbox.put(False)
 
+    def _steps(self, batches: list[Batch], j: int, state: ThreadState, flow: _Flow) -> bool:
+        """The loop of :meth:`_flow`; returns whether every task ran."""
+        m, n = len(batches), len(self.partitions)
+        inbox, outbox = flow.inboxes[j], (flow.inboxes[j + 1] if j + 1 < n else None)
+        phony: torch.Tensor | None = None
+        for i in range(m):
+            if j != 0 and not inbox.get():
+                return False  # the previous partition stopped
+            if i + j > flow.stop:
+                return False  # a task of an earlier clock failed: clock order stops here
+            try:
+                phony = self._step(batches, i, j, state, phony)
+            except BaseException:
+                exc_type, exc, tb = sys.exc_info()
+                assert exc_type is not None and exc is not None and tb is not None
+                flow.fail(i + j, j, (exc_type, exc, tb))
+                del exc_type, exc, tb
+                return False
+            if outbox is not None:
+                outbox.put(True)
+        return True
+
+    def _placed(self, j: int) -> AbstractContextManager[object]:
+        """Make partition ``j``'s device and compute stream current (nothing to do on CPU)."""
+        device, stream = self.devices[j], self.compute_streams[j]
+        if device.type != "cuda" and not is_cuda(stream):
+            return nullcontext()
+        stack = ExitStack()
+        stack.enter_context(use_device(device))
+        stack.enter_context(use_stream(stream))
+        return stack
+
     def _step(
         self, batches: list[Batch], i: int, j: int, state: ThreadState, phony: torch.Tensor | None
     ) -> torch.Tensor | None:
-        """Run task ``(i, j)`` and its fence, under ``state``, on the partition's device and
-        stream.
+        """Run task ``(i, j)`` and its fence; the caller makes the partition's device,
+        stream and ``state`` current.
 
         ``phony``: forked off partition ``j``'s output for micro-batch ``i - 1``; it is
         joined to this task, so that in backward partition ``j`` finishes micro-batch
         ``i`` before ``i - 1`` (each recomputation then runs right before its own
         backward). Returns the phony for micro-batch ``i + 1`` (None after the last).
         """
-        device, stream = self.devices[j], self.compute_streams[j]
-        if device.type != "cuda" and not is_cuda(stream):
-            # No device or stream to make current.
-            with state.apply():
-                return self._fenced(batches, i, j, state, phony)
-        with use_device(device), use_stream(stream), state.apply():
-            return self._fenced(batches, i, j, state, phony)
-
-    def _fenced(
-        self, batches: list[Batch], i: int, j: int, state: ThreadState, phony: torch.Tensor | None
-    ) -> torch.Tensor | None:
         checkpointed = i < self.checkpoint_stop
         batch = batches[i]
         if phony is not None and not checkpointed:
