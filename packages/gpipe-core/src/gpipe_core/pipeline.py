@@ -11,7 +11,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from functools import partial
+from functools import cached_property, partial
 from queue import SimpleQueue
 from typing import cast
 
@@ -235,15 +235,19 @@ class Pipeline:
         self.checkpoint_stop = checkpoint_stop
         self.traits = PartitionTraits(len(partitions))
         self.tracer = tracer
-        # Whether each partition has parameters to train: a checkpointed output needs
-        # gradients then, even where its input needs none.
-        self.trainable = [
-            any(parameter.requires_grad for parameter in partition.parameters())
-            for partition in partitions
-        ]
         self.skips: PipelineSkips | None = None
         if skip_layout is not None and not skip_layout.empty:
             self.skips = PipelineSkips(skip_layout, devices, copy_streams, compute_streams, tracer)
+
+    @cached_property
+    def trainable(self) -> list[bool]:
+        """Whether each partition has parameters to train: a checkpointed output needs
+        gradients then, even where its input needs none. (Only checkpointing and tracing
+        ask, so runs without them do not walk the parameters.)"""
+        return [
+            any(parameter.requires_grad for parameter in partition.parameters())
+            for partition in self.partitions
+        ]
 
     def run(self, batches: list[Batch], pool: WorkerPool) -> None:
         """Run every micro-batch through every partition; ``batches`` is updated in place.
