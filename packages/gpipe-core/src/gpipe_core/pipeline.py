@@ -157,6 +157,7 @@ def _same_states(a: RNGStates, b: RNGStates) -> bool:
 
 
 def _recompute(chk: Checkpointing, forked: list[torch.Tensor] | None, batch: Batch) -> None:
+    """Hook ``chk``'s recompute phase onto ``batch``; keep the phony it forks in ``forked``."""
     phony = chk.recompute(batch)
     if forked is not None:
         forked.append(phony)
@@ -293,11 +294,10 @@ class Pipeline:
     def _flow(self, batches: list[Batch], j: int, state: ThreadState, flow: _Flow) -> None:
         """Run partition ``j``'s tasks in order, each as soon as its input is ready.
 
-        Runs on partition ``j``'s worker, under the caller's thread ``state``. The tasks
-        see the same graph as in clock order:
-        in backward, partition ``j`` finishes micro-batch ``i`` before ``i - 1`` (the
-        phony forked off its output for ``i - 1``, before partition ``j + 1`` gets it,
-        is joined to its input for ``i``).
+        Runs on partition ``j``'s worker, under the caller's thread ``state``. The graph is
+        the one clock order builds: in backward, partition ``j`` finishes micro-batch
+        ``i`` before ``i - 1``, as the phony forked off its output for ``i - 1`` (before
+        partition ``j + 1`` gets that output) is joined to its task for ``i``.
         """
         outbox = flow.inboxes[j + 1] if j + 1 < len(self.partitions) else None
         done = False
