@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-from gpipe_microbatch import Batch, TensorOrTensors, ThreadState, check, fork, get_phony, join
+from gpipe_microbatch import Batch, TensorOrTensors, ThreadState, check, get_phony
 
 from .phase import enable_checkpointing, enable_recomputing
 from .rng import RNGStates, restore_rng_states, save_rng_states
@@ -100,31 +100,71 @@ class Checkpointing:
         # differentiated more than once with retain_graph=True).
         self.saved: _Saved | None = None
 
-    def checkpoint(self) -> Batch:
-        """Run the function without autograd history; returns the output batch."""
+    def checkpoint(self, join: Tensor | None = None) -> Batch:
+        """Run the function without autograd history; returns the output batch.
+
+        Args:
+            join: a phony (from :func:`~gpipe_microbatch.fork` or :meth:`recompute`) to
+                join to this phase, as :func:`~gpipe_microbatch.join` would join it to the
+                input: in backward, the phony's branch is released once this phase's
+                backward is done. Saves an autograd node per ordering edge.
+        """
         # The phony requires grad, so the output joins the graph even where the input
         # does not require grad: the parameters inside ``function`` need gradients.
-        phony = get_phony(self.batch[0].device, requires_grad=self.requires_grad)
+        phony = join
+        if phony is None or not (phony.requires_grad and torch.is_grad_enabled()):
+            phony = get_phony(self.batch[0].device, requires_grad=self.requires_grad)
         output = Checkpoint.apply(phony, self, *self.batch)  # type: ignore[no-untyped-call]
         return Batch(output)
 
-    def recompute(self, batch: Batch) -> None:
+    def recompute(self, batch: Batch) -> Tensor:
         """Hook the recompute phase onto ``batch``, the output of :meth:`checkpoint`.
 
         The recomputation then runs when the gradient reaches any output in ``batch``,
         right before the checkpoint phase's backward.
+
+        Returns:
+            A phony forked off the outputs, as :func:`~gpipe_microbatch.fork` would fork
+            it: the recomputation also waits for the phony's gradient, so joining it to
+            later work orders that work's backward before this recomputation. Without
+            autograd (no output needs a gradient) it carries no edge.
         """
         needs_grad = [index for index, tensor in enumerate(batch) if tensor.requires_grad]
         if not needs_grad:
-            return
-        # Recompute takes a phony forked off one output, so the checkpoint phase's backward
-        # waits for it; every output that needs a gradient is joined to its result, so the
-        # recomputation runs whichever outputs the loss uses.
-        tensor, phony = fork(batch[needs_grad[0]])
-        batch.replace(needs_grad[0], tensor)
-        phony = Recompute.apply(phony, self, *self.batch)  # type: ignore[no-untyped-call]
-        for index in needs_grad:
-            batch.replace(index, join(batch[index], phony))
+            return get_phony(batch[0].device, requires_grad=False)
+        # One node passes the gradients of every output that needs one through to the
+        # checkpoint phase's backward, recomputing first: the recomputation runs whichever
+        # outputs the loss uses, and right before the checkpoint phase's backward.
+        *tensors, phony = Recompute.apply(  # type: ignore[no-untyped-call]
+            self, len(self.batch), *self.batch, *(batch[index] for index in needs_grad)
+        )
+        for index, tensor in zip(needs_grad, tensors, strict=True):
+            batch.replace(index, tensor)
+        return cast(Tensor, phony)
+
+
+# The engine call behind torch.autograd.backward (torch >= 2.3), if this torch has it.
+_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def _backward(tensors: list[Tensor], grads: list[Tensor]) -> None:
+    """``torch.autograd.backward(tensors, grads)``, minus its argument checks when needless.
+
+    The gradients come from autograd for outputs of the same shapes and types; only a
+    function that changed them when recomputed needs the checks (and their error).
+    """
+    if _engine_run_backward is None or any(
+        type(tensor) is not Tensor
+        or type(grad) is not Tensor
+        or tensor.shape != grad.shape
+        or tensor.dtype != grad.dtype
+        for tensor, grad in zip(tensors, grads, strict=True)
+    ):
+        torch.autograd.backward(tensors, grads)
+        return
+    _engine_run_backward(
+        tuple(tensors), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True
+    )
 
 
 def _copies(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -174,26 +214,33 @@ class Checkpoint(torch.autograd.Function):
             if tensor.requires_grad and grad is not None
         ]
         if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            _backward([t for t, _ in pairs], [g for _, g in pairs])
         grad_input: list[Tensor | None] = [None, None]
         grad_input.extend(leaf.grad for leaf in input_leaf)
         return tuple(grad_input)
 
 
 class Recompute(torch.autograd.Function):
-    """The recompute phase: an identity on a phony whose backward re-runs the function.
+    """The recompute phase: an identity on the outputs whose backward re-runs the function.
 
-    Called as ``Recompute.apply(phony, checkpointing, *input)``.
+    Called as ``Recompute.apply(checkpointing, len(input), *input, *output)`` with the
+    outputs of the checkpoint phase that need gradients; returns those outputs and a
+    phony. Their gradients pass through unchanged once the recomputation has run, which
+    waits for the phony's gradient too (if the phony is used).
     """
 
     @staticmethod
-    def forward(ctx: Any, phony: Tensor, chk: Checkpointing, *input: Tensor) -> Tensor:
+    def forward(ctx: Any, chk: Checkpointing, inputs: int, *tensors: Tensor) -> tuple[Tensor, ...]:
         ctx.chk = chk
-        ctx.save_for_backward(*input)
-        return phony.detach()
+        ctx.inputs = inputs
+        ctx.save_for_backward(*tensors[:inputs])
+        # Unused outputs pass no gradient (None) on to the checkpoint phase's backward.
+        ctx.set_materialize_grads(False)
+        phony = get_phony(tensors[inputs].device, requires_grad=False).detach()
+        return (*(tensor.detach() for tensor in tensors[inputs:]), phony)
 
     @staticmethod
-    def backward(ctx: Any, *grad_output: Tensor | None) -> tuple[None, ...]:
+    def backward(ctx: Any, *grad_output: Tensor | None) -> tuple[Tensor | None, ...]:
         if not torch.autograd._is_checkpoint_valid():  # type: ignore[no-untyped-call]
             raise RuntimeError(
                 "checkpointing works with .backward() only, not with torch.autograd.grad() "
@@ -215,7 +262,7 @@ class Recompute(torch.autograd.Function):
             output = _call(chk.function, chk.batch.atomic, arguments)
         tensors = (output,) if isinstance(output, Tensor) else output
         chk.recomputed.append((tensors, input_leaf))
-        return (None,) * (2 + len(input))
+        return (None, None, *((None,) * ctx.inputs), *grad_output[:-1])
 
 
 def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Generator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 
 __all__ = ["enable_checkpointing", "enable_recomputing", "is_checkpointing", "is_recomputing"]
 
@@ -17,24 +16,34 @@ class _Phase(threading.local):
 _phase = _Phase()
 
 
-@contextmanager
-def _raised(flag: str) -> Generator[None, None, None]:
-    previous = getattr(_phase, flag)
-    setattr(_phase, flag, True)
-    try:
-        yield
-    finally:
-        setattr(_phase, flag, previous)
+class _Raised:
+    """Raise a flag of the current thread for the body; put back what it was after.
+
+    A class rather than a generator: it runs around every checkpointed task.
+    """
+
+    __slots__ = ("flag", "previous")
+
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+        self.previous = False
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_phase, self.flag)
+        setattr(_phase, self.flag, True)
+
+    def __exit__(self, *exc_info: object) -> None:
+        setattr(_phase, self.flag, self.previous)
 
 
 def enable_checkpointing() -> AbstractContextManager[None]:
     """Mark the body as the checkpoint phase (the first, gradient-free forward pass)."""
-    return _raised("checkpointing")
+    return _Raised("checkpointing")
 
 
 def enable_recomputing() -> AbstractContextManager[None]:
     """Mark the body as the recompute phase (the forward pass re-run during backward)."""
-    return _raised("recomputing")
+    return _Raised("recomputing")
 
 
 def is_checkpointing() -> bool:

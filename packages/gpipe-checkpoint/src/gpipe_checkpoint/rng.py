@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import NamedTuple
 
 import torch
@@ -43,15 +42,30 @@ def _set_states(device: torch.device, states: RNGStates) -> None:
             torch.cuda.set_rng_state(states.cuda, device)
 
 
-@contextmanager
-def restore_rng_states(device: torch.device, states: RNGStates) -> Generator[None, None, None]:
+def restore_rng_states(device: torch.device, states: RNGStates) -> AbstractContextManager[None]:
     """Run the body with the generators set to ``states``, then put back their states."""
-    before = save_rng_states(device if states.cuda is not None else torch.device("cpu"))
-    _set_states(device, states)
-    try:
-        yield
-    finally:
-        _set_states(device, before)
+    return _Restored(device, states)
+
+
+class _Restored:
+    """What :func:`restore_rng_states` returns (a class: it runs for every recomputation)."""
+
+    __slots__ = ("before", "device", "states")
+
+    def __init__(self, device: torch.device, states: RNGStates) -> None:
+        self.device = device
+        self.states = states
+        self.before: RNGStates | None = None
+
+    def __enter__(self) -> None:
+        device = self.device if self.states.cuda is not None else torch.device("cpu")
+        self.before = save_rng_states(device)
+        _set_states(self.device, self.states)
+
+    def __exit__(self, *exc_info: object) -> None:
+        assert self.before is not None
+        _set_states(self.device, self.before)
+        self.before = None
 
 
 # torch takes a generator's mutex while holding the GIL to get or set its state, and may

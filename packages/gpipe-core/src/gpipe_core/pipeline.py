@@ -7,9 +7,12 @@ micro-batch at the same time.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from functools import partial
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from functools import cached_property, partial
+from queue import SimpleQueue
 from typing import cast
 
 import torch
@@ -29,7 +32,11 @@ from gpipe_microbatch import (
     TensorOrTensors,
     ThreadState,
     check,
-    depend,
+    fork,
+    is_cuda,
+    join,
+    use_device,
+    use_stream,
     wait,
 )
 from gpipe_skip import SkipLayout
@@ -98,9 +105,10 @@ class PartitionTraits:
         copy_input = self.modifies_input[j] is not False
         return Checkpointing(function, batch, copy_input=copy_input, requires_grad=requires_grad)
 
-    def learn(self, j: int, chk: Checkpointing) -> Batch:
-        """Run the checkpoint phase of ``chk`` and remember whether it modified its input."""
-        batch = chk.checkpoint()
+    def learn(self, j: int, chk: Checkpointing, join: torch.Tensor | None = None) -> Batch:
+        """Run the checkpoint phase of ``chk`` (joining ``join``) and remember whether it
+        modified its input."""
+        batch = chk.checkpoint(join)
         if self.modifies_input[j] is None or chk.input_modified:
             self.modifies_input[j] = chk.input_modified
         return batch
@@ -148,6 +156,56 @@ def _same_states(a: RNGStates, b: RNGStates) -> bool:
     return a.cuda is None or b.cuda is None or torch.equal(a.cuda, b.cuda)
 
 
+def _recompute(chk: Checkpointing, forked: list[torch.Tensor] | None, batch: Batch) -> None:
+    """Hook ``chk``'s recompute phase onto ``batch``; keep the phony it forks in ``forked``."""
+    phony = chk.recompute(batch)
+    if forked is not None:
+        forked.append(phony)
+
+
+class _Runner:
+    """A job for a worker of :class:`~gpipe_core.worker.WorkerPool`: calls ``run``."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self.run = run
+
+
+class _Flow:
+    """What the workers of one pipeline run share.
+
+    Partition ``j``'s worker learns from ``inboxes[j]`` that partition ``j - 1`` has
+    finished its next micro-batch (True) or has stopped (False). When a task fails, the
+    tasks of later clocks are not run, as in clock order (see :func:`clock_cycles`), and
+    the caller gets the error of the earliest clock (the first partition's of that clock).
+    """
+
+    def __init__(self, partitions: int) -> None:
+        self.inboxes: list[SimpleQueue[bool]] = [SimpleQueue() for _ in range(partitions)]
+        #: Tasks of clocks after this one are not run.
+        self.stop = sys.maxsize
+        self.lock = threading.Lock()
+        self.errors: list[tuple[int, int, ExcInfo]] = []
+
+    def fail(self, clock: int, j: int, exc_info: ExcInfo) -> None:
+        """Record partition ``j``'s error at ``clock``; later clocks are not run."""
+        with self.lock:
+            self.errors.append((clock, j, exc_info))
+            self.stop = min(self.stop, clock)
+
+    def raise_first(self) -> None:
+        """Raise the error of the earliest clock, if any, with its traceback."""
+        if not self.errors:
+            return
+        _, _, (_, exc, tb) = min(self.errors, key=lambda error: error[:2])
+        self.errors.clear()
+        try:
+            raise exc.with_traceback(tb)
+        finally:
+            del exc, tb
+
+
 class Pipeline:
     """One pipelined forward pass over ``partitions``.
 
@@ -178,71 +236,149 @@ class Pipeline:
         self.checkpoint_stop = checkpoint_stop
         self.traits = PartitionTraits(len(partitions))
         self.tracer = tracer
-        # Whether each partition has parameters to train: a checkpointed output needs
-        # gradients then, even where its input needs none.
-        self.trainable = [
-            any(parameter.requires_grad for parameter in partition.parameters())
-            for partition in partitions
-        ]
         self.skips: PipelineSkips | None = None
         if skip_layout is not None and not skip_layout.empty:
             self.skips = PipelineSkips(skip_layout, devices, copy_streams, compute_streams, tracer)
+
+    @cached_property
+    def trainable(self) -> list[bool]:
+        """Whether each partition has parameters to train: a checkpointed output needs
+        gradients then, even where its input needs none. (Only checkpointing and tracing
+        ask, so runs without them do not walk the parameters.)"""
+        return [
+            any(parameter.requires_grad for parameter in partition.parameters())
+            for partition in self.partitions
+        ]
 
     def run(self, batches: list[Batch], pool: WorkerPool) -> None:
         """Run every micro-batch through every partition; ``batches`` is updated in place.
 
         With one partition the tasks run in the calling thread; otherwise each partition's
-        tasks run on its worker in ``pool``. A pipeline nested in a checkpointed partition
-        also runs in the calling thread, in clock order: the outer recomputation must
-        replay its random draws in the same order, and its workers would wait forever for
-        a generator lock the calling thread holds.
+        tasks run on its worker in ``pool``, each task as soon as its input is ready (see
+        :class:`_Flow`). A pipeline nested in a checkpointed partition also runs in the
+        calling thread, in clock order: the outer recomputation must replay its random
+        draws in the same order, and its workers would wait forever for a generator lock
+        the calling thread holds.
         """
         state = ThreadState.capture()
         nested = _held.depth > 0 or is_checkpointing() or is_recomputing()
         if len(self.partitions) == 1 or nested:
+            phonies: list[torch.Tensor | None] = [None] * len(self.partitions)
             for schedule in clock_cycles(len(batches), len(self.partitions)):
-                self._fence(batches, schedule)
                 for i, j in schedule:
-                    self._finish(batches, i, j, self._task(batches, i, j, state).run())
+                    # The caller's state is in effect: this is the caller's thread.
+                    with self._placed(j):
+                        phonies[j] = self._step(batches, i, j, state, phonies[j])
             return
+        flow = _Flow(len(self.partitions))
         with pool.lock:
-            for schedule in clock_cycles(len(batches), len(self.partitions)):
-                self._fence(batches, schedule)
-                self._clock(batches, schedule, state, pool)
-
-    def _clock(
-        self,
-        batches: list[Batch],
-        schedule: list[tuple[int, int]],
-        state: ThreadState,
-        pool: WorkerPool,
-    ) -> None:
-        """Run one clock's tasks in parallel and wait for all of them."""
-        pending: list[tuple[int, int]] = []
-        error: ExcInfo | None = None
-        try:
-            for i, j in schedule:
-                pool.submit(j, self._task(batches, i, j, state))
-                pending.append((i, j))
-            while pending:
-                i, j = pending[0]
-                ok, payload = pool.result(j)
-                del pending[0]
-                if not ok:
-                    if error is None:
-                        error = cast(ExcInfo, payload)
-                    continue
-                self._finish(batches, i, j, cast(Batch, payload))
-        finally:
-            # Interrupted (KeyboardInterrupt, say): collect what is still running, so no
-            # stale result is left for the next run.
-            for _, j in pending:
-                pool.result(j)
-        if error is not None:
+            pending: list[int] = []
             try:
-                raise error[1].with_traceback(error[2])
+                for j in range(len(self.partitions)):
+                    pool.submit(j, _Runner(partial(self._flow, batches, j, state, flow)))
+                    pending.append(j)
+                while pending:
+                    ok, payload = pool.result(pending[0])
+                    j = pending.pop(0)
+                    if not ok:  # not raised by a task: record it all the same
+                        flow.fail(-1, j, cast(ExcInfo, payload))
             finally:
-                error = None
+                if pending:
+                    # Interrupted (KeyboardInterrupt, say): stop every worker after its
+                    # current task and collect them, so no stale result is left behind.
+                    flow.stop = -1
+                    for j in pending:
+                        pool.result(j)
+        flow.raise_first()
+
+    def _flow(self, batches: list[Batch], j: int, state: ThreadState, flow: _Flow) -> None:
+        """Run partition ``j``'s tasks in order, each as soon as its input is ready.
+
+        Runs on partition ``j``'s worker, under the caller's thread ``state``. The graph is
+        the one clock order builds: in backward, partition ``j`` finishes micro-batch
+        ``i`` before ``i - 1``, as the phony forked off its output for ``i - 1`` (before
+        partition ``j + 1`` gets that output) is joined to its task for ``i``.
+        """
+        outbox = flow.inboxes[j + 1] if j + 1 < len(self.partitions) else None
+        done = False
+        try:
+            # The caller's state is applied once, as the caller's thread has it throughout.
+            with self._placed(j), state.apply():
+                done = self._steps(batches, j, state, flow)
+        finally:
+            if outbox is not None and not done:
+                outbox.put(False)
+
+    def _steps(self, batches: list[Batch], j: int, state: ThreadState, flow: _Flow) -> bool:
+        """The loop of :meth:`_flow`; returns whether every task ran."""
+        m, n = len(batches), len(self.partitions)
+        inbox, outbox = flow.inboxes[j], (flow.inboxes[j + 1] if j + 1 < n else None)
+        phony: torch.Tensor | None = None
+        for i in range(m):
+            if j != 0 and not inbox.get():
+                return False  # the previous partition stopped
+            if i + j > flow.stop:
+                return False  # a task of an earlier clock failed: clock order stops here
+            try:
+                phony = self._step(batches, i, j, state, phony)
+            except BaseException:
+                exc_type, exc, tb = sys.exc_info()
+                assert exc_type is not None and exc is not None and tb is not None
+                flow.fail(i + j, j, (exc_type, exc, tb))
+                del exc_type, exc, tb
+                return False
+            if outbox is not None:
+                outbox.put(True)
+        return True
+
+    def _placed(self, j: int) -> AbstractContextManager[object]:
+        """Make partition ``j``'s device and compute stream current (nothing to do on CPU)."""
+        device, stream = self.devices[j], self.compute_streams[j]
+        if device.type != "cuda" and not is_cuda(stream):
+            return nullcontext()
+        stack = ExitStack()
+        stack.enter_context(use_device(device))
+        stack.enter_context(use_stream(stream))
+        return stack
+
+    def _step(
+        self, batches: list[Batch], i: int, j: int, state: ThreadState, phony: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Run task ``(i, j)`` and its fence; the caller makes the partition's device,
+        stream and ``state`` current.
+
+        ``phony``: forked off partition ``j``'s output for micro-batch ``i - 1``; it is
+        joined to this task, so that in backward partition ``j`` finishes micro-batch
+        ``i`` before ``i - 1`` (each recomputation then runs right before its own
+        backward). Returns the phony for micro-batch ``i + 1`` (None after the last).
+        """
+        checkpointed = i < self.checkpoint_stop
+        batch = batches[i]
+        if phony is not None and not checkpointed:
+            # A checkpointed task joins the phony itself, saving an autograd node.
+            index = batch.find_tensor_idx()
+            batch.replace(index, join(batch[index], phony))
+        if j != 0:
+            move(
+                batch, i, j, self.copy_streams[j - 1][i], self.copy_streams[j][i],
+                self.devices[j], self.devices[j - 1] == self.devices[j], self.tracer,
+            )  # fmt: skip
+        forked: list[torch.Tensor] = []
+        task = self._task(batches, i, j, state, phony if checkpointed else None, forked)
+        output = task.compute()
+        if task.finalize is not None:
+            task.finalize(output)
+        self._finish(batches, i, j, output)
+        if i == len(batches) - 1:
+            return None
+        if forked:
+            # Forked off the checkpointed output by its recompute phase.
+            return forked[0]
+        output = batches[i]
+        index = output.find_tensor_idx()
+        tensor, phony = fork(output[index])
+        output.replace(index, tensor)
+        return phony
 
     def _finish(self, batches: list[Batch], i: int, j: int, batch: Batch) -> None:
         """Store partition ``j``'s output for micro-batch ``i``."""
@@ -253,20 +389,17 @@ class Pipeline:
             wait(batch, self.compute_streams[j], self.copy_streams[j][i])
         batches[i] = batch
 
-    def _fence(self, batches: list[Batch], schedule: list[tuple[int, int]]) -> None:
-        """Order backward and copy micro-batches into the partitions about to run them."""
-        for i, j in schedule:
-            # In backward, partition j must finish micro-batch i before i - 1, so that each
-            # recomputation runs right before its own backward.
-            if i != 0:
-                depend(batches[i - 1], batches[i])
-            if j != 0:
-                move(
-                    batches[i], i, j, self.copy_streams[j - 1][i], self.copy_streams[j][i],
-                    self.devices[j], self.devices[j - 1] == self.devices[j], self.tracer,
-                )  # fmt: skip
-
-    def _task(self, batches: list[Batch], i: int, j: int, state: ThreadState) -> Task:
+    def _task(
+        self,
+        batches: list[Batch],
+        i: int,
+        j: int,
+        state: ThreadState,
+        phony: torch.Tensor | None = None,
+        forked: list[torch.Tensor] | None = None,
+    ) -> Task:
+        """Task ``(i, j)``; a checkpointed one joins ``phony`` and appends the phony its
+        recompute phase forks to ``forked``."""
         partition = self.partitions[j]
         device = self.devices[j]
         stream = self.compute_streams[j]
@@ -292,7 +425,8 @@ class Pipeline:
         finalize: Callable[[Batch], None] | None = None
         if i < self.checkpoint_stop:
             chk = self.traits.checkpoint(j, checkpointed, batch, self.trainable[j])
-            compute, finalize = partial(self.traits.learn, j, chk), chk.recompute
+            compute = partial(self.traits.learn, j, chk, phony)
+            finalize = partial(_recompute, chk, forked)
         else:
             compute = partial(self.traits.call, j, layers, what, batch, len(batches) > 1)
         if tracer is not None:

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from gpipe_microbatch import AbstractStream, Batch, ThreadState, use_device, use_stream
+from gpipe_microbatch import AbstractStream, Batch, ThreadState, is_cuda, use_device, use_stream
 
 __all__ = ["NO_RESULT", "ExcInfo", "Job", "Result", "Task", "WorkerPool"]
 
@@ -29,9 +29,9 @@ ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
 
 
 class Job(Protocol):
-    """Anything a worker runs: a :class:`Task`, or a step's whole share for a partition."""
+    """Anything a worker can run: a :class:`Task`, a pipeline's or a step's whole share."""
 
-    def run(self) -> Batch:
+    def run(self) -> object:
         """Run in the worker's thread; the result (or the exception) goes back."""
         ...  # pragma: no cover
 
@@ -63,6 +63,13 @@ class Task:
 
     def run(self) -> Batch:
         """Run the task in the calling thread."""
+        if self.device.type != "cuda" and not is_cuda(self.stream):
+            # No device or stream to make current.
+            with self.state.apply():
+                batch = self.compute()
+                if self.finalize is not None:
+                    self.finalize(batch)
+            return batch
         with use_device(self.device), use_stream(self.stream), self.state.apply():
             batch = self.compute()
             if self.finalize is not None:
@@ -70,11 +77,12 @@ class Task:
         return batch
 
 
-#: What a task returns when it reports its end by itself: the worker sends nothing back.
+#: What a job returns when it reports its end by itself: the worker sends nothing back.
 NO_RESULT = Batch(())
 
-#: What a worker sends back: ``(True, batch)`` or ``(False, exc_info)``.
-Result = tuple[bool, Batch] | tuple[bool, ExcInfo]
+#: What a worker sends back: ``(True, what the job returned)`` (the batch of a
+#: :class:`Task`) or ``(False, exc_info)``.
+Result = tuple[bool, object]
 
 
 def _worker_loop(in_queue: SimpleQueue[Job | None], out_queue: SimpleQueue[Result]) -> None:

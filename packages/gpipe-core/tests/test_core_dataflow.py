@@ -1,0 +1,87 @@
+"""Workers run their partition's micro-batches as inputs arrive, not clock by clock."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe_core import GPipe
+
+MODES = ["always", "except_last", "never"]
+
+
+class Signal(nn.Module):
+    """Sets ``event`` on its ``on_call``-th forward (counted from 1)."""
+
+    def __init__(self, event: threading.Event, on_call: int) -> None:
+        super().__init__()
+        self.event = event
+        self.on_call = on_call
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.on_call:
+            self.event.set()
+        return x
+
+
+class WaitFor(nn.Module):
+    """Waits (up to a minute) for ``event`` on its first forward; records whether it came."""
+
+    def __init__(self, event: threading.Event) -> None:
+        super().__init__()
+        self.event = event
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.seen:
+            self.seen.append(self.event.wait(timeout=60))
+        return x
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_a_partition_runs_ahead_of_a_busy_next_partition(
+    checkpoint: str, assert_matches_plain: Callable[..., object]
+) -> None:
+    # Partition 1 holds micro-batch 0 until partition 0 has run micro-batch 3: in clock
+    # order partition 0 would wait for partition 1 at every clock and never get there.
+    torch.manual_seed(0)
+    event = threading.Event()
+    first, last = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
+    plain = nn.Sequential(copy.deepcopy(first), nn.Identity(), nn.Identity(), copy.deepcopy(last))
+    waiter = WaitFor(event)
+    model = nn.Sequential(first, Signal(event, on_call=4), waiter, last)
+    pipe = GPipe(model, [2, 2], chunks=4, checkpoint=checkpoint)
+    assert_matches_plain(pipe, plain, torch.randn(8, 4, dtype=torch.float64))
+    assert waiter.seen == [True]
+
+
+def test_first_error_is_the_one_of_the_earliest_clock() -> None:
+    # Partition 0 fails on micro-batch 2 (clock 2) only once partition 1 has failed on
+    # micro-batch 0 (clock 1): the caller gets partition 1's error.
+    event = threading.Event()
+
+    class Late(nn.Module):
+        calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if self.calls == 3:
+                event.wait(timeout=60)
+                raise ValueError("late")
+            return x
+
+    class Early(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            event.set()
+            raise KeyError("early")
+
+    pipe = GPipe(nn.Sequential(Late(), Early()), [1, 1], chunks=4, checkpoint="never")
+    with pytest.raises(KeyError, match="early"):
+        pipe(torch.randn(8, 4))
