@@ -144,3 +144,56 @@ def test_thread_state_is_frozen_and_comparable() -> None:
     assert a == b
     with torch.no_grad():
         assert ThreadState.capture() != a
+
+
+def test_saved_tensors_hooks_are_carried_into_a_thread() -> None:
+    packed: list[tuple[int, ...]] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        state = ThreadState.capture()
+    assert state.saved_tensors_hooks is not None
+
+    def work() -> torch.Tensor:
+        with state.apply():
+            x = torch.randn(3, 5, requires_grad=True)
+            y = (x * x).sum()
+        # The hooks end with the block; nothing packed after it.
+        (x * 2).exp()
+        return y
+
+    y = _in_thread(work)
+    assert packed == [(3, 5), (3, 5)]  # x * x saves both operands
+    y.backward()
+
+
+def test_saved_tensors_hooks_are_not_pushed_twice() -> None:
+    calls: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        state = ThreadState.capture()
+        with state.apply():
+            assert state.saved_tensors_hooks == ThreadState.capture().saved_tensors_hooks
+            torch.randn(2, requires_grad=True).exp()
+    assert calls == [1]
+
+
+def test_state_without_hooks_leaves_the_body_hooks() -> None:
+    state = ThreadState.capture()
+    assert state.saved_tensors_hooks is None
+    calls: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), state.apply():
+        torch.randn(2, requires_grad=True).exp()
+    assert calls == [1]

@@ -11,9 +11,12 @@ import torch
 from torch import nn
 
 from gpipe_bn import DeferredBatchNorm, convert_deferred_batch_norm, mini_batch
+from gpipe_checkpoint import is_checkpointing, is_recomputing
 from gpipe_microbatch import (
     AbstractStream,
+    Batch,
     TensorOrTensors,
+    ThreadState,
     check,
     check_chunks,
     current_stream,
@@ -24,7 +27,9 @@ from gpipe_microbatch import (
 from gpipe_skip import SkipLayout, inspect_skip_layout, verify_skippables
 
 from .partition import Device, check_balance, check_split, resolve_devices, split_module
-from .pipeline import Pipeline
+from .pipeline import Pipeline, _held
+from .schedule import Schedule, check_actions, get_schedule
+from .step import Losses, LossFunction, Reduction, StepRun
 from .timeline import Timeline
 from .tracing import record, tracer_for
 from .worker import WorkerPool
@@ -42,6 +47,53 @@ def _check_checkpoint(checkpoint: object) -> CheckpointMode:
             f"(checkpoint: {checkpoint!r})"
         )
     return cast(CheckpointMode, checkpoint)
+
+
+def _check_reduction(loss_fn: object, reduction: object) -> Reduction:
+    if reduction is None:
+        reduction = getattr(loss_fn, "reduction", "mean")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(
+                "loss_fn must reduce each micro-batch's loss to a scalar by 'mean' or 'sum' "
+                f"(loss_fn.reduction: {reduction!r})"
+            )
+    elif reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum' (reduction: {reduction!r})")
+    return cast(Reduction, reduction)
+
+
+def _to(batch: Batch, device: torch.device) -> Batch:
+    moved = tuple(tensor.to(device) for tensor in batch)
+    return Batch(moved[0] if batch.atomic else moved)
+
+
+class _Leaves:
+    """A step's input (or target) cut from the caller's graph, and its gradient passed back.
+
+    Each micro-batch's backward pass accumulates the gradient of its slice into one leaf
+    per tensor; :meth:`backward` then hands the whole gradient to the caller's graph at
+    once, as one backward pass over the mini-batch would.
+    """
+
+    def __init__(self, value: TensorOrTensors, backward: bool) -> None:
+        tensors = (value,) if isinstance(value, torch.Tensor) else tuple(value)
+        self.originals: tuple[torch.Tensor, ...] = ()
+        self.leaves: tuple[torch.Tensor, ...] = ()
+        self.value = value
+        if backward and any(tensor.requires_grad for tensor in tensors):
+            self.originals = tensors
+            self.leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
+            self.value = self.leaves[0] if isinstance(value, torch.Tensor) else self.leaves
+
+    def backward(self) -> None:
+        pairs = [
+            (original, leaf.grad)
+            for original, leaf in zip(self.originals, self.leaves, strict=True)
+            if original.requires_grad and leaf.grad is not None
+        ]
+        self.originals = self.leaves = ()
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
 
 class GPipe(nn.Module):
@@ -255,6 +307,141 @@ class GPipe(nn.Module):
         with mini_batch(self) if self._deferred_batch_norm else nullcontext():
             pipeline.run(batches, self._pool)
         return gather(batches)
+
+    def step(
+        self,
+        input: TensorOrTensors,
+        target: TensorOrTensors,
+        loss_fn: LossFunction,
+        *,
+        schedule: str | Schedule = "gpipe",
+        reduction: Reduction | None = None,
+    ) -> Losses:
+        """Run a training step: forward, loss and backward of every micro-batch.
+
+        ``input`` and ``target`` are split into micro-batches alike. Each partition's
+        worker runs the forward pass of each micro-batch, the loss
+        ``loss_fn(output, target)`` of each micro-batch (on the last partition), and the
+        backward pass of each micro-batch, in the order ``schedule`` gives (see
+        :mod:`gpipe_core.schedule`), each as soon as what it needs is there. A
+        checkpointed micro-batch is recomputed right before its backward pass.
+
+        Gradients accumulate into ``.grad`` as ``loss_fn(plain(input), target).backward()``
+        would: the step does not zero them. Each micro-batch's loss is scaled before its
+        backward pass so that the gradients are those of the whole mini-batch's loss:
+        with ``reduction='mean'`` by ``micro-batch size / batch size``, with ``'sum'`` not
+        at all. Gradients reach ``input`` and ``target`` too when they require grad.
+
+        In eval mode, or under :func:`torch.no_grad`, the step runs the forward passes and
+        losses only, without autograd history.
+
+        If any task raises, every worker stops after its current task and the step
+        raises that first exception, with its traceback. Gradients of the micro-batches
+        whose backward passes had finished stay in ``.grad`` (zero them before the next
+        step); deferred batch norms drop the step's statistics. The model is ready for
+        the next step.
+
+        Args:
+            input: a tensor or a tuple of tensors on ``devices[0]``, split along
+                dimension 0.
+            target: a tensor or a tuple of tensors with the input's batch size, split
+                alike (moved to ``devices[-1]`` if it is elsewhere).
+            loss_fn: called as ``loss_fn(output, target)`` on each micro-batch's output
+                and target (a tensor, or a tuple for a tuple); returns a scalar tensor.
+
+        Keyword Args:
+            schedule: ``'gpipe'`` (every forward pass, then every backward pass),
+                ``'1f1b'`` (one forward, one backward), or a
+                :class:`~gpipe_core.schedule.Schedule`.
+            reduction: how ``loss_fn`` reduces over the samples of a micro-batch:
+                ``'mean'`` or ``'sum'`` (default: ``loss_fn.reduction`` when it has one,
+                as the losses of :mod:`torch.nn` do, else ``'mean'``).
+
+        Returns:
+            The loss of each micro-batch; :meth:`Losses.reduced() <gpipe_core.Losses.reduced>`
+            is the loss of the mini-batch.
+
+        Raises:
+            TypeError: ``input`` or ``target`` is not a tensor or a tuple of tensors, or
+                ``loss_fn`` is not callable.
+            ValueError: ``input`` is not on ``devices[0]``, ``target``'s batch size
+                differs from ``input``'s, ``loss_fn`` returns a non-scalar, or an unknown
+                ``schedule`` or ``reduction``.
+            RuntimeError: the step is called inside a checkpointed function.
+
+        Example:
+            >>> model = GPipe(
+            ...     nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)),
+            ...     balance=[2, 1],
+            ...     chunks=4,
+            ... )
+            >>> x, y = torch.randn(16, 4), torch.randn(16, 1)
+            >>> losses = model.step(x, y, nn.MSELoss(), schedule="1f1b")
+            >>> len(losses), losses.reduced().shape
+            (4, torch.Size([]))
+            >>> model[0].weight.grad.shape
+            torch.Size([8, 4])
+        """
+        value = check(input, "input")
+        self._check_input_device(value)
+        target_value = check(target, "target")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable (loss_fn: {type(loss_fn).__name__})")
+        reduction = _check_reduction(loss_fn, reduction)
+        plan = get_schedule(schedule)
+        if is_checkpointing() or is_recomputing():
+            raise RuntimeError(
+                "GPipe.step cannot run inside a checkpointed or recomputed function "
+                f"(checkpointing: {is_checkpointing()}, recomputing: {is_recomputing()})"
+            )
+        backward = self.training and torch.is_grad_enabled()
+        input_leaves = _Leaves(value, backward)
+        target_leaves = _Leaves(target_value, backward)
+        batches = scatter(input_leaves.value, self.chunks)
+        targets = scatter(target_leaves.value, self.chunks)
+        sizes = [len(batch[0]) for batch in batches]
+        target_sizes = [len(batch[0]) for batch in targets]
+        if sizes != target_sizes:
+            raise ValueError(
+                "target must have the input's batch size "
+                f"(input: {sum(sizes)}, target: {sum(target_sizes)})"
+            )
+        last = self.devices[-1]
+        targets = [
+            batch if all(t.device == last for t in batch) else _to(batch, last) for batch in targets
+        ]
+        m, n = len(batches), len(self.partitions)
+        actions = plan.actions(m, n) if backward else plan.forward_only(m, n)
+        check_actions(actions, m, backward=backward)
+        if backward:
+            checkpoint_stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
+        else:
+            checkpoint_stop = 0
+        total = sum(sizes)
+        scales = [size / total if reduction == "mean" and total else 1.0 for size in sizes]
+        run = StepRun(
+            self._partition_list(),
+            self.devices,
+            self._ensure_copy_streams(m),
+            [current_stream(device) for device in self.devices],
+            batches,
+            targets,
+            loss_fn,
+            scales,
+            actions,
+            checkpoint_stop,
+            backward,
+            self.skip_layout,
+            tracer_for(self, m),
+        )
+        with torch.set_grad_enabled(backward):
+            state = ThreadState.capture()
+        threaded = n > 1 and _held.depth == 0
+        with mini_batch(self) if self._deferred_batch_norm else nullcontext():
+            losses = run.run(self._pool, state, threaded)
+        input_leaves.backward()
+        target_leaves.backward()
+        return Losses(losses, sizes, reduction)
 
     def trace(self) -> AbstractContextManager[Timeline]:
         """Record the pipeline's tasks while the ``with`` block runs.

@@ -1,14 +1,15 @@
 """Carry the caller's autograd and autocast state into another thread.
 
-Grad mode, inference mode and autocast are thread-local in PyTorch. Work handed to a
-worker thread (or re-run later by autograd) must see the state of the thread that asked
-for it, or ``with torch.autocast(...)`` and ``with torch.no_grad()`` silently stop at the
-thread boundary.
+Grad mode, inference mode, autocast and the default saved-tensor hooks are thread-local
+in PyTorch. Work handed to a worker thread (or re-run later by autograd) must see the
+state of the thread that asked for it, or ``with torch.autocast(...)``,
+``with torch.no_grad()`` and ``with torch.autograd.graph.saved_tensors_hooks(...)``
+silently stop at the thread boundary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -17,6 +18,13 @@ import torch
 __all__ = ["ThreadState"]
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+
+# The (pack, unpack) pair of the innermost ``saved_tensors_hooks`` block, or None.
+_Hooks = tuple[Callable[..., object], Callable[..., object]] | None
+
+
+def _saved_tensors_hooks() -> _Hooks:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,8 @@ class ThreadState:
     #: ``(device_type, enabled, dtype)`` of autocast for each device type.
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
     autocast_cache: bool
+    #: The innermost ``torch.autograd.graph.saved_tensors_hooks`` pair, or None.
+    saved_tensors_hooks: _Hooks = None
 
     @classmethod
     def capture(cls) -> ThreadState:
@@ -53,6 +63,7 @@ class ThreadState:
             inference_mode=torch.is_inference_mode_enabled(),
             autocast=autocast,
             autocast_cache=torch.is_autocast_cache_enabled(),
+            saved_tensors_hooks=_saved_tensors_hooks(),
         )
 
     @contextmanager
@@ -61,6 +72,8 @@ class ThreadState:
 
         Autocast is set for every device type, on or off as captured, so a state
         captured without autocast also turns off an autocast region the body runs in.
+        Captured saved-tensor hooks are pushed unless they are already the innermost ones;
+        a state captured without hooks leaves the body's hooks as they are.
         """
         with ExitStack() as stack:
             if self.inference_mode != torch.is_inference_mode_enabled():
@@ -78,4 +91,7 @@ class ThreadState:
                         device_type, dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache
                     )
                 )
+            hooks = self.saved_tensors_hooks
+            if hooks is not None and _saved_tensors_hooks() != hooks:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
             yield
