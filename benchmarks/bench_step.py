@@ -218,23 +218,24 @@ def measure(runners: dict[str, Runner | str], rounds: int, warmup: int = 2) -> d
 
 
 def per_microbatch_bytes(case: Case) -> list[int]:
-    """Saved bytes of one micro-batch on each partition (plain layers, one micro-batch)."""
+    """Saved bytes of one micro-batch on each partition: the plain layers on one micro-batch.
+
+    A storage saved by two partitions (one's output is the next one's input) counts for the
+    first; the input is not counted (the caller holds it anyway).
+    """
     model = case.model()
     x, _ = case.data()
     h = x.tensor_split(case.chunks)[0].clone()  # a view would count all of x
     layers = list(model.children())
+    counter = SavedBytes([*model.parameters(), h])
     sizes = []
     start = 0
-    for size in case.balance:
-        part = nn.Sequential(*layers[start : start + size])
-        start += size
-        counter = SavedBytes(list(model.parameters()))
-        h = h.detach().requires_grad_(start > size)
-        with counter.hooks():
-            out = part(h)
-            sizes.append(counter.live)
-        h = out.detach()
-        del out
+    with counter.hooks():
+        for size in case.balance:
+            before = counter.live
+            h = nn.Sequential(*layers[start : start + size])(h)
+            start += size
+            sizes.append(counter.live - before)
     return sizes
 
 
@@ -250,7 +251,7 @@ def memory(case: Case) -> dict[str, Any]:
     }
 
     plain = case.model()
-    counter = SavedBytes(list(plain.parameters()))
+    counter = SavedBytes([*plain.parameters(), x, y])
     with counter.hooks():
         loss = loss_fn(plain(x), y)
         after = counter.live
@@ -259,7 +260,7 @@ def memory(case: Case) -> dict[str, Any]:
     del loss
 
     model = GPipe(case.model(), case.balance, chunks=m, checkpoint=case.checkpoint)
-    counter = SavedBytes(list(model.parameters()))
+    counter = SavedBytes([*model.parameters(), x, y])
     with counter.hooks():
         loss = loss_fn(model(x), y)
         after = counter.live
@@ -270,7 +271,7 @@ def memory(case: Case) -> dict[str, Any]:
         if not HAS_STEP:
             result[f"step {schedule}"] = "not available: this gpipe has no GPipe.step"
             continue
-        counter = SavedBytes(list(model.parameters()))
+        counter = SavedBytes([*model.parameters(), x, y])
         with counter.hooks():
             model.step(x, y, loss_fn, schedule=schedule)  # type: ignore[attr-defined]
         result[f"step {schedule}"] = (None, counter.peak, counter.live)
@@ -457,7 +458,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         f"Saved-activation bytes (KiB), MLP of Linear({mem_width}, {mem_width}) + ReLU, two per "
         "partition, 8 rows per micro-batch, no checkpointing; theory: GPipe m x one "
-        "micro-batch, 1F1B sum of min(n - j, m) micro-batches of partition j; loss excluded"
+        "micro-batch, 1F1B sum of min(n - j, m) micro-batches of partition j; parameters, input "
+        "and target not counted"
     )
     rows = []
     for name, r in mem.items():
