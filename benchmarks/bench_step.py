@@ -7,6 +7,8 @@ interleaved round by round (each way goes first in turn) so that the machine's l
 them alike:
 
 - ``plain``: the ``nn.Sequential`` itself on the whole batch;
+- ``plain mb``: the same on the micro-batches, one after the other (what micro-batching
+  alone costs, before any overlap);
 - ``fwd+bwd``: ``GPipe.forward()`` then ``loss.backward()`` (autograd drives the backward);
 - ``step gpipe`` and ``step 1f1b``: ``GPipe.step`` with each schedule (each partition's
   worker runs its own forwards and backwards);
@@ -59,6 +61,7 @@ HAS_STEP = hasattr(GPipe, "step")
 SCHEDULES = ("gpipe", "1f1b")
 WAYS = (
     "plain",
+    "plain mb",
     "fwd+bwd",
     "step gpipe",
     "step 1f1b",
@@ -93,6 +96,19 @@ def plain_runner(case: Case) -> Runner:
     x, y = case.data()
     loss_fn = case.loss_fn()
     return _timed(model, lambda: loss_fn(model(x), y).backward())
+
+
+def plain_microbatched_runner(case: Case) -> Runner:
+    model = case.model()
+    x, y = case.data()
+    loss_fn = case.loss_fn()
+    pairs = list(zip(x.tensor_split(case.chunks), y.tensor_split(case.chunks), strict=True))
+
+    def step() -> None:
+        for xs, ys in pairs:
+            (loss_fn(model(xs), ys) * (len(xs) / len(x))).backward()
+
+    return _timed(model, step)
 
 
 def gpipe_runners(case: Case, suffix: str = "") -> dict[str, Runner | str]:
@@ -154,6 +170,8 @@ class Ways:
         runners: dict[str, Runner | str] = {}
         if "plain" in ways:
             runners["plain"] = plain_runner(case)
+        if "plain mb" in ways:
+            runners["plain mb"] = plain_microbatched_runner(case)
         if "fwd+bwd" in ways:
             runners.update(gpipe_runners(case, suffix))
         if "torchgpipe" in ways:
@@ -414,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         # Time cases ------------------------------------------------------------------------
         for case in [sleep_case(2, 8), sleep_case(4, 8), mlp_case, cnn_case, transformer_case]:
-            names = WAYS[1:] if case.ideal is not None else WAYS
+            names = WAYS[2:] if case.ideal is not None else WAYS
             case_rounds = max(2, rounds // 2) if case.ideal is not None else rounds
             results[case.name] = measure(ways.build(case, names), case_rounds)
             if case.ideal is not None:
@@ -441,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         runners: dict[str, Runner | str] = {}
         for mode in ("never", "except_last"):
             case = replace(tiny_case, checkpoint=mode)
-            names = WAYS if mode == "never" else ("fwd+bwd", "torchgpipe")
+            names = WAYS[:1] + WAYS[2:] if mode == "never" else ("fwd+bwd", "torchgpipe")
             runners.update(
                 {
                     k: v
@@ -458,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"(time - plain) / (n * m), plain {overhead['plain'] * 1e3:.2f} ms per step"
         )
         rows = []
-        for way in WAYS[1:]:
+        for way in WAYS[2:]:
             row = [way]
             for mode in ("never", "except_last"):
                 value = overhead.get(f"{way} ({mode})")
