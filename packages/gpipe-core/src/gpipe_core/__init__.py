@@ -13,6 +13,18 @@ from .__about__ import __version__
 from .gpipe import CheckpointMode, GPipe
 from .partition import BalanceError, Device
 from .pipeline import clock_cycles
+from .schedule import (
+    Action,
+    GPipeSchedule,
+    OneFOneBSchedule,
+    Schedule,
+    ScheduleError,
+    check_actions,
+    get_schedule,
+    schedules,
+    simulate,
+)
+from .step import Losses
 from .timeline import (
     PartitionSummary,
     Phase,
@@ -24,17 +36,27 @@ from .timeline import (
 )
 
 __all__ = [
+    "Action",
     "BalanceError",
     "CheckpointMode",
     "Device",
     "GPipe",
+    "GPipeSchedule",
+    "Losses",
+    "OneFOneBSchedule",
     "PartitionSummary",
     "Phase",
+    "Schedule",
+    "ScheduleError",
     "TaskEvent",
     "Timeline",
     "TimelineSummary",
     "__version__",
+    "check_actions",
     "clock_cycles",
+    "get_schedule",
+    "schedules",
+    "simulate",
     "task_label",
     "theoretical_bubble",
 ]

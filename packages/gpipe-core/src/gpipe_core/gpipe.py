@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, NoReturn, cast
 
@@ -28,7 +29,14 @@ from gpipe_skip import SkipLayout, inspect_skip_layout, verify_skippables
 
 from .partition import Device, check_balance, check_split, resolve_devices, split_module
 from .pipeline import Pipeline, _held
-from .schedule import Schedule, check_actions, get_schedule
+from .schedule import (
+    Action,
+    GPipeSchedule,
+    OneFOneBSchedule,
+    Schedule,
+    check_actions,
+    get_schedule,
+)
 from .step import Losses, LossFunction, Reduction, StepRun
 from .timeline import Timeline
 from .tracing import record, tracer_for
@@ -59,7 +67,26 @@ def _check_reduction(loss_fn: object, reduction: object) -> Reduction:
             )
     elif reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum' (reduction: {reduction!r})")
-    return cast(Reduction, reduction)
+    return "sum" if reduction == "sum" else "mean"
+
+
+@functools.lru_cache(maxsize=64)
+def _builtin_actions(
+    kind: type[Schedule], m: int, n: int, backward: bool
+) -> tuple[tuple[Action, ...], ...]:
+    plan = kind()
+    lists = plan.actions(m, n) if backward else plan.forward_only(m, n)
+    check_actions(lists, m, backward=backward)
+    return tuple(tuple(actions) for actions in lists)
+
+
+def _actions(plan: Schedule, m: int, n: int, backward: bool) -> Sequence[Sequence[Action]]:
+    """``plan``'s actions for a step, checked (once per shape for the built-in schedules)."""
+    if type(plan) in (GPipeSchedule, OneFOneBSchedule):
+        return _builtin_actions(type(plan), m, n, backward)
+    lists = plan.actions(m, n) if backward else plan.forward_only(m, n)
+    check_actions(lists, m, backward=backward)
+    return lists
 
 
 def _to(batch: Batch, device: torch.device) -> Batch:
@@ -411,8 +438,7 @@ class GPipe(nn.Module):
             batch if all(t.device == last for t in batch) else _to(batch, last) for batch in targets
         ]
         m, n = len(batches), len(self.partitions)
-        actions = plan.actions(m, n) if backward else plan.forward_only(m, n)
-        check_actions(actions, m, backward=backward)
+        actions = _actions(plan, m, n, backward)
         if backward:
             checkpoint_stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
         else:

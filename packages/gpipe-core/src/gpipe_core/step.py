@@ -274,6 +274,7 @@ class StepRun:
                 raise error[1].with_traceback(error[2])
         finally:
             self.mailbox.error = None
+            self.mailbox.items.clear()
             for in_flight in self.in_flight:
                 in_flight.clear()
         return cast(list[Tensor], self.losses)
@@ -296,8 +297,10 @@ class StepRun:
                     pool.submit(j, self._task(j, state, actions))
                     pending.append(j)
                 while pending:
-                    pool.result(pending[0])
+                    ok, payload = pool.result(pending[0])
                     del pending[0]
+                    if not ok:  # raised around the program (entering its thread state)
+                        self.mailbox.cancel(cast(ExcInfo, payload))
             except BaseException:
                 # Interrupted (KeyboardInterrupt, say): stop the workers and collect them,
                 # so that no stale result is left for the next run.
@@ -400,7 +403,10 @@ class StepRun:
             batch = self.inputs[i]
         else:
             message, values = self._receive(j, i, ("forward", i, j), False)
-            tensors = [_leaf(t, grad and r) for t, r in zip(values, message.requires_grad)]  # type: ignore[arg-type]
+            flags = message.requires_grad
+            tensors = [
+                _leaf(cast(Tensor, t), grad and r) for t, r in zip(values, flags, strict=True)
+            ]
             batch = Batch(tensors[0] if message.atomic else tuple(tensors))
         call: SkipCall | None = None
         layers: Callable[[TensorOrTensors], TensorOrTensors] = self.partitions[j]
@@ -502,7 +508,7 @@ class StepRun:
         skip_grads: dict[SkipKey, Tensor | None] = {}
         if self.layout is not None:
             for target in self.skip_targets[j]:
-                message, values = self._receive(j, i, ("skip-grads", i, j, target), True)
+                values = self._receive(j, i, ("skip-grads", i, j, target), True)[1]
                 keys = [r.key for r in self.layout.provides(j) if r.pop_partition == target]
                 skip_grads.update(zip(keys, values, strict=True))
         if i < self.checkpoint_stop:
@@ -510,10 +516,10 @@ class StepRun:
 
         def compute() -> None:
             roots: list[Tensor] = []
-            gradients: list[Tensor | None] = []
+            gradients: list[Tensor] = []
             if entry.loss is not None and entry.loss.requires_grad:
                 roots.append(entry.loss)
-                gradients.append(None)
+                gradients.append(torch.ones_like(entry.loss))
             outputs = entry.outputs or ()
             if entry.call is not None:
                 assert entry.call.structure is not None
@@ -523,7 +529,7 @@ class StepRun:
                     roots.append(tensor)
                     gradients.append(gradient)
             if roots:
-                torch.autograd.backward(roots, gradients)
+                _run_backward(roots, gradients)
 
         self._record(Phase.BACKWARD, i, j, True, compute)
         entry.outputs = entry.loss = None
@@ -571,6 +577,28 @@ class StepRun:
 
 
 _NOTHING = Batch(())
+
+# torch.autograd.backward checks and converts its arguments in Python on every call,
+# which costs about as much as a small partition's backward pass. The roots and gradients
+# here are made to match (a gradient per root, of its shape, dtype and device), so the
+# engine is called directly where this PyTorch has it.
+_engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+
+
+def _run_backward(roots: list[Tensor], gradients: list[Tensor]) -> None:
+    """``torch.autograd.backward(roots, gradients)``, gradients accumulating into leaves."""
+    if _engine is None:  # pragma: no cover - every supported PyTorch has the engine
+        torch.autograd.backward(roots, gradients)
+        return
+    _engine.run_backward(
+        tuple(roots),
+        tuple(gradients),
+        False,  # keep_graph
+        False,  # create_graph
+        (),  # inputs
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
 
 
 def _split(call: SkipCall | None, output: Batch) -> tuple[Batch, dict[SkipKey, Tensor | None]]:

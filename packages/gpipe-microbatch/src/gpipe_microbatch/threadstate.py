@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ __all__ = ["ThreadState"]
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
 # The (pack, unpack) pair of the innermost ``saved_tensors_hooks`` block, or None.
-_Hooks = tuple[Callable[..., object], Callable[..., object]] | None
+_Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None
 
 
 def _saved_tensors_hooks() -> _Hooks:

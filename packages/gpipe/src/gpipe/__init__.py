@@ -15,7 +15,7 @@ Example:
 from gpipe_checkpoint import is_checkpointing, is_recomputing
 from gpipe_core import BalanceError, GPipe
 
-from . import balance, bn, skip, timeline  # the facade modules gpipe.<name>
+from . import balance, bn, schedule, skip, timeline  # the facade modules gpipe.<name>
 from .__about__ import __version__
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "bn",
     "is_checkpointing",
     "is_recomputing",
+    "schedule",
     "skip",
     "timeline",
 ]

@@ -1,0 +1,37 @@
+"""Pipeline schedules for :meth:`GPipe.step <gpipe_core.GPipe.step>`, as action lists.
+
+The names are those of :mod:`gpipe_core.schedule` (and :class:`~gpipe_core.Losses`),
+re-exported.
+
+Example:
+    >>> from gpipe.schedule import get_schedule
+    >>> print(get_schedule("gpipe").grid(microbatches=2, partitions=2))
+    p0: F0 F1 .  .  B1 B0
+    p1: .  F0 F1 B1 B0 .
+"""
+
+from gpipe_core import (
+    Action,
+    GPipeSchedule,
+    Losses,
+    OneFOneBSchedule,
+    Schedule,
+    ScheduleError,
+    check_actions,
+    get_schedule,
+    schedules,
+    simulate,
+)
+
+__all__ = [
+    "Action",
+    "GPipeSchedule",
+    "Losses",
+    "OneFOneBSchedule",
+    "Schedule",
+    "ScheduleError",
+    "check_actions",
+    "get_schedule",
+    "schedules",
+    "simulate",
+]
