@@ -217,18 +217,28 @@ def measure(runners: dict[str, Runner | str], rounds: int, warmup: int = 2) -> d
             for _ in range(warmup):
                 runner()
         except Exception as error:
-            result[name] = f"failed: {type(error).__name__}: {str(error).splitlines()[0]}"
+            result[name] = _failed(error)
             continue
         live[name] = runner
     times: dict[str, list[float]] = {name: [] for name in live}
     order = list(live)
     for k in range(rounds):
         for name in order[k % len(order) :] + order[: k % len(order)]:
-            times[name].append(live[name]())
+            if name in result:  # failed in an earlier round
+                continue
+            try:
+                times[name].append(live[name]())
+            except Exception as error:
+                result[name] = _failed(error)
     for name in runners:
-        if name in times:
+        if name not in result:
             result[name] = statistics.median(times[name])
     return result
+
+
+def _failed(error: Exception) -> str:
+    first = (str(error).splitlines() or [""])[0]
+    return f"failed: {type(error).__name__}: {first}"
 
 
 # --------------------------------------------------------------------------------------------
