@@ -503,7 +503,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         # One partition, one micro-batch ------------------------------------------------------
         single = replace(mlp_case, balance=[4], chunks=1)
-        single_times = measure({"plain": plain_runner(single), **gpipe_runners(single)}, rounds * 2)
+        single_runners = {
+            "plain": plain_runner(single),
+            "fwd+bwd": gpipe_runners(single)["fwd+bwd"],
+        }
+        single_times = measure(single_runners, max(20, rounds * 2))
         single_ratio = single_times["fwd+bwd"] / single_times["plain"]
         print(
             f"One partition, chunks=1, no checkpointing (MLP): fwd+bwd / plain = "
