@@ -15,7 +15,7 @@ import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -152,8 +152,6 @@ class Case:
     output_shape: tuple[int, ...] = ()
     checkpoint: str = "never"
     ideal: float | None = None  # seconds of a step with no overhead, when known
-    notes: str = ""
-    ways: tuple[str, ...] = field(default_factory=tuple)
 
     def model(self) -> nn.Sequential:
         return BUILDERS[self.builder](**self.kwargs)
