@@ -38,8 +38,8 @@ from .pipeline import PartitionTraits
 from .schedule import Action, simulate
 from .skips import SkipCall
 from .timeline import Phase
-from .tracing import Tracer, move
-from .worker import ExcInfo, Task, WorkerPool
+from .tracing import Tracer, _warn_workers_unseen, move
+from .worker import NO_RESULT, ExcInfo, Task, WorkerPool
 
 __all__ = ["LossFunction", "Losses", "Reduction", "StepRun"]
 
@@ -139,6 +139,8 @@ class _Mailbox:
         self.items: dict[Hashable, _Message] = {}
         self.cancelled = False
         self.error: ExcInfo | None = None
+        self.ended = 0
+        self.all_ended = threading.Condition(self.lock)
 
     def put(self, j: int, key: Hashable, message: _Message) -> None:
         """Leave ``message`` for partition ``j``'s worker."""
@@ -155,6 +157,18 @@ class _Mailbox:
                 self.ready[j].wait()
             return self.items.pop(key)
 
+    def program_ended(self) -> None:
+        """Count a partition's program as ended (the last thing its worker does for it)."""
+        with self.lock:
+            self.ended += 1
+            self.all_ended.notify()
+
+    def wait_programs(self, count: int) -> None:
+        """Wait until ``count`` programs have ended."""
+        with self.lock:
+            while self.ended < count:
+                self.all_ended.wait()
+
     def cancel(self, error: ExcInfo | None) -> None:
         """Keep ``error`` if it is the first and wake every waiting worker to cancel it."""
         with self.lock:
@@ -164,6 +178,31 @@ class _Mailbox:
             self.items.clear()
             for ready in self.ready:
                 ready.notify_all()
+
+
+class _Program:
+    """A partition's share of a step, as its worker runs it.
+
+    Whatever happens, the end is reported to the mailbox (an exception first, as the
+    step's error) and nothing goes to the pool's result queue.
+    """
+
+    __slots__ = ("mailbox", "task")
+
+    def __init__(self, task: Task, mailbox: _Mailbox) -> None:
+        self.task = task
+        self.mailbox = mailbox
+
+    def run(self) -> Batch:
+        try:
+            self.task.run()
+        except BaseException:
+            # Raised around the program: entering its device, stream or thread state.
+            self.mailbox.cancel(cast(ExcInfo, sys.exc_info()))
+        finally:
+            del self.task
+            self.mailbox.program_ended()
+        return NO_RESULT
 
 
 def _differentiable(tensor: Tensor) -> bool:
@@ -290,23 +329,24 @@ class StepRun:
                         return
 
     def _run_threaded(self, pool: WorkerPool, state: ThreadState) -> None:
+        """Run each partition's program on its worker and wait until every one has ended.
+
+        The programs report to the mailbox, not to the pool's result queues, so an
+        interrupt in the caller (``KeyboardInterrupt``) cannot leave a result behind for
+        the next run: the caller cancels the step, waits for the programs to end, and
+        raises.
+        """
         with pool.lock:
-            pending: list[int] = []
+            mailbox = self.mailbox
+            submitted = 0
             try:
                 for j, actions in enumerate(self.actions):
-                    pool.submit(j, self._task(j, state, actions))
-                    pending.append(j)
-                while pending:
-                    ok, payload = pool.result(pending[0])
-                    del pending[0]
-                    if not ok:  # raised around the program (entering its thread state)
-                        self.mailbox.cancel(cast(ExcInfo, payload))
+                    pool.submit(j, _Program(self._task(j, state, actions), mailbox))
+                    submitted += 1
+                mailbox.wait_programs(submitted)
             except BaseException:
-                # Interrupted (KeyboardInterrupt, say): stop the workers and collect them,
-                # so that no stale result is left for the next run.
-                self.mailbox.cancel(None)
-                for j in pending:
-                    pool.result(j)
+                mailbox.cancel(None)
+                mailbox.wait_programs(submitted)
                 raise
 
     def _task(self, j: int, state: ThreadState, actions: Sequence[Action]) -> Task:
@@ -330,10 +370,13 @@ class StepRun:
     def _record(
         self, phase: Phase, i: int, j: int, backward: bool, function: Callable[[], _T]
     ) -> _T:
-        if self.tracer is None:
+        tracer = self.tracer
+        if tracer is None:
             return function()
+        if tracer.local_profile and threading.get_ident() != tracer.caller:
+            _warn_workers_unseen()
         stream = self.compute_streams[j]
-        return self.tracer._run(phase, i, j, self.devices[j], stream, backward, function)
+        return tracer._run(phase, i, j, self.devices[j], stream, backward, function)
 
     def _run_locked(self, j: int, compute: Callable[[], Batch]) -> Batch:
         """Run ``compute`` under the generator lock when the partition draws (see traits)."""

@@ -185,7 +185,8 @@ def tracer_for(module: object, microbatches: int) -> Tracer | None:
 
 _WORKERS_UNSEEN = (
     "torch.profiler records only the thread that started it (and autograd's threads), so "
-    "it misses the forward tasks that gpipe runs on its worker threads; to see them, pass "
+    "it misses the tasks that gpipe runs on its worker threads (the forward tasks of a "
+    "forward pass, every task of a step); to see them, pass "
     "experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True) "
     "to torch.profiler.profile"
 )

@@ -17,14 +17,23 @@ import threading
 from collections.abc import Callable
 from queue import SimpleQueue
 from types import TracebackType
+from typing import Protocol
 
 import torch
 
 from gpipe_microbatch import AbstractStream, Batch, ThreadState, use_device, use_stream
 
-__all__ = ["ExcInfo", "Result", "Task", "WorkerPool"]
+__all__ = ["NO_RESULT", "ExcInfo", "Job", "Result", "Task", "WorkerPool"]
 
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
+
+
+class Job(Protocol):
+    """Anything a worker runs: a :class:`Task`, or a step's whole share for a partition."""
+
+    def run(self) -> Batch:
+        """Run in the worker's thread; the result (or the exception) goes back."""
+        ...  # pragma: no cover
 
 
 class Task:
@@ -61,11 +70,14 @@ class Task:
         return batch
 
 
+#: What a task returns when it reports its end by itself: the worker sends nothing back.
+NO_RESULT = Batch(())
+
 #: What a worker sends back: ``(True, batch)`` or ``(False, exc_info)``.
 Result = tuple[bool, Batch] | tuple[bool, ExcInfo]
 
 
-def _worker_loop(in_queue: SimpleQueue[Task | None], out_queue: SimpleQueue[Result]) -> None:
+def _worker_loop(in_queue: SimpleQueue[Job | None], out_queue: SimpleQueue[Result]) -> None:
     while True:
         task = in_queue.get()
         if task is None:
@@ -78,7 +90,8 @@ def _worker_loop(in_queue: SimpleQueue[Task | None], out_queue: SimpleQueue[Resu
             out_queue.put((False, (exc_type, exc, tb)))
             del exc_type, exc, tb
         else:
-            out_queue.put((True, batch))
+            if batch is not NO_RESULT:
+                out_queue.put((True, batch))
             del batch
         del task
 
@@ -91,7 +104,7 @@ class WorkerPool:
 
     def __init__(self, workers: int) -> None:
         self.lock = threading.Lock()
-        self.in_queues: list[SimpleQueue[Task | None]] = [SimpleQueue() for _ in range(workers)]
+        self.in_queues: list[SimpleQueue[Job | None]] = [SimpleQueue() for _ in range(workers)]
         self.out_queues: list[SimpleQueue[Result]] = [SimpleQueue() for _ in range(workers)]
         self.threads: list[threading.Thread] = []
         self.closed = False
@@ -109,7 +122,7 @@ class WorkerPool:
             thread.start()
             self.threads.append(thread)
 
-    def submit(self, partition: int, task: Task) -> None:
+    def submit(self, partition: int, task: Job) -> None:
         """Queue ``task`` on the worker of ``partition``, starting the workers if needed."""
         if self.closed:
             raise RuntimeError("the worker pool of this GPipe module is closed")
