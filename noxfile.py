@@ -543,5 +543,12 @@ def bench(session: nox.Session) -> None:
         session.skip("no benchmarks/bench_*.py scripts yet")
     install_torch(session, DEV_TORCH)
     install_all_packages(session)
+    # The peers that bench_step.py compares with, best effort: a script reports a peer that
+    # is missing. torchgpipe without its dependencies, so the pinned torch stays.
+    for requirement in (["--no-deps", "torchgpipe==0.0.7"], ["numpy"]):
+        try:
+            session.install(*requirement)
+        except Exception as error:  # nox.command.CommandFailed, for one
+            session.log(f"could not install {' '.join(requirement)} ({error}); going on")
     for script in scripts:
         session.run("python", str(script), *session.posargs)

@@ -273,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--trials", type=int, default=300, help="random instances per kind")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=0.5, help="profile_times timeout (s)")
-    args = parser.parse_args(argv)
+    args, _ = parser.parse_known_args(argv)  # nox -s bench passes its arguments to every script
     torch.set_num_threads(1)
     random_section(args.trials, args.seed)
     model_section(args.timeout)

@@ -1,0 +1,625 @@
+"""Schedules and steps: gpipe's two paths side by side with plain PyTorch and its peers.
+
+Run it as a script (``python benchmarks/bench_step.py``, ``--quick`` for a short run), or
+with ``nox -s bench``. On the CPU, with one intra-op thread (``torch.set_num_threads(1)``),
+one training step (forward, loss and backward of the whole batch) is timed these ways,
+interleaved round by round (each way goes first in turn) so that the machine's load affects
+them alike:
+
+- ``plain``: the ``nn.Sequential`` itself on the whole batch;
+- ``plain mb``: the same on the micro-batches, one after the other (what micro-batching
+  alone costs, before any overlap);
+- ``fwd+bwd``: ``GPipe.forward()`` then ``loss.backward()`` (autograd drives the backward);
+- ``step gpipe`` and ``step 1f1b``: ``GPipe.step`` with each schedule (each partition's
+  worker runs its own forwards and backwards);
+- ``torchgpipe``: torchgpipe 0.0.7, when it is installed and works with this torch;
+- ``pipe gpipe`` and ``pipe 1f1b``: ``torch.distributed.pipelining``'s ``ScheduleGPipe`` and
+  ``Schedule1F1B`` over gloo, one process per stage, timed in rank 0 between barriers.
+
+A way that cannot run says why in a row of its own. Cases:
+
+- fixed-time stages (P2 M8, P4 M8): each partition is an autograd function whose forward and
+  backward each sleep ``t`` (releasing the GIL), so the ideal step takes
+  ``2 * (m + n - 1) * t``; ratios are to that ideal;
+- an MLP (P2 M4), a small ResNet-style CNN and a transformer-block stack (P2 M4): ratios to
+  ``plain``; no checkpointing anywhere, so every way computes the same thing;
+- a tiny model (one ``Linear(4, 4)`` per partition, P2 M32): the overhead per task,
+  ``(time - plain) / (n * m)`` in microseconds, with ``checkpoint='never'`` and
+  ``'except_last'``;
+- one partition, one micro-batch, no checkpointing: ``fwd+bwd`` relative to ``plain``;
+- activation memory: the bytes of the tensors saved for backward (counted by saved-tensor
+  hooks, each storage once, parameters excluded), after the forward and at the peak, for
+  each path and schedule, against the theoretical figures (GPipe keeps all ``m`` micro-batches
+  on every partition; 1F1B at most ``n - j`` on partition ``j``).
+
+Times are medians. The targets of the schedules work are checked at the end and printed as
+PASS or FAIL lines; the script exits 0 either way (a loaded machine can fail a timing). Only
+ratios within one run are meaningful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _step_models import PIPELINING_SCHEDULES, Case, Pipelining, SavedBytes
+from gpipe_core import GPipe
+
+HAS_STEP = hasattr(GPipe, "step")
+SCHEDULES = ("gpipe", "1f1b")
+WAYS = (
+    "plain",
+    "plain mb",
+    "fwd+bwd",
+    "step gpipe",
+    "step 1f1b",
+    "torchgpipe",
+    "pipe gpipe",
+    "pipe 1f1b",
+)
+Runner = Callable[[], float]
+
+
+class Unavailable(Exception):
+    """A way that cannot run here; the message says why."""
+
+
+# --------------------------------------------------------------------------------------------
+# The ways
+# --------------------------------------------------------------------------------------------
+
+
+def _timed(model: nn.Module, fn: Callable[[], object]) -> Runner:
+    def run() -> float:
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return run
+
+
+def plain_runner(case: Case) -> Runner:
+    model = case.model()
+    x, y = case.data()
+    loss_fn = case.loss_fn()
+    return _timed(model, lambda: loss_fn(model(x), y).backward())
+
+
+def plain_microbatched_runner(case: Case) -> Runner:
+    model = case.model()
+    x, y = case.data()
+    loss_fn = case.loss_fn()
+    pairs = list(zip(x.tensor_split(case.chunks), y.tensor_split(case.chunks), strict=True))
+
+    def step() -> None:
+        for xs, ys in pairs:
+            (loss_fn(model(xs), ys) * (len(xs) / len(x))).backward()
+
+    return _timed(model, step)
+
+
+def gpipe_runners(case: Case, suffix: str = "") -> dict[str, Runner | str]:
+    model = GPipe(case.model(), case.balance, chunks=case.chunks, checkpoint=case.checkpoint)
+    x, y = case.data()
+    loss_fn = case.loss_fn()
+    runners: dict[str, Runner | str] = {
+        "fwd+bwd" + suffix: _timed(model, lambda: loss_fn(model(x), y).backward())
+    }
+    for schedule in SCHEDULES:
+        if HAS_STEP:
+            runners[f"step {schedule}" + suffix] = _timed(
+                model,
+                lambda schedule=schedule: model.step(x, y, loss_fn, schedule=schedule),  # type: ignore[misc]
+            )
+        else:
+            runners[f"step {schedule}" + suffix] = "not available: this gpipe has no GPipe.step"
+    return runners
+
+
+def torchgpipe_runner(case: Case) -> Runner:
+    try:
+        import torchgpipe
+    except ImportError as error:
+        raise Unavailable(f"not installed: {error}") from None
+    model = torchgpipe.GPipe(
+        case.model(),
+        case.balance,
+        devices=["cpu"] * len(case.balance),
+        chunks=case.chunks,
+        checkpoint=case.checkpoint,
+    )
+    x, y = case.data()
+    loss_fn = case.loss_fn()
+    return _timed(model, lambda: loss_fn(model(x), y).backward())
+
+
+def pipelining_check() -> str | None:
+    """Why ``torch.distributed.pipelining`` cannot run here, or None."""
+    try:
+        import numpy  # noqa: F401  (pipelining's stage shape inference needs it)
+        import torch.distributed as dist
+        from torch.distributed import pipelining  # noqa: F401
+    except ImportError as error:
+        return f"not installed: {error}"
+    if not dist.is_available() or not dist.is_gloo_available():
+        return "not installed: torch.distributed with gloo is not available"
+    return None
+
+
+class Ways:
+    """Builds the runners of one case; a way that cannot run becomes its reason."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.groups: list[Pipelining] = []
+
+    def build(self, case: Case, ways: Sequence[str], suffix: str = "") -> dict[str, Runner | str]:
+        runners: dict[str, Runner | str] = {}
+        if "plain" in ways:
+            runners["plain"] = plain_runner(case)
+        if "plain mb" in ways:
+            runners["plain mb"] = plain_microbatched_runner(case)
+        if "fwd+bwd" in ways:
+            runners.update(gpipe_runners(case, suffix))
+        if "torchgpipe" in ways:
+            try:
+                runners["torchgpipe" + suffix] = torchgpipe_runner(case)
+            except Unavailable as error:
+                runners["torchgpipe" + suffix] = str(error)
+            except Exception as error:
+                runners["torchgpipe" + suffix] = f"does not work here: {error!r}"
+        if "pipe gpipe" in ways:
+            reason = pipelining_check()
+            group: Pipelining | None = None
+            if reason is None:
+                try:
+                    group = Pipelining(case, self.threads)
+                    self.groups.append(group)
+                except Exception as error:
+                    reason = f"does not work here: {error}"
+            for schedule, name in zip(SCHEDULES, PIPELINING_SCHEDULES, strict=True):
+                if group is None:
+                    runners[f"pipe {schedule}" + suffix] = str(reason)
+                else:
+                    runners[f"pipe {schedule}" + suffix] = (
+                        lambda group=group, name=name: group.step(name)  # type: ignore[misc]
+                    )
+        return runners
+
+    def close(self) -> None:
+        for group in self.groups:
+            group.close()
+        self.groups.clear()
+
+
+def measure(runners: dict[str, Runner | str], rounds: int, warmup: int = 2) -> dict[str, Any]:
+    """Median seconds per way (or the reason a way did not run), interleaved round by round."""
+    result: dict[str, Any] = {}
+    live: dict[str, Runner] = {}
+    for name, runner in runners.items():
+        if isinstance(runner, str):
+            result[name] = runner
+            continue
+        try:
+            for _ in range(warmup):
+                runner()
+        except Exception as error:
+            result[name] = _failed(error)
+            continue
+        live[name] = runner
+    times: dict[str, list[float]] = {name: [] for name in live}
+    order = list(live)
+    for k in range(rounds):
+        for name in order[k % len(order) :] + order[: k % len(order)]:
+            if name in result:  # failed in an earlier round
+                continue
+            try:
+                times[name].append(live[name]())
+            except Exception as error:
+                result[name] = _failed(error)
+    for name in runners:
+        if name not in result:
+            result[name] = statistics.median(times[name])
+    return result
+
+
+def _failed(error: Exception) -> str:
+    first = (str(error).splitlines() or [""])[0]
+    return f"failed: {type(error).__name__}: {first}"
+
+
+# --------------------------------------------------------------------------------------------
+# Activation memory
+# --------------------------------------------------------------------------------------------
+
+
+def per_microbatch_bytes(case: Case) -> list[int]:
+    """Saved bytes of one micro-batch on each partition: the plain layers on one micro-batch.
+
+    A storage saved by two partitions (one's output is the next one's input) counts for the
+    first; the input is not counted (the caller holds it anyway).
+    """
+    model = case.model()
+    x, _ = case.data()
+    h = x.tensor_split(case.chunks)[0].clone()  # a view would count all of x
+    layers = list(model.children())
+    counter = SavedBytes([*model.parameters(), h])
+    sizes = []
+    start = 0
+    with counter.hooks():
+        for size in case.balance:
+            before = counter.live
+            h = nn.Sequential(*layers[start : start + size])(h)
+            start += size
+            sizes.append(counter.live - before)
+    return sizes
+
+
+def memory(case: Case) -> dict[str, Any]:
+    n, m = len(case.balance), case.chunks
+    per_mb = per_microbatch_bytes(case)
+    x, y = case.data()
+    loss_fn = case.loss_fn()
+    result: dict[str, Any] = {
+        "micro-batch": sum(per_mb),
+        "theory gpipe": m * sum(per_mb),
+        "theory 1f1b": sum(min(n - j, m) * a for j, a in enumerate(per_mb)),
+    }
+
+    plain = case.model()
+    counter = SavedBytes([*plain.parameters(), x, y])
+    with counter.hooks():
+        loss = loss_fn(plain(x), y)
+        after = counter.live
+        loss.backward()
+    result["plain"] = (after, counter.peak, counter.live)
+    del loss
+
+    model = GPipe(case.model(), case.balance, chunks=m, checkpoint=case.checkpoint)
+    counter = SavedBytes([*model.parameters(), x, y])
+    with counter.hooks():
+        loss = loss_fn(model(x), y)
+        after = counter.live
+        loss.backward()
+    result["fwd+bwd"] = (after, counter.peak, counter.live)
+    del loss
+    for schedule in SCHEDULES:
+        if not HAS_STEP:
+            result[f"step {schedule}"] = "not available: this gpipe has no GPipe.step"
+            continue
+        counter = SavedBytes([*model.parameters(), x, y])
+        with counter.hooks():
+            model.step(x, y, loss_fn, schedule=schedule)  # type: ignore[attr-defined]
+        result[f"step {schedule}"] = (None, counter.peak, counter.live)
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+
+def parallel_speedup(rounds: int = 5) -> float:
+    """How much faster two threads run two equal loops of matmuls than one thread runs both.
+
+    2.0 on two idle cores; near 1.0 (or below) when other processes keep the cores busy,
+    which caps what any pipeline can gain on compute-bound cases. Medians of ``rounds``
+    alternations of the two ways.
+    """
+    a, w = torch.randn(256, 1024), torch.randn(1024, 1024)
+
+    def work() -> None:
+        for _ in range(10):
+            a @ w
+
+    def serial() -> None:
+        work()
+        work()
+
+    def parallel() -> None:
+        threads = [threading.Thread(target=work) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    times: dict[Callable[[], None], list[float]] = {serial: [], parallel: []}
+    for _ in range(rounds):
+        for way, values in times.items():
+            start = time.perf_counter()
+            way()
+            values.append(time.perf_counter() - start)
+    return statistics.median(times[serial]) / statistics.median(times[parallel])
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def print_table(header: Sequence[str], rows: Sequence[Sequence[str]], first: int = 18) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) + 2 for i, h in enumerate(header)]
+    widths[0] = max(widths[0], first)
+    print(
+        f"{header[0]:<{widths[0]}}"
+        + "".join(f"{h:>{w}}" for h, w in zip(header[1:], widths[1:], strict=True))
+    )
+    for row in rows:
+        print(
+            f"{row[0]:<{widths[0]}}"
+            + "".join(f"{v:>{w}}" for v, w in zip(row[1:], widths[1:], strict=True))
+        )
+
+
+def reasons_of(results: dict[str, Any], seen: dict[str, str]) -> None:
+    for name, value in results.items():
+        if isinstance(value, str):
+            seen.setdefault(name.split(" (")[0], value)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, smaller models")
+    parser.add_argument("--rounds", type=int, default=None, help="timed steps per way and case")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
+    args, _ = parser.parse_known_args(argv)  # nox -s bench passes its arguments to every script
+    torch.set_num_threads(args.threads)
+    quick = args.quick
+    rounds = args.rounds or (3 if quick else 10)
+
+    sleep_t = 0.005 if quick else 0.020
+    width, batch = (512, 128) if quick else (1024, 512)
+    cnn_channels, cnn_batch = (16, 16) if quick else (32, 32)
+    d_model, seq, tokens_batch = (128, 32, 8) if quick else (256, 64, 16)
+
+    def sleep_case(n: int, m: int) -> Case:
+        return Case(
+            f"fixed-time P{n} M{m}",
+            "sleep",
+            {"n": n, "seconds": sleep_t},
+            [1] * n,
+            m,
+            (m, 4),
+            "mse",
+            ideal=2 * (m + n - 1) * sleep_t,
+        )
+
+    mlp_case = Case("MLP P2 M4", "mlp", {"n": 2, "width": width}, [2, 2], 4, (batch, width), "mse")
+    cnn_case = Case(
+        "ResNet P2 M4",
+        "resnet",
+        {"channels": cnn_channels, "blocks": 4},
+        [3, 4],
+        4,
+        (cnn_batch, 3, 32, 32),
+        "cross_entropy",
+        classes=10,
+    )
+    transformer_case = Case(
+        "transformer P2 M4",
+        "transformer",
+        {"d_model": d_model, "heads": 4, "layers": 4},
+        [2, 2],
+        4,
+        (tokens_batch, seq, d_model),
+        "mse",
+    )
+    tiny_case = Case("tiny P2 M32", "tiny", {"n": 2}, [1, 1], 32, (32, 4), "mse")
+
+    print(
+        f"Schedules and steps: CPU, torch {torch.__version__}, intra-op threads "
+        f"{torch.get_num_threads()} (torch.set_num_threads({args.threads})), "
+        f"{os.cpu_count()} cores, {rounds} rounds (medians), ways interleaved"
+    )
+    print(
+        f"  fixed-time t = {sleep_t * 1e3:g} ms per stage and direction; MLP: 4 x (Linear({width}, "
+        f"{width}) + ReLU), batch {batch}; ResNet: stem, 4 residual blocks of "
+        f"{cnn_channels}/{2 * cnn_channels} channels, head, batch {cnn_batch} x 3 x 32 x 32; "
+        f"transformer: 4 encoder layers d_model {d_model}, 4 heads, batch {tokens_batch} x "
+        f"{seq} tokens; no checkpointing in these cases"
+    )
+    print(
+        f"  two threads run {parallel_speedup():.2f}x as fast as one on independent matmuls "
+        "(2.00 on two idle cores; less when other processes use them)"
+    )
+    if not HAS_STEP:
+        print("  note: this gpipe has no GPipe.step; its columns say so")
+    print()
+
+    ways = Ways(args.threads)
+    reasons: dict[str, str] = {}
+    results: dict[str, dict[str, Any]] = {}
+    ideals: dict[str, float] = {}
+    try:
+        # Time cases ------------------------------------------------------------------------
+        for case in [sleep_case(2, 8), sleep_case(4, 8), mlp_case, cnn_case, transformer_case]:
+            names = WAYS[2:] if case.ideal is not None else WAYS
+            case_rounds = max(2, rounds // 2) if case.ideal is not None else rounds
+            results[case.name] = measure(ways.build(case, names), case_rounds)
+            if case.ideal is not None:
+                ideals[case.name] = case.ideal
+            ways.close()
+            reasons_of(results[case.name], reasons)
+            print(f"  measured {case.name}", file=sys.stderr, flush=True)
+
+        header = ["case", "reference", "ref ms", *WAYS]
+        rows = []
+        for case_name, r in results.items():
+            ideal = ideals.get(case_name)
+            ref = ideal if ideal is not None else r["plain"]
+            row = [case_name, "ideal" if ideal is not None else "plain", ms(ref)]
+            for way in WAYS:
+                value = r.get(way)
+                row.append(f"{value / ref:.2f}" if isinstance(value, float) else "-")
+            rows.append(row)
+        print("Step time relative to the reference (lower is better)")
+        print_table(header, rows)
+        print()
+
+        # Per-task overhead -------------------------------------------------------------------
+        runners: dict[str, Runner | str] = {}
+        for mode in ("never", "except_last"):
+            case = replace(tiny_case, checkpoint=mode)
+            names = WAYS[:1] + WAYS[2:] if mode == "never" else ("fwd+bwd", "torchgpipe")
+            runners.update(
+                {
+                    k: v
+                    for k, v in ways.build(case, names, f" ({mode})").items()
+                    if not (mode != "never" and k == "plain")
+                }
+            )
+        overhead = measure(runners, rounds * 10)
+        ways.close()
+        reasons_of(overhead, reasons)
+        tasks = len(tiny_case.balance) * tiny_case.chunks
+        print(
+            f"Overhead per task, tiny model (Linear(4, 4) per partition), P2 M32: "
+            f"(time - plain) / (n * m), plain {overhead['plain'] * 1e3:.2f} ms per step"
+        )
+        rows = []
+        for way in WAYS[2:]:
+            row = [way]
+            for mode in ("never", "except_last"):
+                value = overhead.get(f"{way} ({mode})")
+                if isinstance(value, float):
+                    row.append(f"{(value - overhead['plain']) / tasks * 1e6:.0f}")
+                else:
+                    row.append("-")
+            rows.append(row)
+        print_table(["way", "never us", "except_last us"], rows)
+        print()
+
+        # One partition, one micro-batch ------------------------------------------------------
+        single = replace(mlp_case, balance=[4], chunks=1)
+        single_runners = {
+            "plain": plain_runner(single),
+            "fwd+bwd": gpipe_runners(single)["fwd+bwd"],
+        }
+        single_times = measure(single_runners, max(20, rounds * 2))
+        single_ratio = single_times["fwd+bwd"] / single_times["plain"]
+        print(
+            f"One partition, chunks=1, no checkpointing (MLP): fwd+bwd / plain = "
+            f"{single_ratio:.3f} (plain {ms(single_times['plain'])} ms)"
+        )
+        print()
+    finally:
+        ways.close()
+
+    # Memory ----------------------------------------------------------------------------------
+    mem_width = 256
+    mem: dict[str, dict[str, Any]] = {}
+    for n in (2, 4):
+        case = Case(
+            f"P{n} M8", "mlp", {"n": n, "width": mem_width}, [2] * n, 8, (64, mem_width), "mse"
+        )
+        mem[case.name] = memory(case)
+    print(
+        f"Saved-activation bytes (KiB), MLP of Linear({mem_width}, {mem_width}) + ReLU, two per "
+        "partition, 8 rows per micro-batch, no checkpointing; theory: GPipe m x one "
+        "micro-batch, 1F1B sum of min(n - j, m) micro-batches of partition j; parameters, input "
+        "and target not counted"
+    )
+    rows = []
+    for name, r in mem.items():
+        for way in ("plain", "fwd+bwd", "step gpipe", "step 1f1b"):
+            value = r[way]
+            theory = r["theory 1f1b"] if way == "step 1f1b" else r["theory gpipe"]
+            if isinstance(value, str):
+                rows.append([f"{name} {way}", "-", "-", f"{theory / 1024:.0f}", "-", "-"])
+                continue
+            after, peak, left = value
+            rows.append(
+                [
+                    f"{name} {way}",
+                    "-" if after is None else f"{after / 1024:.0f}",
+                    f"{peak / 1024:.0f}",
+                    f"{theory / 1024:.0f}",
+                    f"{peak / theory:.2f}",
+                    f"{left / 1024:.0f}",
+                ]
+            )
+    print_table(["case", "after fwd", "peak", "theory", "peak/theory", "left"], rows)
+    print()
+
+    if reasons:
+        print("Ways that did not run:")
+        for name, reason in reasons.items():
+            print(f"  {name}: {reason}")
+        print()
+
+    # Targets ---------------------------------------------------------------------------------
+    checks: list[tuple[str, float | None, float]] = []
+    for case_name, ideal in ideals.items():
+        for schedule in SCHEDULES:
+            value = results[case_name].get(f"step {schedule}")
+            checks.append(
+                (
+                    f"{case_name}: step {schedule} / ideal <= 1.05",
+                    value / ideal if isinstance(value, float) else None,
+                    1.05,
+                )
+            )
+    r = results["MLP P2 M4"]
+    for schedule in SCHEDULES:
+        value = r.get(f"step {schedule}")
+        checks.append(
+            (
+                f"MLP P2 M4: step {schedule} / plain <= 0.70",
+                value / r["plain"] if isinstance(value, float) else None,
+                0.70,
+            )
+        )
+    for way in ("fwd+bwd", "step gpipe", "step 1f1b"):
+        for mode in ("never", "except_last"):
+            value = overhead.get(f"{way} ({mode})")
+            checks.append(
+                (
+                    f"tiny P2 M32 ({mode}): {way} overhead per task <= 150 us",
+                    (value - overhead["plain"]) / tasks * 1e6 if isinstance(value, float) else None,
+                    150.0,
+                )
+            )
+    for name, r in mem.items():
+        n = int(name[1])
+        gpipe_peak, onef_peak = r["step gpipe"], r["step 1f1b"]
+        if isinstance(gpipe_peak, str) or isinstance(onef_peak, str):
+            checks.append((f"{name}: 1F1B peak <= n/m x GPipe peak + one micro-batch", None, 1))
+            continue
+        bound = n / 8 * gpipe_peak[1] + r["micro-batch"]
+        checks.append(
+            (
+                f"{name}: 1F1B peak / (n/m x GPipe peak + one micro-batch) <= 1",
+                onef_peak[1] / bound,
+                1.0,
+            )
+        )
+    checks.append(("one partition, chunks=1, never: fwd+bwd / plain <= 1.03", single_ratio, 1.03))
+
+    print(
+        f"At the end, two threads run {parallel_speedup():.2f}x as fast as one on independent "
+        "matmuls"
+    )
+    print()
+    print("Targets")
+    for label, value, limit in checks:
+        if value is None:
+            print(f"  FAIL  {label}: not measured")
+        else:
+            verdict = "PASS" if value <= limit else "FAIL"
+            print(f"  {verdict}  {label}: {value:.3f}")
+
+
+if __name__ == "__main__":
+    main()
