@@ -61,3 +61,30 @@ def test_interrupted_forward_ends_and_the_model_still_works(delay: float) -> Non
     assert not thread.is_alive(), "the interrupted forward pass hangs"
     assert outcome  # raised the interrupt, or finished before it landed
     torch.testing.assert_close(pipe(x), expected)
+
+
+def test_interrupt_while_the_workers_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    pipe = GPipe(model, [1, 1, 1], chunks=4)
+    x = torch.randn(8, 4)
+    real_start = threading.Thread.start
+    starts: list[str] = []
+
+    def start(self: threading.Thread) -> None:
+        starts.append(self.name)
+        if len(starts) == 2:  # the second worker: interrupted before it starts
+            raise Interrupt
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(Interrupt):
+        pipe(x)
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+
+    # The next call starts what did not start, once: every partition has one worker.
+    result: list[torch.Tensor] = []
+    thread = threading.Thread(target=lambda: result.append(pipe(x)), daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "a partition was left without a worker"
+    torch.testing.assert_close(result[0], model(x))

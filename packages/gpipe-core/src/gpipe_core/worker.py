@@ -115,26 +115,35 @@ class WorkerPool:
         self.in_queues: list[SimpleQueue[Job | None]] = [SimpleQueue() for _ in range(workers)]
         self.out_queues: list[SimpleQueue[Result]] = [SimpleQueue() for _ in range(workers)]
         self.threads: list[threading.Thread] = []
+        self.started = False
         self.closed = False
 
     def _start(self) -> None:
-        for j, (in_queue, out_queue) in enumerate(
-            zip(self.in_queues, self.out_queues, strict=False)
-        ):
-            thread = threading.Thread(
-                target=_worker_loop,
-                args=(in_queue, out_queue),
-                name=f"gpipe-worker-{j}",
-                daemon=True,
-            )
-            thread.start()
-            self.threads.append(thread)
+        # Every thread is listed before any starts, and the pool counts as started only
+        # once all have: a caller interrupted here (KeyboardInterrupt) leaves threads not
+        # yet started, which the next call starts, and never a queue without a worker.
+        if not self.threads:
+            self.threads = [
+                threading.Thread(
+                    target=_worker_loop,
+                    args=(in_queue, out_queue),
+                    name=f"gpipe-worker-{j}",
+                    daemon=True,
+                )
+                for j, (in_queue, out_queue) in enumerate(
+                    zip(self.in_queues, self.out_queues, strict=True)
+                )
+            ]
+        for thread in self.threads:
+            if thread.ident is None:  # not started (a started thread has an ident)
+                thread.start()
+        self.started = True
 
     def submit(self, partition: int, task: Job) -> None:
         """Queue ``task`` on the worker of ``partition``, starting the workers if needed."""
         if self.closed:
             raise RuntimeError("the worker pool of this GPipe module is closed")
-        if not self.threads:
+        if not self.started:
             self._start()
         self.in_queues[partition].put(task)
 
@@ -145,8 +154,9 @@ class WorkerPool:
     def close(self) -> None:
         """Stop every worker after its current task and wait for them (idempotent)."""
         self.closed = True
-        threads, self.threads = self.threads, []
-        for in_queue in self.in_queues[: len(threads)]:
+        threads = [thread for thread in self.threads if thread.ident is not None]
+        self.threads = []
+        for in_queue in self.in_queues:
             in_queue.put(None)
         current = threading.current_thread()
         for thread in threads:
