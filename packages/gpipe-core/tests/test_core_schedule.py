@@ -6,6 +6,7 @@ No model runs here except at the end, where a custom schedule drives ``GPipe.ste
 from __future__ import annotations
 
 import copy
+import random
 
 import pytest
 import torch
@@ -249,3 +250,68 @@ def test_broken_custom_schedule_is_refused_before_running() -> None:
     # The model still works.
     pipe.step(x, y, nn.MSELoss())
     assert all(p.grad is not None for p in pipe.parameters())
+
+
+class Listed(Schedule):
+    """A schedule made of given action lists."""
+
+    name = "listed"
+
+    def __init__(self, lists: list[list[Action]]) -> None:
+        self.lists = lists
+
+    def actions(self, microbatches: int, partitions: int) -> list[list[Action]]:
+        assert (microbatches, partitions) == (len(self.lists[0]) // 2, len(self.lists))
+        return [list(actions) for actions in self.lists]
+
+
+def random_lists(rng: random.Random, m: int, n: int) -> list[list[Action]] | None:
+    """Random orders for each partition, each backward after its forward; None: deadlock."""
+    lists = []
+    for _ in range(n):
+        forwards = rng.sample(range(m), m)
+        order: list[Action] = []
+        ready: list[int] = []
+        while forwards or ready:
+            if ready and (not forwards or rng.random() < 0.5):
+                order.append(B(ready.pop(rng.randrange(len(ready)))))
+            else:
+                i = forwards.pop(0)
+                order.append(F(i))
+                ready.append(i)
+        lists.append(order)
+    try:
+        check_actions(lists, m)
+    except ScheduleError:
+        return None
+    return lists
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    m=st.integers(1, 5),
+    n=st.integers(1, 4),
+    checkpoint=st.sampled_from(["always", "except_last", "never"]),
+    rng=st.randoms(use_true_random=False),
+)
+def test_any_valid_action_lists_run_through_step(
+    m: int, n: int, checkpoint: str, rng: random.Random
+) -> None:
+    for _ in range(1000):
+        lists = random_lists(rng, m, n)
+        if lists is not None:
+            break
+    else:
+        lists = GPipeSchedule().actions(m, n)
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(3, 3) if k % 2 == 0 else nn.Tanh() for k in range(2 * n)]
+    plain = nn.Sequential(*layers).double()
+    pipe = GPipe(copy.deepcopy(plain), [2] * n, chunks=m, checkpoint=checkpoint)
+    x = torch.randn(2 * m, 3, dtype=torch.float64)
+    y = torch.randn(2 * m, 3, dtype=torch.float64)
+    losses = pipe.step(x, y, nn.MSELoss(reduction="sum"), schedule=Listed(lists))
+    expected = nn.MSELoss(reduction="sum")(plain(x), y)
+    expected.backward()
+    torch.testing.assert_close(losses.reduced(), expected.detach())
+    for p, q in zip(pipe.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
