@@ -547,3 +547,73 @@ def test_nested_pipeline_in_a_partition(checkpoint: str, schedule: str) -> None:
     x = torch.randn(9, WIDTH, dtype=torch.float64)
     y = torch.randn(9, 2, dtype=torch.float64)
     assert_step_matches(pipe, plain, x, y, schedule=schedule)
+
+
+# -- skips and deferred batch norm together --------------------------------------------------
+
+
+def unet_with_batch_norm(seed: int) -> nn.Sequential:
+    """A long skip around a U-Net whose first layers normalize with a batch norm.
+
+    The batch norm sees ``linear(x)``: its statistics do not depend on the split.
+    """
+    torch.manual_seed(seed)
+    namespaces = [Namespace() for _ in range(2)]
+    return nn.Sequential(
+        LongStash(),
+        nn.Linear(WIDTH, WIDTH),
+        nn.BatchNorm1d(WIDTH, momentum=0.2),
+        *[Encoder().isolate(ns) for ns in namespaces],
+        nn.Tanh(),
+        *[Decoder().isolate(ns) for ns in reversed(namespaces)],
+        LongPop(),
+        nn.Linear(WIDTH, 2),
+    ).double()
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    balance=st.sampled_from(compositions(10, 3) + compositions(10, 5)),
+    chunks=st.integers(1, 4),
+    checkpoint=st.sampled_from(MODES),
+    schedule=st.sampled_from(SCHEDULES),
+    seed=st.integers(0, 2**16),
+)
+def test_skips_with_deferred_batch_norm(
+    balance: list[int], chunks: int, checkpoint: str, schedule: str, seed: int
+) -> None:
+    model = unet_with_batch_norm(seed)
+    whole, per_micro = copy.deepcopy(model), copy.deepcopy(model)
+    pipe = GPipe(model, balance, chunks=chunks, checkpoint=checkpoint, deferred_batch_norm=True)
+    batch = 2 * chunks
+    x = torch.randn(batch, WIDTH, dtype=torch.float64)
+    y = torch.randn(batch, 2, dtype=torch.float64)
+    losses = pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+    with torch.no_grad():
+        whole(x)
+    for xi, yi in zip(x.chunk(chunks), y.chunk(chunks), strict=True):
+        (nn.MSELoss()(per_micro(xi), yi) * len(xi) / batch).backward()
+    assert len(losses) == chunks
+    assert_same_grads(pipe, per_micro)
+    (norm,) = [m for m in pipe.modules() if isinstance(m, DeferredBatchNorm)]
+    torch.testing.assert_close(norm.running_mean, whole[2].running_mean)
+    torch.testing.assert_close(norm.running_var, whole[2].running_var)
+    assert int(norm.num_batches_tracked) == 1
+    assert len(current_skip_tracker()) == 0
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_deferred_batch_norm_without_grad_counts_one_mini_batch(schedule: str) -> None:
+    model = bn_model(0)
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, [3, 3], chunks=4, checkpoint="always", deferred_batch_norm=True)
+    x = torch.randn(8, 3, dtype=torch.float64)
+    y = torch.randn(8, 2, dtype=torch.float64)
+    with torch.no_grad():
+        pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+        plain(x)
+    (norm,) = [m for m in pipe.modules() if isinstance(m, DeferredBatchNorm)]
+    torch.testing.assert_close(norm.running_mean, plain[2].running_mean)
+    torch.testing.assert_close(norm.running_var, plain[2].running_var)
+    assert int(norm.num_batches_tracked) == 1
+    assert all(p.grad is None for p in pipe.parameters())
