@@ -8,7 +8,9 @@ exactly like the plain model, with no extra thread or tensor left behind.
 from __future__ import annotations
 
 import copy
+import ctypes
 import gc
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -512,3 +514,51 @@ def test_error_while_a_skip_is_in_flight(where: int, checkpoint: str, schedule: 
         raising.error, raising.calls, raising.call = Boom("with a skip"), 0, 1
 
     fail_and_recover(pipe, plain, Boom, "with a skip", "forward", schedule=schedule, arm=arm)
+
+
+# -- an interrupt in the calling thread ------------------------------------------------------
+
+
+class Slow(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return x
+
+
+@pytest.mark.skipif(sys.implementation.name != "cpython", reason="needs the CPython C API")
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_interrupt_while_the_caller_waits_for_the_workers(schedule: str) -> None:
+    # An exception raised asynchronously in the thread that called step, while it waits
+    # for the workers (a KeyboardInterrupt in the main thread arrives the same way when it
+    # lands right after a result came in): the step raises it, stops the workers, and the
+    # model is usable.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(WIDTH, WIDTH), Slow(), nn.Linear(WIDTH, WIDTH), Slow(), nn.Linear(WIDTH, WIDTH)
+    ).double()
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, [2, 2, 1], chunks=8)
+    x, y = data(16)
+    pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+    threads = thread_count()
+    outcome: dict[str, Any] = {}
+
+    def step() -> None:
+        try:
+            outcome["result"] = pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+        except BaseException as error:  # handed to the test thread
+            outcome["error"] = error
+
+    runner = threading.Thread(target=step, daemon=True)
+    runner.start()
+    time.sleep(0.1)  # the step takes about 8 x 2 x 0.02 s: the caller is waiting now
+    assert runner.ident is not None
+    delivered = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(runner.ident), ctypes.py_object(Interrupt)
+    )
+    assert delivered == 1
+    runner.join(timeout=10)
+    assert not runner.is_alive(), "the interrupted step did not return within 10 s"
+    assert isinstance(outcome.get("error"), Interrupt), outcome
+    assert thread_count() == threads
+    assert_next_step_matches_plain(pipe, plain, schedule)
