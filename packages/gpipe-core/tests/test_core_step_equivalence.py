@@ -228,6 +228,35 @@ def test_in_place_first_layer_of_every_partition(checkpoint: str, schedule: str)
     assert_step_matches(pipe, plain, x, y, schedule=schedule)
 
 
+@pytest.mark.parametrize("input_requires_grad", [False, True])
+@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_in_place_first_layer_on_the_step_input(
+    checkpoint: str, schedule: str, chunks: int, input_requires_grad: bool
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.ReLU(inplace=True), nn.Linear(WIDTH, WIDTH), nn.ReLU(inplace=True), nn.Linear(WIDTH, 2)
+    ).double()
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, [1, 3], chunks=chunks, checkpoint=checkpoint)
+    x = torch.randn(8, WIDTH, dtype=torch.float64)
+    y = torch.randn(8, 2, dtype=torch.float64)
+    for _ in range(2):  # the second step learns afresh
+        zero_grads(pipe, plain)
+        x_pipe = x.clone().requires_grad_(input_requires_grad)
+        x_plain = x.clone().requires_grad_(input_requires_grad)
+        # ``x * 1`` is not a leaf: the plain model may modify it in place too.
+        losses = pipe.step(x_pipe * 1, y, nn.MSELoss(), schedule=schedule)
+        expected = nn.MSELoss()(plain(x_plain * 1), y)
+        expected.backward()
+        torch.testing.assert_close(losses.reduced(), expected.detach())
+        assert_same_grads(pipe, plain)
+        if input_requires_grad:
+            torch.testing.assert_close(x_pipe.grad, x_plain.grad)
+
+
 def test_gradients_accumulate_over_steps() -> None:
     model = build(("linear", "tanh", "linear"), 1)
     plain = copy.deepcopy(model)
