@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
-from gpipe_core import Action, GPipe, Phase, Timeline, get_schedule
+from gpipe_core import Action, GPipe, Phase, Timeline, get_schedule, task_label, tracing
 
 N, M = 3, 5
 STOPS = {"always": M, "except_last": M - 1, "never": 0}
@@ -76,3 +78,33 @@ def test_schedules_differ_in_the_recorded_order() -> None:
     one_f_one_b = on_partition(traced_step("never", "1f1b"), 0)
     assert sorted(gpipe) == sorted(one_f_one_b)
     assert gpipe != one_f_one_b
+
+
+def profiled_step_labels(**profile: Any) -> set[str]:
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 6) if k % 2 == 0 else nn.Tanh() for k in range(2 * N)]
+    model = GPipe(nn.Sequential(*layers), [2] * N, chunks=M, checkpoint="except_last")
+    x, y = torch.randn(10, 6), torch.randn(10, 6)
+    with torch.profiler.profile(**profile) as prof:
+        model.step(x, y, nn.MSELoss(), schedule="1f1b")
+    return {e.name for e in prof.events() if e.name.startswith("gpipe/")}
+
+
+def test_profiler_of_all_threads_sees_every_step_task() -> None:
+    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    labels = profiled_step_labels(experimental_config=config)
+    everything = [(j, i) for j in range(N) for i in range(M)]
+    expected = {task_label(Phase.FORWARD, j, i) for j, i in everything}
+    expected |= {task_label(Phase.BACKWARD, j, i) for j, i in everything}
+    expected |= {task_label(Phase.RECOMPUTE, j, i) for j, i in everything if i < M - 1}
+    expected |= {task_label(Phase.LOSS, N - 1, i) for i in range(M)}
+    assert labels == expected
+
+
+def test_plain_profiler_warns_that_it_misses_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every task of a step runs on a worker thread: a profiler of the calling thread alone
+    # records none of them. It should say so, as it does for forward().
+    monkeypatch.setattr(tracing, "_warned", False)
+    with pytest.warns(UserWarning, match="profile_all_threads"):
+        labels = profiled_step_labels()
+    assert labels == set()
