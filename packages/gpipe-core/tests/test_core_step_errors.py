@@ -8,8 +8,9 @@ exactly like the plain model, with no extra thread or tensor left behind.
 from __future__ import annotations
 
 import copy
-import ctypes
 import gc
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -518,11 +519,61 @@ def test_error_while_a_skip_is_in_flight(where: int, checkpoint: str, schedule: 
 
 # -- an interrupt in the calling thread ------------------------------------------------------
 
+# Run in a fresh interpreter: a step that hangs here would keep its threads alive and
+# disturb every later test that counts threads.
+INTERRUPT_SCRIPT = """
+import copy, ctypes, sys, threading, time
+import torch
+from torch import nn
+from gpipe_core import GPipe
+
+class Interrupt(BaseException):
+    pass
 
 class Slow(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x):
         time.sleep(0.02)
         return x
+
+schedule = sys.argv[1]
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 4), Slow(), nn.Linear(4, 4), Slow(), nn.Linear(4, 4)).double()
+plain = copy.deepcopy(model)
+pipe = GPipe(model, [2, 2, 1], chunks=8)
+x = torch.randn(16, 4, dtype=torch.float64)
+y = torch.randn(16, 4, dtype=torch.float64)
+pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+threads = threading.active_count()
+outcome = {}
+
+def step():
+    try:
+        outcome["result"] = pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+    except BaseException as error:
+        outcome["error"] = error
+
+runner = threading.Thread(target=step, daemon=True)
+runner.start()
+time.sleep(0.1)  # the step takes about 8 x 2 x 0.02 s: the caller is waiting now
+ctypes.pythonapi.PyThreadState_SetAsyncExc(
+    ctypes.c_ulong(runner.ident), ctypes.py_object(Interrupt)
+)
+runner.join(timeout=10)
+if runner.is_alive():
+    print("the interrupted step did not return within 10 s", flush=True)
+    sys.exit(3)
+assert isinstance(outcome.get("error"), Interrupt), outcome
+time.sleep(0.1)
+assert threading.active_count() == threads, (threading.active_count(), threads)
+pipe.zero_grad(set_to_none=True)
+losses = pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+expected = nn.MSELoss()(plain(x), y)
+expected.backward()
+torch.testing.assert_close(losses.reduced(), expected.detach())
+for p, q in zip(pipe.parameters(), plain.parameters(), strict=True):
+    torch.testing.assert_close(p.grad, q.grad)
+print("ok")
+"""
 
 
 @pytest.mark.skipif(sys.implementation.name != "cpython", reason="needs the CPython C API")
@@ -532,33 +583,13 @@ def test_interrupt_while_the_caller_waits_for_the_workers(schedule: str) -> None
     # for the workers (a KeyboardInterrupt in the main thread arrives the same way when it
     # lands right after a result came in): the step raises it, stops the workers, and the
     # model is usable.
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(WIDTH, WIDTH), Slow(), nn.Linear(WIDTH, WIDTH), Slow(), nn.Linear(WIDTH, WIDTH)
-    ).double()
-    plain = copy.deepcopy(model)
-    pipe = GPipe(model, [2, 2, 1], chunks=8)
-    x, y = data(16)
-    pipe.step(x, y, nn.MSELoss(), schedule=schedule)
-    threads = thread_count()
-    outcome: dict[str, Any] = {}
-
-    def step() -> None:
-        try:
-            outcome["result"] = pipe.step(x, y, nn.MSELoss(), schedule=schedule)
-        except BaseException as error:  # handed to the test thread
-            outcome["error"] = error
-
-    runner = threading.Thread(target=step, daemon=True)
-    runner.start()
-    time.sleep(0.1)  # the step takes about 8 x 2 x 0.02 s: the caller is waiting now
-    assert runner.ident is not None
-    delivered = ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(runner.ident), ctypes.py_object(Interrupt)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPT_SCRIPT, schedule],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        env=env,
     )
-    assert delivered == 1
-    runner.join(timeout=10)
-    assert not runner.is_alive(), "the interrupted step did not return within 10 s"
-    assert isinstance(outcome.get("error"), Interrupt), outcome
-    assert thread_count() == threads
-    assert_next_step_matches_plain(pipe, plain, schedule)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == "ok"
