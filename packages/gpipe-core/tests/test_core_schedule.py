@@ -139,7 +139,7 @@ def test_unknown_name_and_wrong_type() -> None:
         get_schedule("zb")
     with pytest.raises(TypeError, match=r"schedule must be .*\(schedule: int\)"):
         get_schedule(3)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"schedule must be a schedule name or a Schedule"):
+    with pytest.raises(TypeError, match=r"not a class; call it \(schedule: GPipeSchedule\)"):
         get_schedule(GPipeSchedule)  # type: ignore[arg-type]  # the class, not an instance
 
 

@@ -323,6 +323,19 @@ def test_reduction_none(pipe: GPipe) -> None:
         pipe.step(*data(), nn.MSELoss(), reduction="none")  # type: ignore[arg-type]
 
 
+def test_reduction_contradicting_the_loss(pipe: GPipe) -> None:
+    for before in pipe.parameters():
+        before.grad = None
+    with pytest.raises(
+        ValueError,
+        match=r"reduction must match loss_fn.reduction when loss_fn has one "
+        r"\(reduction: 'sum', loss_fn.reduction: 'mean'\)",
+    ):
+        pipe.step(*data(), nn.MSELoss(), reduction="sum")
+    assert all(p.grad is None for p in pipe.parameters())  # refused before any work
+    pipe.step(*data(), nn.MSELoss(reduction="sum"), reduction="sum")  # agreeing is fine
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_non_scalar_loss(pipe: GPipe, schedule: str) -> None:
     def per_sample(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

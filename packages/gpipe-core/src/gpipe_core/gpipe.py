@@ -67,6 +67,14 @@ def _check_reduction(loss_fn: object, reduction: object) -> Reduction:
             )
     elif reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum' (reduction: {reduction!r})")
+    else:
+        declared = getattr(loss_fn, "reduction", reduction)
+        if declared != reduction:
+            # The gradients would be scaled for one reduction and computed with the other.
+            raise ValueError(
+                "reduction must match loss_fn.reduction when loss_fn has one "
+                f"(reduction: {reduction!r}, loss_fn.reduction: {declared!r})"
+            )
     return "sum" if reduction == "sum" else "mean"
 
 
@@ -382,7 +390,8 @@ class GPipe(nn.Module):
                 :class:`~gpipe_core.schedule.Schedule`.
             reduction: how ``loss_fn`` reduces over the samples of a micro-batch:
                 ``'mean'`` or ``'sum'`` (default: ``loss_fn.reduction`` when it has one,
-                as the losses of :mod:`torch.nn` do, else ``'mean'``).
+                as the losses of :mod:`torch.nn` do, else ``'mean'``). When
+                ``loss_fn`` has a ``reduction``, this must match it.
 
         Returns:
             The loss of each micro-batch; :meth:`Losses.reduced() <gpipe_core.Losses.reduced>`
@@ -392,8 +401,9 @@ class GPipe(nn.Module):
             TypeError: ``input`` or ``target`` is not a tensor or a tuple of tensors, or
                 ``loss_fn`` is not callable.
             ValueError: ``input`` is not on ``devices[0]``, ``target``'s batch size
-                differs from ``input``'s, ``loss_fn`` returns a non-scalar, or an unknown
-                ``schedule`` or ``reduction``.
+                differs from ``input``'s, ``loss_fn`` returns a non-scalar, an unknown
+                ``schedule`` or ``reduction``, or a ``reduction`` that contradicts
+                ``loss_fn.reduction``.
             RuntimeError: the step is called inside a checkpointed function.
 
         Example:

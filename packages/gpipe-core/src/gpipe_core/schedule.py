@@ -179,7 +179,7 @@ def schedules() -> list[str]:
     return sorted(_SCHEDULES)
 
 
-def get_schedule(schedule: str | Schedule) -> Schedule:
+def get_schedule(schedule: object) -> Schedule:
     """The schedule named ``schedule`` (``'gpipe'`` or ``'1f1b'``), or ``schedule`` itself.
 
     Raises:
@@ -193,6 +193,11 @@ def get_schedule(schedule: str | Schedule) -> Schedule:
         if found is None:
             raise ValueError(f"schedule must be one of {schedules()} (schedule: {schedule!r})")
         return found()
+    if isinstance(schedule, type) and issubclass(schedule, Schedule):
+        raise TypeError(
+            f"schedule must be a schedule name or a Schedule instance, not a class; "
+            f"call it (schedule: {schedule.__name__})"
+        )
     raise TypeError(
         f"schedule must be a schedule name or a Schedule (schedule: {type(schedule).__name__})"
     )
