@@ -16,7 +16,7 @@ Example:
 """
 
 from .__about__ import __version__
-from .checkpoint import Checkpoint, Checkpointing, Recompute, checkpoint
+from .checkpoint import Checkpoint, Checkpointing, checkpoint
 from .phase import enable_checkpointing, enable_recomputing, is_checkpointing, is_recomputing
 from .rng import RNGStates, device_rng_lock, restore_rng_states, save_rng_states
 
@@ -24,7 +24,6 @@ __all__ = [
     "Checkpoint",
     "Checkpointing",
     "RNGStates",
-    "Recompute",
     "__version__",
     "checkpoint",
     "device_rng_lock",

@@ -20,9 +20,8 @@ Both phases share a :class:`Checkpointing` object::
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,13 +31,10 @@ from gpipe_microbatch import Batch, TensorOrTensors, ThreadState, check, get_pho
 from .phase import enable_checkpointing, enable_recomputing
 from .rng import RNGStates, restore_rng_states, save_rng_states
 
-__all__ = ["Checkpoint", "Checkpointing", "Recompute", "checkpoint"]
+__all__ = ["Checkpoint", "Checkpointing", "checkpoint"]
 
 Function = Callable[[TensorOrTensors], TensorOrTensors]
 
-# What the recompute phase leaves for the checkpoint phase's backward: the recomputed
-# output and the leaves it was computed from.
-_Recomputed = tuple[tuple[Tensor, ...], tuple[Tensor, ...]]
 # What the checkpoint phase leaves for the recompute phase: generator states and the
 # thread state the first pass ran under.
 _Saved = tuple[RNGStates, ThreadState]
@@ -74,7 +70,7 @@ class Checkpointing:
         >>> x = torch.randn(2, 3, requires_grad=True)
         >>> chk = Checkpointing(layer, Batch(x))
         >>> output = chk.checkpoint()
-        >>> chk.recompute(output)
+        >>> _ = chk.recompute(output)
         >>> output.tensor.sum().backward()
         >>> x.grad.shape
         torch.Size([2, 3])
@@ -94,8 +90,11 @@ class Checkpointing:
         #: Whether the checkpoint phase saw ``function`` modify its input in place.
         self.input_modified = False
         self.requires_grad = requires_grad
-        # Passed from the recompute phase to the checkpoint phase's backward.
-        self.recomputed: deque[_Recomputed] = deque(maxlen=1)
+        # Whether recompute() has armed the recomputation, and the phony the checkpoint
+        # phase returns next to the outputs.
+        self.armed = False
+        self.phony: Tensor | None = None
+        self.output_atomic = True
         # Kept by the checkpoint phase for every recomputation (a graph may be
         # differentiated more than once with retain_graph=True).
         self.saved: _Saved | None = None
@@ -114,14 +113,16 @@ class Checkpointing:
         phony = join
         if phony is None or not (phony.requires_grad and torch.is_grad_enabled()):
             phony = get_phony(self.batch[0].device, requires_grad=self.requires_grad)
-        output = Checkpoint.apply(phony, self, *self.batch)  # type: ignore[no-untyped-call]
-        return Batch(output)
+        *output, self.phony = Checkpoint.apply(  # type: ignore[no-untyped-call]
+            phony, self, *self.batch
+        )
+        return Batch(output[0] if self.output_atomic else tuple(output))
 
     def recompute(self, batch: Batch) -> Tensor:
-        """Hook the recompute phase onto ``batch``, the output of :meth:`checkpoint`.
+        """Arm the recompute phase on ``batch``, the output of :meth:`checkpoint`.
 
-        The recomputation then runs when the gradient reaches any output in ``batch``,
-        right before the checkpoint phase's backward.
+        The recomputation then runs when the gradient reaches the outputs in ``batch``,
+        right before the checkpoint phase's backward, in the same autograd node.
 
         Returns:
             A phony forked off the outputs, as :func:`~gpipe_microbatch.fork` would fork
@@ -129,18 +130,12 @@ class Checkpointing:
             later work orders that work's backward before this recomputation. Without
             autograd (no output needs a gradient) it carries no edge.
         """
-        needs_grad = [index for index, tensor in enumerate(batch) if tensor.requires_grad]
-        if not needs_grad:
+        self.armed = True
+        # Not kept: the phony's graph holds this object, which would make a cycle.
+        phony, self.phony = self.phony, None
+        if phony is None or not any(tensor.requires_grad for tensor in batch):
             return get_phony(batch[0].device, requires_grad=False)
-        # One node passes the gradients of every output that needs one through to the
-        # checkpoint phase's backward, recomputing first: the recomputation runs whichever
-        # outputs the loss uses, and right before the checkpoint phase's backward.
-        *tensors, phony = Recompute.apply(  # type: ignore[no-untyped-call]
-            self, len(self.batch), *self.batch, *(batch[index] for index in needs_grad)
-        )
-        for index, tensor in zip(needs_grad, tensors, strict=True):
-            batch.replace(index, tensor)
-        return cast(Tensor, phony)
+        return phony
 
 
 # The engine call behind torch.autograd.backward (torch >= 2.3), if this torch has it.
@@ -172,14 +167,21 @@ def _copies(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 
 
 class Checkpoint(torch.autograd.Function):
-    """The checkpoint phase: forward without history; backward through the recomputation.
+    """Both phases in one autograd node: forward without history; in backward, recompute
+    the function with autograd and pass the gradients through the recomputed graph.
 
-    Called as ``Checkpoint.apply(phony, checkpointing, *input)``.
+    Called as ``Checkpoint.apply(phony, checkpointing, *input)``; returns the outputs and
+    a phony (see :meth:`Checkpointing.recompute`). One node rather than one per phase:
+    the recomputation runs right before the checkpoint phase's backward either way, and
+    each autograd node of a Python function costs a task several microseconds.
     """
 
     @staticmethod
-    def forward(ctx: Any, phony: Tensor, chk: Checkpointing, *input: Tensor) -> TensorOrTensors:
+    def forward(ctx: Any, phony: Tensor, chk: Checkpointing, *input: Tensor) -> tuple[Tensor, ...]:
         ctx.chk = chk
+        ctx.save_for_backward(*input)
+        # Unused outputs (and the phony) pass no gradient (None) to the recomputed graph.
+        ctx.set_materialize_grads(False)
         chk.saved = (save_rng_states(input[0].device), ThreadState.capture())
         arguments = _copies(input) if chk.copy_input else input
         versions = [tensor._version for tensor in arguments]
@@ -197,56 +199,24 @@ class Checkpoint(torch.autograd.Function):
                 "out-of-place, or turn checkpointing off for this block"
             )
         tensors = (output,) if isinstance(output, Tensor) else output
+        chk.output_atomic = isinstance(output, Tensor)
         ctx.mark_non_differentiable(*(t for t in tensors if not _differentiable(t)))
-        return output
+        phony = get_phony(input[0].device, requires_grad=False).detach()
+        return (*tensors, phony)
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor | None) -> tuple[Tensor | None, ...]:
-        if not ctx.chk.recomputed:
+        chk: Checkpointing = ctx.chk
+        if not chk.armed:
             raise RuntimeError(
                 "a checkpointed output reached backward without its recomputation "
                 "(call Checkpointing.recompute on the output of Checkpointing.checkpoint)"
             )
-        output, input_leaf = ctx.chk.recomputed.pop()
-        pairs = [
-            (tensor, grad)
-            for tensor, grad in zip(output, grad_output, strict=False)
-            if tensor.requires_grad and grad is not None
-        ]
-        if pairs:
-            _backward([t for t, _ in pairs], [g for _, g in pairs])
-        grad_input: list[Tensor | None] = [None, None]
-        grad_input.extend(leaf.grad for leaf in input_leaf)
-        return tuple(grad_input)
-
-
-class Recompute(torch.autograd.Function):
-    """The recompute phase: an identity on the outputs whose backward re-runs the function.
-
-    Called as ``Recompute.apply(checkpointing, len(input), *input, *output)`` with the
-    outputs of the checkpoint phase that need gradients; returns those outputs and a
-    phony. Their gradients pass through unchanged once the recomputation has run, which
-    waits for the phony's gradient too (if the phony is used).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, chk: Checkpointing, inputs: int, *tensors: Tensor) -> tuple[Tensor, ...]:
-        ctx.chk = chk
-        ctx.inputs = inputs
-        ctx.save_for_backward(*tensors[:inputs])
-        # Unused outputs pass no gradient (None) on to the checkpoint phase's backward.
-        ctx.set_materialize_grads(False)
-        phony = get_phony(tensors[inputs].device, requires_grad=False).detach()
-        return (*(tensor.detach() for tensor in tensors[inputs:]), phony)
-
-    @staticmethod
-    def backward(ctx: Any, *grad_output: Tensor | None) -> tuple[Tensor | None, ...]:
         if not torch.autograd._is_checkpoint_valid():  # type: ignore[no-untyped-call]
             raise RuntimeError(
                 "checkpointing works with .backward() only, not with torch.autograd.grad() "
                 "or .backward(inputs=...): the recomputed graph accumulates into .grad"
             )
-        chk: Checkpointing = ctx.chk
         input = ctx.saved_tensors
         input_leaf = tuple(tensor.detach().requires_grad_(tensor.requires_grad) for tensor in input)
         assert chk.saved is not None, "the checkpoint phase has not run"
@@ -261,8 +231,16 @@ class Recompute(torch.autograd.Function):
             arguments = _copies(input_leaf) if chk.input_modified else input_leaf
             output = _call(chk.function, chk.batch.atomic, arguments)
         tensors = (output,) if isinstance(output, Tensor) else output
-        chk.recomputed.append((tensors, input_leaf))
-        return (None, None, *((None,) * ctx.inputs), *grad_output[:-1])
+        pairs = [
+            (tensor, grad)
+            for tensor, grad in zip(tensors, grad_output[:-1], strict=False)
+            if tensor.requires_grad and grad is not None
+        ]
+        if pairs:
+            _backward([t for t, _ in pairs], [g for _, g in pairs])
+        grad_input: list[Tensor | None] = [None, None]
+        grad_input.extend(leaf.grad for leaf in input_leaf)
+        return tuple(grad_input)
 
 
 def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:

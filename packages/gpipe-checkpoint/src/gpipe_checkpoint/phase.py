@@ -53,6 +53,7 @@ def is_checkpointing() -> bool:
     autograd, when the gradient arrives (see :func:`is_recomputing`).
 
     Example:
+        >>> import torch
         >>> from torch import nn
         >>> class Probe(nn.Module):
         ...     def forward(self, x):
