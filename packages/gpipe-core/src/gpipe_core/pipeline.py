@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from functools import cached_property, partial
 from queue import SimpleQueue
-from typing import cast
 
 import torch
 from torch import nn
@@ -43,7 +42,7 @@ from gpipe_skip import SkipLayout
 
 from .skips import PipelineSkips
 from .tracing import Tracer, move
-from .worker import NO_RESULT, ExcInfo, Task, WorkerPool
+from .worker import ExcInfo, Task, WorkerPool
 
 __all__ = ["PartitionTraits", "Pipeline", "clock_cycles"]
 
@@ -163,33 +162,6 @@ def _recompute(chk: Checkpointing, forked: list[torch.Tensor] | None, batch: Bat
         forked.append(phony)
 
 
-class _Runner:
-    """Partition ``j``'s share of a run, as its worker runs it (see :class:`_Flow`).
-
-    Whatever happens, the end is reported to ``flow`` (an exception first, as an error
-    that no task raised) and nothing goes to the pool's result queue, so a caller
-    interrupted while it waits cannot leave a result behind for the next run.
-    """
-
-    __slots__ = ("flow", "function", "j")
-
-    def __init__(self, function: Callable[[], None], flow: _Flow, j: int) -> None:
-        self.function: Callable[[], None] | None = function
-        self.flow = flow
-        self.j = j
-
-    def run(self) -> Batch:
-        try:
-            assert self.function is not None
-            self.function()
-        except BaseException:
-            self.flow.fail(-1, self.j, cast(ExcInfo, sys.exc_info()))
-        finally:
-            self.function = None
-            self.flow.end()
-        return NO_RESULT
-
-
 class _Flow:
     """What the workers of one pipeline run share.
 
@@ -205,20 +177,6 @@ class _Flow:
         self.stop = sys.maxsize
         self.lock = threading.Lock()
         self.errors: list[tuple[int, int, ExcInfo]] = []
-        self.ended = 0
-        self.all_ended = threading.Condition(self.lock)
-
-    def end(self) -> None:
-        """Count a partition's share as ended (the last thing its worker does for it)."""
-        with self.lock:
-            self.ended += 1
-            self.all_ended.notify()
-
-    def wait(self, count: int) -> None:
-        """Wait until ``count`` partitions' shares have ended."""
-        with self.lock:
-            while self.ended < count:
-                self.all_ended.wait()
 
     def fail(self, clock: int, j: int, exc_info: ExcInfo) -> None:
         """Record partition ``j``'s error at ``clock``; later clocks are not run."""
@@ -303,19 +261,15 @@ class Pipeline:
                         phonies[j] = self._step(batches, i, j, state, phonies[j])
             return
         flow = _Flow(len(self.partitions))
-        with pool.lock:
-            submitted = 0
-            try:
-                for j in range(len(self.partitions)):
-                    pool.submit(j, _Runner(partial(self._flow, batches, j, state, flow), flow, j))
-                    submitted += 1
-                flow.wait(submitted)
-            except BaseException:
-                # Interrupted (KeyboardInterrupt, say): stop every worker after its
-                # current task and wait for them.
-                flow.stop = -1
-                flow.wait(submitted)
-                raise
+
+        def stop() -> None:
+            flow.stop = -1  # every worker stops after its current task
+
+        pool.run_shares(
+            [partial(self._flow, batches, j, state, flow) for j in range(len(self.partitions))],
+            lambda j, exc_info: flow.fail(-1, j, exc_info),  # not raised by a task
+            stop,
+        )
         flow.raise_first()
 
     def _flow(self, batches: list[Batch], j: int, state: ThreadState, flow: _Flow) -> None:

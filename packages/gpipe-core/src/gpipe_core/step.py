@@ -39,7 +39,7 @@ from .schedule import Action, simulate
 from .skips import SkipCall
 from .timeline import Phase
 from .tracing import Tracer, _warn_workers_unseen, move
-from .worker import NO_RESULT, ExcInfo, Task, WorkerPool
+from .worker import ExcInfo, Task, WorkerPool
 
 __all__ = ["LossFunction", "Losses", "Reduction", "StepRun"]
 
@@ -139,8 +139,6 @@ class _Mailbox:
         self.items: dict[Hashable, _Message] = {}
         self.cancelled = False
         self.error: ExcInfo | None = None
-        self.ended = 0
-        self.all_ended = threading.Condition(self.lock)
 
     def put(self, j: int, key: Hashable, message: _Message) -> None:
         """Leave ``message`` for partition ``j``'s worker."""
@@ -157,18 +155,6 @@ class _Mailbox:
                 self.ready[j].wait()
             return self.items.pop(key)
 
-    def program_ended(self) -> None:
-        """Count a partition's program as ended (the last thing its worker does for it)."""
-        with self.lock:
-            self.ended += 1
-            self.all_ended.notify()
-
-    def wait_programs(self, count: int) -> None:
-        """Wait until ``count`` programs have ended."""
-        with self.lock:
-            while self.ended < count:
-                self.all_ended.wait()
-
     def cancel(self, error: ExcInfo | None) -> None:
         """Keep ``error`` if it is the first and wake every waiting worker to cancel it."""
         with self.lock:
@@ -178,31 +164,6 @@ class _Mailbox:
             self.items.clear()
             for ready in self.ready:
                 ready.notify_all()
-
-
-class _Program:
-    """A partition's share of a step, as its worker runs it.
-
-    Whatever happens, the end is reported to the mailbox (an exception first, as the
-    step's error) and nothing goes to the pool's result queue.
-    """
-
-    __slots__ = ("mailbox", "task")
-
-    def __init__(self, task: Task, mailbox: _Mailbox) -> None:
-        self.task = task
-        self.mailbox = mailbox
-
-    def run(self) -> Batch:
-        try:
-            self.task.run()
-        except BaseException:
-            # Raised around the program: entering its device, stream or thread state.
-            self.mailbox.cancel(cast(ExcInfo, sys.exc_info()))
-        finally:
-            del self.task
-            self.mailbox.program_ended()
-        return NO_RESULT
 
 
 def _differentiable(tensor: Tensor) -> bool:
@@ -329,25 +290,12 @@ class StepRun:
                         return
 
     def _run_threaded(self, pool: WorkerPool, state: ThreadState) -> None:
-        """Run each partition's program on its worker and wait until every one has ended.
-
-        The programs report to the mailbox, not to the pool's result queues, so an
-        interrupt in the caller (``KeyboardInterrupt``) cannot leave a result behind for
-        the next run: the caller cancels the step, waits for the programs to end, and
-        raises.
-        """
-        with pool.lock:
-            mailbox = self.mailbox
-            submitted = 0
-            try:
-                for j, actions in enumerate(self.actions):
-                    pool.submit(j, _Program(self._task(j, state, actions), mailbox))
-                    submitted += 1
-                mailbox.wait_programs(submitted)
-            except BaseException:
-                mailbox.cancel(None)
-                mailbox.wait_programs(submitted)
-                raise
+        """Run each partition's program on its worker and wait until every one has ended."""
+        pool.run_shares(
+            [self._task(j, state, actions).run for j, actions in enumerate(self.actions)],
+            lambda j, exc_info: self.mailbox.cancel(exc_info),  # raised around a program
+            lambda: self.mailbox.cancel(None),
+        )
 
     def _task(self, j: int, state: ThreadState, actions: Sequence[Action]) -> Task:
         def program() -> Batch:

@@ -12,12 +12,13 @@ Grad mode and autocast are thread-local in PyTorch, so each task carries the cal
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from queue import SimpleQueue
 from types import TracebackType
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -104,6 +105,55 @@ def _worker_loop(in_queue: SimpleQueue[Job | None], out_queue: SimpleQueue[Resul
         del task
 
 
+class _Share:
+    """A partition's share of a run, as its worker runs it (see :meth:`WorkerPool.run_shares`).
+
+    Whatever happens, its end is counted, an exception goes to ``failed`` first, and
+    nothing goes to the pool's result queue.
+    """
+
+    __slots__ = ("ended", "failed", "function")
+
+    def __init__(
+        self,
+        function: Callable[[], object],
+        failed: Callable[[ExcInfo], None],
+        ended: _Ended,
+    ) -> None:
+        self.function: Callable[[], object] | None = function
+        self.failed = failed
+        self.ended = ended
+
+    def run(self) -> Batch:
+        try:
+            assert self.function is not None
+            self.function()
+        except BaseException:
+            self.failed(cast(ExcInfo, sys.exc_info()))
+        finally:
+            self.function = None
+            self.ended.add()
+        return NO_RESULT
+
+
+class _Ended:
+    """How many shares of a run have ended; the caller waits for all of them."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.changed = threading.Condition()
+
+    def add(self) -> None:
+        with self.changed:
+            self.count += 1
+            self.changed.notify()
+
+    def wait(self, count: int) -> None:
+        with self.changed:
+            while self.count < count:
+                self.changed.wait()
+
+
 class WorkerPool:
     """One worker thread per partition.
 
@@ -146,6 +196,33 @@ class WorkerPool:
         if not self.started:
             self._start()
         self.in_queues[partition].put(task)
+
+    def run_shares(
+        self,
+        shares: Sequence[Callable[[], object]],
+        failed: Callable[[int, ExcInfo], None],
+        stop: Callable[[], None],
+    ) -> None:
+        """Run ``shares[j]`` on partition ``j``'s worker, for every ``j``, and wait for all.
+
+        A share that raises reports to ``failed(j, exc_info)``; the caller raises what it
+        keeps. The shares report their end to this call, not to the result queues, so an
+        interrupt in the caller (``KeyboardInterrupt``), wherever it lands, leaves no result
+        behind for the next run: the caller calls ``stop()``, which must make every share
+        end soon, waits for them, and raises.
+        """
+        with self.lock:
+            ended = _Ended()
+            submitted = 0
+            try:
+                for j, share in enumerate(shares):
+                    self.submit(j, _Share(share, functools.partial(failed, j), ended))
+                    submitted += 1
+                ended.wait(submitted)
+            except BaseException:
+                stop()
+                ended.wait(submitted)
+                raise
 
     def result(self, partition: int) -> Result:
         """Wait for the next result of ``partition``'s worker."""
