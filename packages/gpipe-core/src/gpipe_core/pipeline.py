@@ -69,6 +69,12 @@ def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
         yield [(k - j, j) for j in range(max(1 + k - m, 0), min(1 + k, n))]
 
 
+def trainable(partitions: Sequence[nn.Module]) -> list[bool]:
+    """Whether each partition has parameters to train: a checkpointed output needs
+    gradients then, even where its input needs none."""
+    return [any(p.requires_grad for p in partition.parameters()) for partition in partitions]
+
+
 class PartitionTraits:
     """What a pipeline run learns about each partition from its first checkpointed task.
 
@@ -232,13 +238,9 @@ class Pipeline:
 
     @cached_property
     def trainable(self) -> list[bool]:
-        """Whether each partition has parameters to train: a checkpointed output needs
-        gradients then, even where its input needs none. (Only checkpointing and tracing
-        ask, so runs without them do not walk the parameters.)"""
-        return [
-            any(parameter.requires_grad for parameter in partition.parameters())
-            for partition in self.partitions
-        ]
+        """Whether each partition has parameters to train (see :func:`trainable`); only
+        checkpointing and tracing ask, so runs without them do not walk the parameters."""
+        return trainable(self.partitions)
 
     def run(self, batches: list[Batch], pool: WorkerPool) -> None:
         """Run every micro-batch through every partition; ``batches`` is updated in place.

@@ -34,7 +34,7 @@ from gpipe_checkpoint import (
 from gpipe_microbatch import AbstractStream, Batch, TensorOrTensors, ThreadState, check, wait
 from gpipe_skip import SkipKey, SkipLayout
 
-from .pipeline import PartitionTraits
+from .pipeline import PartitionTraits, trainable
 from .schedule import Action, simulate
 from .skips import SkipCall
 from .timeline import Phase
@@ -239,10 +239,7 @@ class StepRun:
         self.backward = backward
         self.tracer = tracer
         self.traits = PartitionTraits(n)
-        self.trainable = [
-            any(parameter.requires_grad for parameter in partition.parameters())
-            for partition in partitions
-        ]
+        self.trainable = trainable(partitions)
         self.losses: list[Tensor | None] = [None] * len(inputs)
         self.mailbox = _Mailbox(n)
         self.in_flight: list[dict[int, _InFlight]] = [{} for _ in range(n)]
@@ -572,24 +569,20 @@ _NOTHING = Batch(())
 # torch.autograd.backward checks and converts its arguments in Python on every call,
 # which costs about as much as a small partition's backward pass. The roots and gradients
 # here are made to match (a gradient per root, of its shape, dtype and device), so the
-# engine is called directly where this PyTorch has it.
-_engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+# engine call behind it is made directly where this PyTorch has it (as gpipe_checkpoint
+# does for a recomputed graph).
+_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
 def _run_backward(roots: list[Tensor], gradients: list[Tensor]) -> None:
     """``torch.autograd.backward(roots, gradients)``, gradients accumulating into leaves."""
-    if _engine is None:  # pragma: no cover - every supported PyTorch has the engine
+    if _engine_run_backward is None:  # pragma: no cover - torch < 2.3
         torch.autograd.backward(roots, gradients)
         return
-    _engine.run_backward(
-        tuple(roots),
-        tuple(gradients),
-        False,  # keep_graph
-        False,  # create_graph
-        (),  # inputs
-        allow_unreachable=True,
+    _engine_run_backward(
+        tuple(roots), tuple(gradients), False, False, (), allow_unreachable=True,
         accumulate_grad=True,
-    )
+    )  # fmt: skip
 
 
 def _split(call: SkipCall | None, output: Batch) -> tuple[Batch, dict[SkipKey, Tensor | None]]:
