@@ -45,8 +45,8 @@ def test_step_records_its_tasks_in_the_schedule_order(checkpoint: str, schedule:
     assert tasks(Phase.FORWARD) == everything
     assert tasks(Phase.BACKWARD) == everything
     assert tasks(Phase.RECOMPUTE) == [(j, i) for j, i in everything if i < stop]
-    # The loss is its own task when it is not recomputed: the one computed in a
-    # checkpointed forward pass is recorded, the recomputed one is part of the recompute.
+    # The loss is its own task, once per micro-batch: after the forward pass, or after the
+    # recomputation of a checkpointed micro-batch.
     assert tasks(Phase.LOSS) == [(N - 1, i) for i in range(M)]
     assert tasks(Phase.COPY) == []  # one device
 
@@ -61,16 +61,21 @@ def test_step_records_its_tasks_in_the_schedule_order(checkpoint: str, schedule:
         kinds = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward"}
         recorded = [Action(kinds[p], i) for p, i in order if p in kinds]  # type: ignore[arg-type]
         assert recorded == actions[j], f"partition {j}"
-        # A recomputation runs right before its backward pass; a loss right after its
-        # forward pass, on the last partition.
+        # A recomputation runs right before its backward pass (on the last partition, with
+        # the micro-batch's loss in between); a loss right after its forward pass, or after
+        # its recomputation when the micro-batch is checkpointed.
+        last = j == N - 1
         for k, (phase, i) in enumerate(order):
             if phase is Phase.RECOMPUTE:
-                assert order[k + 1] == (Phase.BACKWARD, i)
+                if last:
+                    assert order[k + 1 : k + 3] == [(Phase.LOSS, i), (Phase.BACKWARD, i)]
+                else:
+                    assert order[k + 1] == (Phase.BACKWARD, i)
             if phase is Phase.BACKWARD and i < stop:
-                assert order[k - 1] == (Phase.RECOMPUTE, i)
+                assert order[k - 2 if last else k - 1] == (Phase.RECOMPUTE, i)
             if phase is Phase.LOSS:
-                assert j == N - 1
-                assert order[k - 1] == (Phase.FORWARD, i)
+                assert last
+                assert order[k - 1] == (Phase.RECOMPUTE if i < stop else Phase.FORWARD, i)
 
 
 def test_schedules_differ_in_the_recorded_order() -> None:

@@ -439,7 +439,8 @@ class StepRun:
         )
         main, skips_out = _split(call, output)
         if j == n - 1:
-            self._loss(i, j, main, entry, keep=grad and not checkpointed)
+            if not checkpointed:  # else the loss is computed once, after the recomputation
+                self._loss(i, j, main, entry, keep=grad)
         else:
             key = ("forward", i, j + 1)
             self._send(j, j + 1, i, key, main.tensors, main.atomic, needs_grad)
@@ -555,13 +556,13 @@ class StepRun:
                 if self.traits.modifies_input[j]:
                     arguments = _copies(arguments)
                 output = arguments.call(function, what)
-                if j == n - 1:
-                    main, _ = _split(call, output)
-                    entry.loss = self._scaled(i, self._call_loss(i, main))
             return output
 
         output = self._record(Phase.RECOMPUTE, i, j, True, lambda: self._run_locked(j, compute))
         entry.outputs = output.tensors
+        if j == n - 1:
+            # The loss of a checkpointed micro-batch, once: its forward pass skipped it.
+            self._loss(i, j, _split(call, output)[0], entry, keep=True)
 
 
 _NOTHING = Batch(())
