@@ -69,6 +69,11 @@ def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
         yield [(k - j, j) for j in range(max(1 + k - m, 0), min(1 + k, n))]
 
 
+def clone(batch: Batch) -> Batch:
+    """A batch of copies of ``batch``'s tensors (for a partition that modifies its input)."""
+    return Batch(batch.tensor.clone() if batch.atomic else tuple(t.clone() for t in batch))
+
+
 def trainable(partitions: Sequence[nn.Module]) -> list[bool]:
     """Whether each partition has parameters to train: a checkpointed output needs
     gradients then, even where its input needs none."""
@@ -128,7 +133,7 @@ class PartitionTraits:
         """
         if not shared or self.modifies_input[j] is False or not torch.is_grad_enabled():
             return batch.call(function, what)
-        copies = Batch(batch.tensor.clone() if batch.atomic else tuple(t.clone() for t in batch))
+        copies = clone(batch)
         versions = [tensor._version for tensor in copies]
         output = copies.call(function, what)
         self.modifies_input[j] = any(

@@ -34,7 +34,7 @@ from gpipe_checkpoint import (
 from gpipe_microbatch import AbstractStream, Batch, TensorOrTensors, ThreadState, check, wait
 from gpipe_skip import SkipKey, SkipLayout
 
-from .pipeline import PartitionTraits, trainable
+from .pipeline import PartitionTraits, clone, trainable
 from .schedule import Action, simulate
 from .skips import SkipCall
 from .timeline import Phase
@@ -419,7 +419,7 @@ class StepRun:
             if self.traits.draws[j] is not False:
                 entry.rng = save_rng_states(self.devices[j])
             copy_input = self.traits.modifies_input[j] is not False
-            arguments = _copies(batch) if copy_input else batch
+            arguments = clone(batch) if copy_input else batch
             versions = [tensor._version for tensor in arguments]
             with torch.no_grad(), enable_checkpointing():
                 output = arguments.call(function, what)
@@ -554,7 +554,7 @@ class StepRun:
             with replay, torch.enable_grad(), enable_recomputing():
                 arguments = entry.inputs
                 if self.traits.modifies_input[j]:
-                    arguments = _copies(arguments)
+                    arguments = clone(arguments)
                 output = arguments.call(function, what)
             return output
 
@@ -596,10 +596,6 @@ def _split(call: SkipCall | None, output: Batch) -> tuple[Batch, dict[SkipKey, T
 def _leaf(tensor: Tensor, requires_grad: bool) -> Tensor:
     """Where a partition's graph starts: ``tensor`` detached, needing grad as it did."""
     return tensor.detach().requires_grad_(requires_grad and _differentiable(tensor))
-
-
-def _copies(batch: Batch) -> Batch:
-    return Batch(batch.tensor.clone() if batch.atomic else tuple(t.clone() for t in batch))
 
 
 def _grad(tensor: Tensor) -> Tensor | None:

@@ -1,13 +1,13 @@
-"""Worker threads: one per partition, fed tasks through queues.
+"""Worker threads: one per partition, each fed its share of a run through a queue.
 
-A :class:`WorkerPool` belongs to one GPipe module. Its threads start on the first forward
-pass and live until the module is garbage-collected (or :meth:`WorkerPool.close` is
+A :class:`WorkerPool` belongs to one GPipe module. Its threads start on the first run that
+needs them and live until the module is garbage-collected (or :meth:`WorkerPool.close` is
 called): starting threads on every pass would also start new OpenMP thread teams every
 pass. The threads hold no reference to the module, only to their queues, so collecting
 the module stops them.
 
-Grad mode and autocast are thread-local in PyTorch, so each task carries the caller's
-:class:`~gpipe_microbatch.ThreadState` and runs under it.
+Grad mode and autocast are thread-local in PyTorch, so each :class:`Task` carries the
+caller's :class:`~gpipe_microbatch.ThreadState` and runs under it.
 """
 
 from __future__ import annotations
@@ -18,23 +18,15 @@ import threading
 from collections.abc import Callable, Sequence
 from queue import SimpleQueue
 from types import TracebackType
-from typing import Protocol, cast
+from typing import cast
 
 import torch
 
 from gpipe_microbatch import AbstractStream, Batch, ThreadState, is_cuda, use_device, use_stream
 
-__all__ = ["NO_RESULT", "ExcInfo", "Job", "Result", "Task", "WorkerPool"]
+__all__ = ["ExcInfo", "Task", "WorkerPool"]
 
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
-
-
-class Job(Protocol):
-    """Anything a worker can run: a :class:`Task`, a pipeline's or a step's whole share."""
-
-    def run(self) -> object:
-        """Run in the worker's thread; the result (or the exception) goes back."""
-        ...  # pragma: no cover
 
 
 class Task:
@@ -78,38 +70,19 @@ class Task:
         return batch
 
 
-#: What a job returns when it reports its end by itself: the worker sends nothing back.
-NO_RESULT = Batch(())
-
-#: What a worker sends back: ``(True, what the job returned)`` (the batch of a
-#: :class:`Task`) or ``(False, exc_info)``.
-Result = tuple[bool, object]
-
-
-def _worker_loop(in_queue: SimpleQueue[Job | None], out_queue: SimpleQueue[Result]) -> None:
+def _worker_loop(in_queue: SimpleQueue[_Share | None]) -> None:
     while True:
-        task = in_queue.get()
-        if task is None:
+        share = in_queue.get()
+        if share is None:
             return
-        try:
-            batch = task.run()
-        except BaseException:
-            exc_type, exc, tb = sys.exc_info()
-            assert exc_type is not None and exc is not None and tb is not None
-            out_queue.put((False, (exc_type, exc, tb)))
-            del exc_type, exc, tb
-        else:
-            if batch is not NO_RESULT:
-                out_queue.put((True, batch))
-            del batch
-        del task
+        share.run()  # reports its own end and errors
+        del share
 
 
 class _Share:
     """A partition's share of a run, as its worker runs it (see :meth:`WorkerPool.run_shares`).
 
-    Whatever happens, its end is counted, an exception goes to ``failed`` first, and
-    nothing goes to the pool's result queue.
+    Whatever happens, its end is counted, an exception going to ``failed`` first.
     """
 
     __slots__ = ("ended", "failed", "function")
@@ -124,7 +97,7 @@ class _Share:
         self.failed = failed
         self.ended = ended
 
-    def run(self) -> Batch:
+    def run(self) -> None:
         try:
             assert self.function is not None
             self.function()
@@ -133,7 +106,6 @@ class _Share:
         finally:
             self.function = None
             self.ended.add()
-        return NO_RESULT
 
 
 class _Ended:
@@ -162,8 +134,7 @@ class WorkerPool:
 
     def __init__(self, workers: int) -> None:
         self.lock = threading.Lock()
-        self.in_queues: list[SimpleQueue[Job | None]] = [SimpleQueue() for _ in range(workers)]
-        self.out_queues: list[SimpleQueue[Result]] = [SimpleQueue() for _ in range(workers)]
+        self.in_queues: list[SimpleQueue[_Share | None]] = [SimpleQueue() for _ in range(workers)]
         self.threads: list[threading.Thread] = []
         self.started = False
         self.closed = False
@@ -175,27 +146,21 @@ class WorkerPool:
         if not self.threads:
             self.threads = [
                 threading.Thread(
-                    target=_worker_loop,
-                    args=(in_queue, out_queue),
-                    name=f"gpipe-worker-{j}",
-                    daemon=True,
+                    target=_worker_loop, args=(in_queue,), name=f"gpipe-worker-{j}", daemon=True
                 )
-                for j, (in_queue, out_queue) in enumerate(
-                    zip(self.in_queues, self.out_queues, strict=True)
-                )
+                for j, in_queue in enumerate(self.in_queues)
             ]
         for thread in self.threads:
             if thread.ident is None:  # not started (a started thread has an ident)
                 thread.start()
         self.started = True
 
-    def submit(self, partition: int, task: Job) -> None:
-        """Queue ``task`` on the worker of ``partition``, starting the workers if needed."""
+    def _submit(self, partition: int, share: _Share) -> None:
         if self.closed:
             raise RuntimeError("the worker pool of this GPipe module is closed")
         if not self.started:
             self._start()
-        self.in_queues[partition].put(task)
+        self.in_queues[partition].put(share)
 
     def run_shares(
         self,
@@ -206,27 +171,23 @@ class WorkerPool:
         """Run ``shares[j]`` on partition ``j``'s worker, for every ``j``, and wait for all.
 
         A share that raises reports to ``failed(j, exc_info)``; the caller raises what it
-        keeps. The shares report their end to this call, not to the result queues, so an
-        interrupt in the caller (``KeyboardInterrupt``), wherever it lands, leaves no result
-        behind for the next run: the caller calls ``stop()``, which must make every share
-        end soon, waits for them, and raises.
+        keeps. Each share reports its own end, so an interrupt in the caller
+        (``KeyboardInterrupt``), wherever it lands, is handled alike: the caller calls
+        ``stop()``, which must make every share end soon, waits for them, and raises; the
+        next run finds the workers idle.
         """
         with self.lock:
             ended = _Ended()
             submitted = 0
             try:
                 for j, share in enumerate(shares):
-                    self.submit(j, _Share(share, functools.partial(failed, j), ended))
+                    self._submit(j, _Share(share, functools.partial(failed, j), ended))
                     submitted += 1
                 ended.wait(submitted)
             except BaseException:
                 stop()
                 ended.wait(submitted)
                 raise
-
-    def result(self, partition: int) -> Result:
-        """Wait for the next result of ``partition``'s worker."""
-        return self.out_queues[partition].get()
 
     def close(self) -> None:
         """Stop every worker after its current task and wait for them (idempotent)."""
