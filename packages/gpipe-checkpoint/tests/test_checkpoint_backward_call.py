@@ -60,10 +60,10 @@ def test_recompute_forks_a_phony_that_orders_a_later_checkpoint_first() -> None:
     wa, wb = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
     b_chk = Checkpointing(tagged("b", wb), Batch(torch.randn(3)))
     b_out = b_chk.checkpoint()
-    phony = b_chk.recompute(b_out)
+    phony = b_chk.recompute_in_backward(b_out)
     a_chk = Checkpointing(tagged("a", wa), Batch(torch.randn(3)))
     a_out = a_chk.checkpoint(join=phony)
-    a_chk.recompute(a_out)
+    a_chk.recompute_in_backward(a_out)
     # Only a's output: b is reached through the phony alone, after a's backward.
     a_out.tensor.sum().backward()
     assert order == ["a", "b"]
@@ -76,5 +76,5 @@ def test_recompute_without_autograd_forks_a_phony_without_edge() -> None:
 
     chk = Checkpointing(lambda x: x * 2, Batch(torch.randn(3)), requires_grad=False)
     output = chk.checkpoint()
-    phony = chk.recompute(output)
+    phony = chk.recompute_in_backward(output)
     assert phony.numel() == 0 and not phony.requires_grad

@@ -432,7 +432,7 @@ def test_checkpointing_by_hand() -> None:
     assert isinstance(output, Batch)
     assert output.atomic
     assert layer.weight.grad is None
-    chk.recompute(output)
+    chk.recompute_in_backward(output)
     output.tensor.sum().backward()
     assert x.grad is not None and layer.weight.grad is not None
     torch.testing.assert_close(x.grad, want_x)
@@ -445,7 +445,7 @@ def test_checkpointing_by_hand_with_tuples() -> None:
     chk = Checkpointing(lambda t: (t[1], t[0] * 3), Batch((a, index)))  # type: ignore[index]
     output = chk.checkpoint()
     assert not output.atomic
-    chk.recompute(output)
+    chk.recompute_in_backward(output)
     assert torch.equal(output[0], index)
     output[1].sum().backward()
     assert a.grad is not None
@@ -475,7 +475,7 @@ def test_copy_input_allows_in_place_change() -> None:
     chk = Checkpointing(nn.Sequential(nn.ReLU(inplace=True)), Batch(source), copy_input=True)
     output = chk.checkpoint()
     assert chk.input_modified
-    chk.recompute(output)
+    chk.recompute_in_backward(output)
     torch.testing.assert_close(output.tensor, x.detach().clamp(min=0))
     output.tensor.sum().backward()
     assert x.grad is not None

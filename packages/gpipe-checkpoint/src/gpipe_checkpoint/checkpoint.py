@@ -1,26 +1,36 @@
 """Checkpointing split into two phases that a scheduler can place independently.
 
 The **checkpoint** phase runs a function without recording autograd history and keeps
-only its input. The **recompute** phase hooks onto the output: when the gradient reaches
-it, the function runs again with autograd (same random draws, same autocast state) and
-the gradient flows through the recomputed graph. Splitting the two lets a pipeline put
-micro-batch *i*'s recomputation right before its backward pass.
+only its input (and the generator states and thread state it ran under). The
+**recompute** phase runs the function again from that input, with autograd, the same
+random draws and the same autocast state; the gradient then flows through the recomputed
+graph. Splitting the two lets a pipeline put micro-batch *i*'s recomputation right before
+its backward pass.
 
-Both phases share a :class:`Checkpointing` object::
+A :class:`Checkpointing` object holds both phases, and the recomputation can be placed
+two ways:
 
-    # A module without trainable parameters needs no gradient unless its input does; any
-    # other function may close over tensors that do.
-    requires_grad = not isinstance(function, torch.nn.Module) or any(
-        parameter.requires_grad for parameter in function.parameters()
-    )
-    chk = Checkpointing(function, batch, requires_grad=requires_grad)
-    output = chk.checkpoint()  # forward without autograd history
-    chk.recompute(output)  # wire the recomputation into output's backward
+* **by autograd**: :meth:`Checkpointing.checkpoint` returns outputs wired into the
+  autograd graph through one node, and :meth:`Checkpointing.recompute_in_backward` arms
+  that node: the recomputation runs when the gradient reaches the outputs, inside the
+  node's backward. This is how :func:`checkpoint` and ``GPipe.forward`` work::
+
+      chk = Checkpointing(function, batch)
+      output = chk.checkpoint()  # forward without autograd history
+      chk.recompute_in_backward(output)  # the node recomputes when the gradient arrives
+
+* **by the caller**: ``chk.checkpoint(detached=True)`` returns outputs without any
+  autograd history, and :meth:`Checkpointing.recompute` recomputes when the caller says
+  so, returning outputs whose graph reaches the input batch's tensors. This is how
+  ``GPipe.step`` works: the schedule places each recomputation.
+
+Either way the same two routines run the phases.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -64,15 +74,27 @@ class Checkpointing:
             it does when ``function`` has parameters that require grad (the default).
             Pass False for a function without such parameters, so that its output does
             not require grad unless its input does, as without checkpointing.
+        guard: entered around the recompute phase, together with the saved generator
+            states (a lock that keeps other threads' random draws out, for example).
 
     Example:
         >>> layer = torch.nn.Linear(3, 3)
         >>> x = torch.randn(2, 3, requires_grad=True)
         >>> chk = Checkpointing(layer, Batch(x))
         >>> output = chk.checkpoint()
-        >>> _ = chk.recompute(output)
+        >>> _ = chk.recompute_in_backward(output)
         >>> output.tensor.sum().backward()
         >>> x.grad.shape
+        torch.Size([2, 3])
+
+        Placed by the caller:
+
+        >>> leaf = torch.randn(2, 3, requires_grad=True)
+        >>> chk = Checkpointing(layer, Batch(leaf))
+        >>> chk.checkpoint(detached=True).tensor.requires_grad
+        False
+        >>> chk.recompute().tensor.sum().backward()
+        >>> leaf.grad.shape
         torch.Size([2, 3])
     """
 
@@ -83,6 +105,7 @@ class Checkpointing:
         *,
         copy_input: bool = False,
         requires_grad: bool = True,
+        guard: Callable[[], AbstractContextManager[object]] | None = None,
     ) -> None:
         self.function = function
         self.batch = batch
@@ -90,8 +113,9 @@ class Checkpointing:
         #: Whether the checkpoint phase saw ``function`` modify its input in place.
         self.input_modified = False
         self.requires_grad = requires_grad
-        # Whether recompute() has armed the recomputation, and the phony the checkpoint
-        # phase returns next to the outputs.
+        self.guard = guard
+        # Whether recompute_in_backward() has armed the node, and the phony the
+        # checkpoint phase returns next to the outputs.
         self.armed = False
         self.phony: Tensor | None = None
         self.output_atomic = True
@@ -99,15 +123,68 @@ class Checkpointing:
         # differentiated more than once with retain_graph=True).
         self.saved: _Saved | None = None
 
-    def checkpoint(self, join: Tensor | None = None) -> Batch:
-        """Run the function without autograd history; returns the output batch.
+    # -- the two phases ------------------------------------------------------------
+
+    def _run_checkpoint_phase(self, input: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """Run the function on ``input`` without autograd history; keep what the
+        recomputation needs."""
+        self.saved = (save_rng_states(input[0].device), ThreadState.capture())
+        arguments = _copies(input) if self.copy_input else input
+        versions = [tensor._version for tensor in arguments]
+        with torch.no_grad(), enable_checkpointing():
+            output = _call(self.function, self.batch.atomic, arguments)
+        self.input_modified = any(
+            tensor._version != version for tensor, version in zip(arguments, versions, strict=False)
+        )
+        if self.input_modified and not self.copy_input:
+            # The recomputation needs the input as it was; it is gone.
+            raise RuntimeError(
+                "a checkpointed function modified its input in place, so it cannot be "
+                "recomputed for backward (a layer such as nn.ReLU(inplace=True) at the start "
+                "of a checkpointed block); pass copy_input=True, make that layer "
+                "out-of-place, or turn checkpointing off for this block"
+            )
+        self.output_atomic = isinstance(output, Tensor)
+        return (output,) if isinstance(output, Tensor) else output
+
+    def _run_recompute_phase(self, input: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """Run the function again on ``input``, with autograd, as the checkpoint phase ran."""
+        assert self.saved is not None, "the checkpoint phase has not run"
+        rng_states, thread_state = self.saved
+        guard = self.guard() if self.guard is not None else nullcontext()
+        with (
+            guard,
+            restore_rng_states(input[0].device, rng_states),
+            thread_state.apply(),
+            torch.enable_grad(),
+            enable_recomputing(),
+        ):
+            # Copies are differentiable, so the gradient still reaches the input.
+            arguments = _copies(input) if self.input_modified else input
+            output = _call(self.function, self.batch.atomic, arguments)
+        return (output,) if isinstance(output, Tensor) else output
+
+    # -- placed by autograd ----------------------------------------------------------
+
+    def checkpoint(self, join: Tensor | None = None, *, detached: bool = False) -> Batch:
+        """Run the checkpoint phase: the function without autograd history.
 
         Args:
-            join: a phony (from :func:`~gpipe_microbatch.fork` or :meth:`recompute`) to
-                join to this phase, as :func:`~gpipe_microbatch.join` would join it to the
-                input: in backward, the phony's branch is released once this phase's
-                backward is done. Saves an autograd node per ordering edge.
+            join: a phony (from :func:`~gpipe_microbatch.fork` or
+                :meth:`recompute_in_backward`) to join to this phase, as
+                :func:`~gpipe_microbatch.join` would join it to the input: in backward, the
+                phony's branch is released once this phase's backward is done. Saves an
+                autograd node per ordering edge.
+            detached: return outputs without any autograd history; the caller then runs
+                :meth:`recompute` itself. Otherwise the outputs hang off one autograd node
+                that recomputes in backward once :meth:`recompute_in_backward` has armed it.
+
+        Returns:
+            The output batch.
         """
+        if detached:
+            tensors = self._run_checkpoint_phase(self.batch.tensors)
+            return Batch(tensors[0] if self.output_atomic else tensors)
         # The phony requires grad, so the output joins the graph even where the input
         # does not require grad: the parameters inside ``function`` need gradients.
         phony = join
@@ -118,7 +195,7 @@ class Checkpointing:
         )
         return Batch(output[0] if self.output_atomic else tuple(output))
 
-    def recompute(self, batch: Batch) -> Tensor:
+    def recompute_in_backward(self, batch: Batch) -> Tensor:
         """Arm the recompute phase on ``batch``, the output of :meth:`checkpoint`.
 
         The recomputation then runs when the gradient reaches the outputs in ``batch``,
@@ -136,6 +213,18 @@ class Checkpointing:
         if phony is None or not any(tensor.requires_grad for tensor in batch):
             return get_phony(batch[0].device, requires_grad=False)
         return phony
+
+    # -- placed by the caller --------------------------------------------------------
+
+    def recompute(self) -> Batch:
+        """Run the recompute phase now (after ``checkpoint(detached=True)``).
+
+        Returns:
+            The output batch, with the autograd graph of the recomputation: it reaches
+            the input batch's tensors and the function's parameters.
+        """
+        tensors = self._run_recompute_phase(self.batch.tensors)
+        return Batch(tensors[0] if self.output_atomic else tensors)
 
 
 # The engine call behind torch.autograd.backward (torch >= 2.3), if this torch has it.
@@ -171,7 +260,7 @@ class Checkpoint(torch.autograd.Function):
     the function with autograd and pass the gradients through the recomputed graph.
 
     Called as ``Checkpoint.apply(phony, checkpointing, *input)``; returns the outputs and
-    a phony (see :meth:`Checkpointing.recompute`). One node rather than one per phase:
+    a phony (see :meth:`Checkpointing.recompute_in_backward`). One node rather than one per phase:
     the recomputation runs right before the checkpoint phase's backward either way, and
     each autograd node of a Python function costs a task several microseconds.
     """
@@ -182,24 +271,7 @@ class Checkpoint(torch.autograd.Function):
         ctx.save_for_backward(*input)
         # Unused outputs (and the phony) pass no gradient (None) to the recomputed graph.
         ctx.set_materialize_grads(False)
-        chk.saved = (save_rng_states(input[0].device), ThreadState.capture())
-        arguments = _copies(input) if chk.copy_input else input
-        versions = [tensor._version for tensor in arguments]
-        with torch.no_grad(), enable_checkpointing():
-            output = _call(chk.function, chk.batch.atomic, arguments)
-        chk.input_modified = any(
-            tensor._version != version for tensor, version in zip(arguments, versions, strict=False)
-        )
-        if chk.input_modified and not chk.copy_input:
-            # The recomputation needs the input as it was; it is gone.
-            raise RuntimeError(
-                "a checkpointed function modified its input in place, so it cannot be "
-                "recomputed for backward (a layer such as nn.ReLU(inplace=True) at the start "
-                "of a checkpointed block); pass copy_input=True, make that layer "
-                "out-of-place, or turn checkpointing off for this block"
-            )
-        tensors = (output,) if isinstance(output, Tensor) else output
-        chk.output_atomic = isinstance(output, Tensor)
+        tensors = chk._run_checkpoint_phase(input)
         ctx.mark_non_differentiable(*(t for t in tensors if not _differentiable(t)))
         phony = get_phony(input[0].device, requires_grad=False).detach()
         return (*tensors, phony)
@@ -210,27 +282,18 @@ class Checkpoint(torch.autograd.Function):
         if not chk.armed:
             raise RuntimeError(
                 "a checkpointed output reached backward without its recomputation "
-                "(call Checkpointing.recompute on the output of Checkpointing.checkpoint)"
+                "(call Checkpointing.recompute_in_backward on the output of "
+                "Checkpointing.checkpoint)"
             )
         if not torch.autograd._is_checkpoint_valid():  # type: ignore[no-untyped-call]
             raise RuntimeError(
                 "checkpointing works with .backward() only, not with torch.autograd.grad() "
                 "or .backward(inputs=...): the recomputed graph accumulates into .grad"
             )
-        input = ctx.saved_tensors
-        input_leaf = tuple(tensor.detach().requires_grad_(tensor.requires_grad) for tensor in input)
-        assert chk.saved is not None, "the checkpoint phase has not run"
-        rng_states, thread_state = chk.saved
-        with (
-            restore_rng_states(input[0].device, rng_states),
-            thread_state.apply(),
-            torch.enable_grad(),
-            enable_recomputing(),
-        ):
-            # Copies are differentiable, so the gradient still reaches the leaves.
-            arguments = _copies(input_leaf) if chk.input_modified else input_leaf
-            output = _call(chk.function, chk.batch.atomic, arguments)
-        tensors = (output,) if isinstance(output, Tensor) else output
+        input_leaf = tuple(
+            tensor.detach().requires_grad_(tensor.requires_grad) for tensor in ctx.saved_tensors
+        )
+        tensors = chk._run_recompute_phase(input_leaf)
         pairs = [
             (tensor, grad)
             for tensor, grad in zip(tensors, grad_output[:-1], strict=False)
@@ -278,5 +341,5 @@ def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
     )
     chk = Checkpointing(function, batch, requires_grad=requires_grad)
     output = chk.checkpoint()
-    chk.recompute(output)
+    chk.recompute_in_backward(output)
     return output.value

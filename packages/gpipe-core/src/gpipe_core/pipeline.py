@@ -168,7 +168,7 @@ def _same_states(a: RNGStates, b: RNGStates) -> bool:
 
 def _recompute(chk: Checkpointing, forked: list[torch.Tensor] | None, batch: Batch) -> None:
     """Hook ``chk``'s recompute phase onto ``batch``; keep the phony it forks in ``forked``."""
-    phony = chk.recompute(batch)
+    phony = chk.recompute_in_backward(batch)
     if forked is not None:
         forked.append(phony)
 
