@@ -28,8 +28,9 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 import torch
 from torch import nn
 
-import gpipe_core.gpipe as gpipe_module
-from gpipe_core import GPipe, tracing
+import gpipe_core._gpipe as gpipe_module
+from gpipe_core import GPipe
+from gpipe_core import _tracing as tracing
 
 
 def mlp(width: int, partitions: int) -> nn.Sequential:

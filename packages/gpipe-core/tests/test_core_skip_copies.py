@@ -20,11 +20,10 @@ import pytest
 import torch
 from torch import nn
 
-import gpipe_core.pipeline as core_pipeline
-import gpipe_core.skips as core_skips
+import gpipe_core._stage as core_stage
 from gpipe_checkpoint import is_recomputing
 from gpipe_core import GPipe
-from gpipe_microbatch import Batch
+from gpipe_core._transport import LocalTransport, MessageKey
 from gpipe_skip import current_skip_tracker, pop, skippable, stash
 
 MODES = ("always", "except_last", "never")
@@ -96,18 +95,31 @@ def long_skip_model(seen: list[list[tuple[int, ...]]] | None = None) -> nn.Seque
     ).double()
 
 
+def count_sends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> list[tuple[str, int, int, list[tuple[int, ...]]]]:
+    """Every message the in-process transport sends: (kind, source, target, shapes)."""
+    sends: list[tuple[str, int, int, list[tuple[int, ...]]]] = []
+    real_send = LocalTransport.send
+
+    def counting_send(self: LocalTransport, key: MessageKey, values: Any, **kwargs: Any) -> None:
+        shapes = [tuple(t.shape) for t in values if t is not None]
+        sends.append((key.kind, key.source, key.target, shapes))
+        real_send(self, key, values, **kwargs)
+
+    monkeypatch.setattr(LocalTransport, "send", counting_send)
+    return sends
+
+
+@pytest.mark.parametrize("path", ["forward", "step"])
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_long_skip_is_sent_straight_to_the_last_partition(
-    checkpoint: str, monkeypatch: pytest.MonkeyPatch, assert_matches_plain: Callable[..., Any]
+    checkpoint: str,
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
+    assert_matches_plain: Callable[..., Any],
 ) -> None:
-    sends: list[tuple[int, int, list[tuple[int, ...]]]] = []
-    real_send = core_skips.send_skips
-
-    def counting_send(batch: Batch, source: int, target: int, *args: Any, **kwargs: Any) -> None:
-        sends.append((source, target, [tuple(t.shape) for t in batch]))
-        real_send(batch, source, target, *args, **kwargs)
-
-    monkeypatch.setattr(core_skips, "send_skips", counting_send)
+    sends = count_sends(monkeypatch)
     seen: list[list[tuple[int, ...]]] = [[], [], []]
     model = long_skip_model(seen)
     plain = copy.deepcopy(model)
@@ -116,16 +128,33 @@ def test_long_skip_is_sent_straight_to_the_last_partition(
 
     for probe in seen:
         probe.clear()
-    assert_matches_plain(pipe, plain, torch.randn(7, WIDTH, dtype=torch.float64), weighted=True)
+    x = torch.randn(7, WIDTH, dtype=torch.float64)
+    if path == "forward":
+        assert_matches_plain(pipe, plain, x, weighted=True)
+    else:
+        target = torch.randn(7, WIDTH, dtype=torch.float64)
+        pipe.step(x, target, nn.MSELoss())
+        nn.MSELoss()(plain(x), target).backward()
+        for mine, theirs in zip(pipe.parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(mine.grad, theirs.grad)
 
     # Micro-batches of 3, 3 and 1 samples: one send each, from partition 0 to partition 3.
-    assert sends == [
+    skips = [(source, target, shapes) for kind, source, target, shapes in sends if kind == "skips"]
+    assert skips == [
         (0, 3, [(3, SKIP_WIDTH)]),
         (0, 3, [(3, SKIP_WIDTH)]),
         (0, 3, [(1, SKIP_WIDTH)]),
     ]
-    per_target = {j: sum(1 for _, target, _ in sends if target == j) for j in range(4)}
-    assert per_target == {0: 0, 1: 0, 2: 0, 3: 3}
+    # A step sends each skip's gradient straight back, once per micro-batch.
+    grads = sorted(
+        (source, target, shapes)
+        for kind, source, target, shapes in sends
+        if kind == "skip-gradients"
+    )
+    if path == "step":
+        assert grads == sorted([(3, 0, [(3, SKIP_WIDTH)])] * 2 + [(3, 0, [(1, SKIP_WIDTH)])])
+    else:
+        assert grads == []  # autograd carries them
     # The partitions in between (and the last one's main input) see only the main path,
     # in forward and in every recomputation.
     for shapes in seen:
@@ -339,7 +368,7 @@ def test_models_without_skippables_take_the_plain_path(
         def __init__(self, *args: Any) -> None:
             raise AssertionError("a model without skippable layers set up skip handling")
 
-    monkeypatch.setattr(core_pipeline, "PipelineSkips", Refused)
+    monkeypatch.setattr(core_stage, "SkipCall", Refused)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3)).double()
     plain = copy.deepcopy(model)

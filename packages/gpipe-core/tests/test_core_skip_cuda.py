@@ -15,9 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-import gpipe_core.skips as core_skips
 from gpipe_core import GPipe
-from gpipe_microbatch import Batch
+from gpipe_core._transport import LocalTransport, MessageKey
 from gpipe_skip import pop, skippable, stash
 
 pytestmark = [
@@ -75,13 +74,15 @@ def check(
     assert_matches_plain: Callable[..., Any],
 ) -> list[tuple[int, int, bool]]:
     sends: list[tuple[int, int, bool]] = []
-    real_send = core_skips.send_skips
+    real_receive = LocalTransport.receive
 
-    def counting_send(batch: Batch, source: int, target: int, *args: Any, **kwargs: Any) -> None:
-        sends.append((source, target, args[-1]))
-        real_send(batch, source, target, *args, **kwargs)
+    def counting_receive(self: LocalTransport, key: MessageKey) -> Any:
+        if key.kind == "skips":
+            same = self.devices[key.source] == self.devices[key.target]
+            sends.append((key.source, key.target, same))
+        return real_receive(self, key)
 
-    monkeypatch.setattr(core_skips, "send_skips", counting_send)
+    monkeypatch.setattr(LocalTransport, "receive", counting_receive)
     net = model()
     plain = copy.deepcopy(net).to(devices[0])
     pipe = GPipe(net, [2, 2, 2, 2], devices=devices, chunks=3, checkpoint=checkpoint)

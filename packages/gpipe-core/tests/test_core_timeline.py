@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from gpipe_core import GPipe, Phase, TaskEvent, Timeline, task_label, theoretical_bubble, tracing
+from gpipe_core import GPipe, Phase, TaskEvent, Timeline, task_label, theoretical_bubble
+from gpipe_core import _tracing as tracing
 from gpipe_skip import pop, skippable, stash
 
 MODES = ("always", "except_last", "never")

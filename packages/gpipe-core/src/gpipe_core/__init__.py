@@ -10,22 +10,22 @@ Example:
 """
 
 from .__about__ import __version__
-from .gpipe import CheckpointMode, GPipe
-from .partition import BalanceError, Device
-from .pipeline import clock_cycles
-from .schedule import (
+from ._gpipe import CheckpointMode, GPipe
+from ._losses import Losses
+from ._partition import BalanceError, Device
+from ._schedule import (
     Action,
     GPipeSchedule,
     OneFOneBSchedule,
     Schedule,
     ScheduleError,
     check_actions,
+    clock_cycles,
     get_schedule,
     schedules,
     simulate,
 )
-from .step import Losses
-from .timeline import (
+from ._timeline import (
     PartitionSummary,
     Phase,
     TaskEvent,
@@ -60,3 +60,11 @@ __all__ = [
     "task_label",
     "theoretical_bubble",
 ]
+
+# The public names are documented, pickled and shown in tracebacks as gpipe_core's own:
+# the modules that define them are private.
+for _name in __all__:
+    _value = globals()[_name]
+    if getattr(_value, "__module__", "").startswith("gpipe_core._"):
+        _value.__module__ = __name__
+del _name, _value

@@ -1,6 +1,6 @@
 """Pipeline schedules for :meth:`GPipe.step <gpipe_core.GPipe.step>`, as action lists.
 
-The names are those of :mod:`gpipe_core.schedule` (and :class:`~gpipe_core.Losses`),
+The names are those of :mod:`gpipe_core` (and :class:`~gpipe_core.Losses`),
 re-exported.
 
 Example:

@@ -1,6 +1,6 @@
 """Timelines of pipeline runs: ``with model.trace() as timeline``, Chrome traces and plots.
 
-The names are those of :mod:`gpipe_core.timeline`, re-exported.
+The names are those of :mod:`gpipe_core`, re-exported.
 
 Example:
     >>> import torch

@@ -6,8 +6,8 @@ called): starting threads on every pass would also start new OpenMP thread teams
 pass. The threads hold no reference to the module, only to their queues, so collecting
 the module stops them.
 
-Grad mode and autocast are thread-local in PyTorch, so each :class:`Task` carries the
-caller's :class:`~gpipe_microbatch.ThreadState` and runs under it.
+Grad mode and autocast are thread-local in PyTorch, so the runner applies the caller's
+:class:`~gpipe_microbatch.ThreadState` in each worker for the run.
 """
 
 from __future__ import annotations
@@ -20,54 +20,9 @@ from queue import SimpleQueue
 from types import TracebackType
 from typing import cast
 
-import torch
-
-from gpipe_microbatch import AbstractStream, Batch, ThreadState, is_cuda, use_device, use_stream
-
-__all__ = ["ExcInfo", "Task", "WorkerPool"]
+__all__ = ["ExcInfo", "WorkerPool"]
 
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
-
-
-class Task:
-    """A unit of work for a partition's worker: ``compute`` then ``finalize``.
-
-    Both run on ``stream`` of ``device`` under ``state``. ``finalize`` gets the batch
-    ``compute`` returned and may change it in place (to wire a recomputation into
-    autograd, say).
-    """
-
-    __slots__ = ("compute", "device", "finalize", "state", "stream")
-
-    def __init__(
-        self,
-        device: torch.device,
-        stream: AbstractStream,
-        state: ThreadState,
-        *,
-        compute: Callable[[], Batch],
-        finalize: Callable[[Batch], None] | None = None,
-    ) -> None:
-        self.device = device
-        self.stream = stream
-        self.state = state
-        self.compute = compute
-        self.finalize = finalize
-
-    def run(self) -> Batch:
-        """Run the task in the calling thread."""
-        if self.device.type != "cuda" and not is_cuda(self.stream):
-            # No device or stream to make current.
-            with self.state.apply():
-                batch = self.compute()
-                if self.finalize is not None:
-                    self.finalize(batch)
-            return batch
-        with use_device(self.device), use_stream(self.stream), self.state.apply():
-            batch = self.compute()
-            if self.finalize is not None:
-                self.finalize(batch)
-        return batch
 
 
 def _worker_loop(in_queue: SimpleQueue[_Share | None]) -> None:

@@ -4,13 +4,14 @@ A pipeline run gets a :class:`Tracer` only when a ``with model.trace()`` block i
 that model or a :mod:`torch.profiler` profile is active; otherwise :func:`tracer_for`
 returns None and the pipeline runs exactly as it would without this module.
 
-Forward tasks and copies run where the pipeline calls them. Recompute runs inside
-autograd, through the checkpointed function, which tells it apart from the forward pass
-with :func:`~gpipe_checkpoint.is_recomputing`. The backward pass of partition ``j`` on
-micro-batch ``i`` runs in autograd's threads, so it is bracketed by two identity autograd
-functions: one on the partition's output, whose backward runs first (the start; for a
-checkpointed micro-batch the end of its recomputation is the start), and one on its input,
-whose backward runs last (the end).
+Every task a stage runs itself (a forward pass, a loss, and in a step a recomputation
+and a backward pass) and every device copy goes through one entry point,
+:meth:`Tracer.run`. When autograd runs a backward pass instead (the graph of
+``GPipe.forward``), the stage marks it with two identity autograd functions: one on the
+stage's output, whose backward runs first (the start; for a checkpointed micro-batch the
+end of its recomputation is the start), and one on its input, whose backward runs last
+(the end); the recomputation inside autograd is recognised by
+:func:`~gpipe_checkpoint.is_recomputing`.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from torch._C._autograd import _profiler_enabled
 from torch.profiler import record_function
 
 from gpipe_checkpoint import is_checkpointing, is_recomputing
-from gpipe_microbatch import AbstractStream, Batch, TensorOrTensors, copy, get_phony, wait
+from gpipe_microbatch import AbstractStream, Batch, TensorOrTensors, copy, get_phony
 
-from .timeline import Phase, TaskEvent, Timeline, task_label
+from ._timeline import Phase, TaskEvent, Timeline, task_label
 
-__all__ = ["Tracer", "move", "record", "tracer_for"]
+__all__ = ["Tracer", "record", "tracer_for"]
 
 _T = TypeVar("_T")
 
@@ -147,29 +148,6 @@ def _profiling() -> bool:
     )
 
 
-def move(
-    batch: Batch,
-    i: int,
-    j: int,
-    source_stream: AbstractStream,
-    target_stream: AbstractStream,
-    device: torch.device,
-    same_device: bool,
-    tracer: Tracer | None,
-) -> None:
-    """Bring micro-batch ``i``'s ``batch`` to partition ``j`` on ``device`` (in place).
-
-    A stream wait when the source is on the same device, else a differentiable copy,
-    recorded as a copy task while ``tracer`` records the run.
-    """
-    if same_device:
-        wait(batch, source_stream, target_stream)
-    elif tracer is not None:
-        tracer.copy(batch, i, j, source_stream, target_stream, device)
-    else:
-        copy(batch, source_stream, target_stream)
-
-
 def tracer_for(module: object, microbatches: int) -> Tracer | None:
     """The tracer of a pipeline run of ``module``, or None when nothing records it."""
     entry = _recorders.get(id(module)) if _recorders else None
@@ -222,7 +200,7 @@ class Tracer:
     def __init__(self, recorder: _Recorder | None, profile: bool, run: int) -> None:
         self.recorder = recorder
         self.profile = profile
-        self.run = run
+        self.run_index = run
         self.local_profile = False
         self.caller = threading.get_ident()
         self.lock = threading.Lock()
@@ -260,9 +238,9 @@ class Tracer:
             span.label.__exit__(None, None, None)
         if self.recorder is not None and span.start is not None:
             end = _stamp(stream)
-            self.recorder.add(phase, j, i, self.run, span.start, end, str(device), backward)
+            self.recorder.add(phase, j, i, self.run_index, span.start, end, str(device), backward)
 
-    def _run(
+    def run(
         self,
         phase: Phase,
         i: int,
@@ -272,7 +250,13 @@ class Tracer:
         backward: bool,
         function: Callable[[], _T],
     ) -> _T:
-        """Run ``function`` as a task; a task that raises is not recorded."""
+        """Run ``function`` as the task ``phase`` of stage ``j`` on micro-batch ``i``.
+
+        The one entry point through which every task of a run is labelled and timed (a
+        task that raises is not recorded).
+        """
+        if self.local_profile and threading.get_ident() != self.caller:
+            _warn_workers_unseen()
         span = self._begin(phase, i, j, stream)
         if span is None:
             return function()
@@ -286,32 +270,6 @@ class Tracer:
         return result
 
     # -- forward, recompute, backward ----------------------------------------------------
-
-    def task(
-        self,
-        i: int,
-        j: int,
-        device: torch.device,
-        stream: AbstractStream,
-        compute: Callable[[], Batch],
-        finalize: Callable[[Batch], None] | None,
-        checkpointed: bool,
-    ) -> tuple[Callable[[], Batch], Callable[[Batch], None]]:
-        """Wrap a forward task: time ``compute``; mark the output's backward in ``finalize``."""
-
-        def traced_compute() -> Batch:
-            if self.local_profile and threading.get_ident() != self.caller:
-                _warn_workers_unseen()
-            return self._run(Phase.FORWARD, i, j, device, stream, False, compute)
-
-        def traced_finalize(batch: Batch) -> None:
-            if finalize is not None:
-                finalize(batch)
-            if not checkpointed:
-                # A checkpointed task's backward starts where its recomputation ends.
-                self._mark(batch, partial(self._start_backward, i, j, stream))
-
-        return traced_compute, traced_finalize
 
     def recomputed(
         self,
@@ -327,9 +285,7 @@ class Tracer:
             # A checkpoint phase inside an outer recomputation (a nested GPipe) is not one.
             if not is_recomputing() or is_checkpointing():
                 return function(input)
-            output = self._run(
-                Phase.RECOMPUTE, i, j, device, stream, True, partial(function, input)
-            )
+            output = self.run(Phase.RECOMPUTE, i, j, device, stream, True, partial(function, input))
             self._start_backward(i, j, stream)
             return output
 
@@ -350,6 +306,10 @@ class Tracer:
         parameters to train, so its backward runs anyway).
         """
         self._mark(batch, partial(self._end_backward, i, j, device, stream), force=force)
+
+    def output(self, batch: Batch, i: int, j: int, stream: AbstractStream) -> None:
+        """Mark the start of stage ``j``'s backward on ``batch``, its output (in place)."""
+        self._mark(batch, partial(self._start_backward, i, j, stream))
 
     def _start_backward(self, i: int, j: int, stream: AbstractStream) -> None:
         span = self._begin(Phase.BACKWARD, i, j, stream)
@@ -377,11 +337,13 @@ class Tracer:
         prev_stream: AbstractStream,
         next_stream: AbstractStream,
         device: torch.device,
+        backward: bool = False,
     ) -> None:
-        """Copy ``batch`` into partition ``j`` (as :func:`gpipe_microbatch.copy`), recorded.
+        """Copy ``batch`` into stage ``j`` (as :func:`gpipe_microbatch.copy`), recorded.
 
-        The copy is queued on ``next_stream``; its gradient is copied back on
-        ``prev_stream``, between two markers.
+        The copy is queued on ``next_stream``; when autograd carries its gradient back (on
+        ``prev_stream``), that copy is recorded too, between two markers. ``backward``:
+        the batch holds gradients (a copy in a backward pass).
         """
         spans: list[_Span] = []
 
@@ -395,8 +357,8 @@ class Tracer:
                 self._end(spans.pop(), Phase.COPY, i, j, device, prev_stream, True)
 
         self._mark(batch, back_end)
-        self._run(
-            Phase.COPY, i, j, device, next_stream, False,
+        self.run(
+            Phase.COPY, i, j, device, next_stream, backward,
             partial(copy, batch, prev_stream, next_stream),
         )  # fmt: skip
         self._mark(batch, back_start)

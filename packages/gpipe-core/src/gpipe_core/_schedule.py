@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -33,6 +33,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "check_actions",
+    "clock_cycles",
     "get_schedule",
     "schedules",
     "simulate",
@@ -231,7 +232,7 @@ def check_actions(
         >>> check_actions([[Action("backward", 0), Action("forward", 0)]], 1)
         Traceback (most recent call last):
           ...
-        gpipe_core.schedule.ScheduleError: partition 0 runs B0 before F0 (actions: ['B0', 'F0'])
+        gpipe_core.ScheduleError: partition 0 runs B0 before F0 (actions: ['B0', 'F0'])
     """
     kinds: tuple[ActionKind, ...] = ("forward", "backward") if backward else ("forward",)
     expected = {Action(kind, i) for kind in kinds for i in range(microbatches)}
@@ -298,3 +299,23 @@ def simulate(lists: Sequence[Sequence[Action]]) -> list[list[Action | None]]:
         done.update(finished)
         remaining -= len(finished)
     return rows
+
+
+def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
+    """The fill-drain forward passes on a clock: for each clock, its ``(micro-batch,
+    partition)`` pairs (the forward-only lists of :class:`GPipeSchedule`, simulated).
+
+    At clock ``k`` partition ``j`` runs micro-batch ``k - j``, so ``m`` micro-batches cross
+    ``n`` partitions in ``m + n - 1`` clocks.
+
+    Example:
+        >>> list(clock_cycles(3, 2))
+        [[(0, 0)], [(1, 0), (0, 1)], [(2, 0), (1, 1)], [(2, 1)]]
+    """
+    rows = simulate(GPipeSchedule().forward_only(m, n))
+    for column in range(max((len(row) for row in rows), default=0)):
+        yield [
+            (action.microbatch, j)
+            for j, row in enumerate(rows)
+            if column < len(row) and (action := row[column]) is not None
+        ]

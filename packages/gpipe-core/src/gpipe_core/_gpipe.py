@@ -27,9 +27,10 @@ from gpipe_microbatch import (
 )
 from gpipe_skip import SkipLayout, inspect_skip_layout, verify_skippables
 
-from .partition import Device, check_balance, check_split, resolve_devices, split_module
-from .pipeline import Pipeline, _held
-from .schedule import (
+from ._losses import Losses, LossFunction, Reduction
+from ._partition import Device, check_balance, check_split, resolve_devices, split_module
+from ._runner import run
+from ._schedule import (
     Action,
     GPipeSchedule,
     OneFOneBSchedule,
@@ -37,10 +38,11 @@ from .schedule import (
     check_actions,
     get_schedule,
 )
-from .step import Losses, LossFunction, Reduction, StepRun
-from .timeline import Timeline
-from .tracing import record, tracer_for
-from .worker import WorkerPool
+from ._stage import LossSpec, Stage, nested
+from ._timeline import Timeline
+from ._tracing import record, tracer_for
+from ._transport import LocalTransport
+from ._worker import WorkerPool
 
 __all__ = ["GPipe"]
 
@@ -323,25 +325,69 @@ class GPipe(nn.Module):
         value = check(input, "input")
         self._check_input_device(value)
         batches = scatter(value, self.chunks)
-        m = len(batches)
-        if self.training and torch.is_grad_enabled():
-            checkpoint_stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
-        else:
-            checkpoint_stop = 0
-        pipeline = Pipeline(
-            self._partition_list(),
+        m, n = len(batches), len(self.partitions)
+        actions = _builtin_actions(GPipeSchedule, m, n, False)
+        # In eval mode the output still has a graph (when grad mode is on); nothing is
+        # checkpointed.
+        grad = torch.is_grad_enabled()
+        checkpoint_stop = self._checkpoint_stop(m) if self.training and grad else 0
+        outputs = self._run(batches, actions, grad, checkpoint_stop, autograd_backward=True)
+        return gather(cast(list[Batch], outputs))
+
+    def _checkpoint_stop(self, m: int) -> int:
+        """How many of ``m`` micro-batches are checkpointed in training."""
+        return {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
+
+    def _run(
+        self,
+        batches: list[Batch],
+        actions: Sequence[Sequence[Action]],
+        grad: bool,
+        checkpoint_stop: int,
+        *,
+        autograd_backward: bool,
+        loss: LossSpec | None = None,
+        state: ThreadState | None = None,
+    ) -> list[Batch | None]:
+        """Run ``actions`` over the partitions' stages (see :mod:`gpipe_core._runner`).
+
+        A pipeline nested in a checkpointed partition runs in the calling thread: the
+        outer recomputation must replay its random draws in the same order, and its
+        workers would wait forever for a generator lock the calling thread holds.
+        """
+        m, n = len(batches), len(self.partitions)
+        tracer = tracer_for(self, m)
+        streams = [current_stream(device) for device in self.devices]
+        stages = [
+            Stage(
+                j,
+                partition,
+                self.devices[j],
+                streams[j],
+                microbatches=m,
+                checkpoint_stop=checkpoint_stop,
+                autograd_backward=autograd_backward,
+                grad=grad,
+                skip_layout=self.skip_layout,
+                loss=loss if j == n - 1 else None,
+                tracer=tracer,
+            )
+            for j, partition in enumerate(self._partition_list())
+        ]
+        transport = LocalTransport(
             self.devices,
             self._ensure_copy_streams(m),
-            [current_stream(device) for device in self.devices],
-            checkpoint_stop,
-            skip_layout=self.skip_layout,
-            tracer=tracer_for(self, m),
+            streams,
+            keep_graph=autograd_backward,
+            tracer=tracer,
         )
+        threaded = n > 1 and not (nested() or is_checkpointing() or is_recomputing())
+        if state is None:
+            state = ThreadState.capture()
         # Deferred batch norms update their running statistics once, after all m
         # micro-batches (m may be less than chunks), and not at all if a micro-batch fails.
         with mini_batch(self) if self._deferred_batch_norm else nullcontext():
-            pipeline.run(batches, self._pool)
-        return gather(batches)
+            return run(stages, transport, actions, batches, self._pool, state, threaded)
 
     def step(
         self,
@@ -358,7 +404,7 @@ class GPipe(nn.Module):
         worker runs the forward pass of each micro-batch, the loss
         ``loss_fn(output, target)`` of each micro-batch (on the last partition), and the
         backward pass of each micro-batch, in the order ``schedule`` gives (see
-        :mod:`gpipe_core.schedule`), each as soon as what it needs is there. A
+        :mod:`schedules <gpipe_core.Schedule>`), each as soon as what it needs is there. A
         checkpointed micro-batch is recomputed right before its backward pass.
 
         Gradients accumulate into ``.grad`` as ``loss_fn(plain(input), target).backward()``
@@ -387,7 +433,7 @@ class GPipe(nn.Module):
         Keyword Args:
             schedule: ``'gpipe'`` (every forward pass, then every backward pass),
                 ``'1f1b'`` (one forward, one backward), or a
-                :class:`~gpipe_core.schedule.Schedule`.
+                :class:`~gpipe_core.Schedule`.
             reduction: how ``loss_fn`` reduces over the samples of a micro-batch:
                 ``'mean'`` or ``'sum'`` (default: ``loss_fn.reduction`` when it has one,
                 as the losses of :mod:`torch.nn` do, else ``'mean'``). When
@@ -449,35 +495,19 @@ class GPipe(nn.Module):
         ]
         m, n = len(batches), len(self.partitions)
         actions = _actions(plan, m, n, backward)
-        if backward:
-            checkpoint_stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
-        else:
-            checkpoint_stop = 0
         total = sum(sizes)
         scales = [size / total if reduction == "mean" and total else 1.0 for size in sizes]
-        run = StepRun(
-            self._partition_list(),
-            self.devices,
-            self._ensure_copy_streams(m),
-            [current_stream(device) for device in self.devices],
-            batches,
-            targets,
-            loss_fn,
-            scales,
-            actions,
-            checkpoint_stop,
-            backward,
-            self.skip_layout,
-            tracer_for(self, m),
-        )
+        losses = LossSpec(loss_fn, targets, scales)
         with torch.set_grad_enabled(backward):
             state = ThreadState.capture()
-        threaded = n > 1 and _held.depth == 0
-        with mini_batch(self) if self._deferred_batch_norm else nullcontext():
-            losses = run.run(self._pool, state, threaded)
+        checkpoint_stop = self._checkpoint_stop(m) if backward else 0
+        self._run(
+            batches, actions, backward, checkpoint_stop,
+            autograd_backward=False, loss=losses, state=state,
+        )  # fmt: skip
         input_leaves.backward()
         target_leaves.backward()
-        return Losses(losses, sizes, reduction)
+        return Losses(cast(list[torch.Tensor], losses.losses), sizes, reduction)
 
     def trace(self) -> AbstractContextManager[Timeline]:
         """Record the pipeline's tasks while the ``with`` block runs.

@@ -1,0 +1,231 @@
+"""The runner: each stage's action list, executed on its worker, with one failure channel.
+
+A run executes action lists (see :mod:`gpipe_core._schedule`) over stages
+(:mod:`gpipe_core._stage`): each stage's list on its worker thread, each action as soon
+as the messages it needs have arrived through the transport
+(:mod:`gpipe_core._transport`). The forward action of micro-batch ``i`` on stage ``j``
+receives its activations from stage ``j - 1`` (the first stage takes the micro-batch
+itself) and the skips it pops, runs the stage, and sends its output and the skips it
+stashes on; the backward action receives the gradients of both, runs the stage's backward
+pass and sends its input's gradients back.
+
+**Failures.** The first error of a run is kept (:class:`Failure`); it cancels the
+transport, so that every wait for a message ends, and every worker stops after its
+current action. The caller gets the error with its traceback; among errors raised at
+about the same time, the one of the earliest action in unit time (:func:`simulate`), then
+the first stage, so that the outcome does not depend on thread timing.
+
+**Serially.** With one stage, or inside a checkpointed partition (a nested pipeline), the
+actions run in the calling thread, in the order of :func:`simulate`: no wait ever blocks.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from functools import partial
+from typing import cast
+
+from torch import Tensor
+
+from gpipe_microbatch import Batch, ThreadState, is_cuda, use_device, use_stream
+from gpipe_skip import SkipKey
+
+from ._schedule import Action, simulate
+from ._stage import Stage
+from ._transport import Cancelled, MessageKey, Transport
+from ._worker import ExcInfo, WorkerPool
+
+__all__ = ["Failure", "run"]
+
+
+class Failure:
+    """The failure channel of one run: the first error, and the cancellation it causes."""
+
+    def __init__(self, transport: Transport, actions: Sequence[Sequence[Action]]) -> None:
+        self.transport = transport
+        self.actions = actions
+        self.lock = threading.Lock()
+        self.errors: list[tuple[int, int, ExcInfo]] = []
+        self.cancelled = False
+
+    def fail(self, j: int, position: int, exc_info: ExcInfo) -> None:
+        """Keep stage ``j``'s error, raised in its action at ``position`` (-1: outside
+        any action), and cancel the run."""
+        with self.lock:
+            self.errors.append((j, position, exc_info))
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Stop every worker after its current action; wake every wait."""
+        self.cancelled = True
+        self.transport.cancel()
+
+    def raise_first(self) -> None:
+        """Raise the first error, if any, with its traceback."""
+        if not self.errors:
+            return
+        errors, self.errors = self.errors, []
+        if len(errors) > 1:
+            # The unit-time column of each action (computed only when errors compete).
+            rows = simulate(self.actions)
+
+            def order(error: tuple[int, int, ExcInfo]) -> tuple[int, int]:
+                j, position, _ = error
+                return (-1 if position < 0 else rows[j].index(self.actions[j][position]), j)
+
+            errors.sort(key=order)
+        _, _, (_, exc, tb) = errors[0]
+        try:
+            raise exc.with_traceback(tb)
+        finally:
+            del exc, tb, errors
+
+
+def run(
+    stages: Sequence[Stage],
+    transport: Transport,
+    actions: Sequence[Sequence[Action]],
+    inputs: Sequence[Batch],
+    pool: WorkerPool,
+    state: ThreadState,
+    threaded: bool,
+) -> list[Batch | None]:
+    """Run each stage's ``actions`` and return the last stage's output per micro-batch.
+
+    Args:
+        stages: the stages, in pipeline order.
+        transport: carries messages between them.
+        actions: each stage's action list.
+        inputs: the micro-batches, on the first stage's device.
+        pool: the workers, one per stage.
+        state: the caller's thread state, applied in every worker.
+        threaded: run each stage on its worker; otherwise serially in the calling
+            thread (whose state is ``state``).
+    """
+    outputs: list[Batch | None] = [None] * len(inputs)
+    failure = Failure(transport, actions)
+    program = _Program(stages, transport, inputs, outputs, failure)
+    try:
+        if threaded:
+            pool.run_shares(
+                [
+                    partial(program.run, j, stage_actions, state)
+                    for j, stage_actions in enumerate(actions)
+                ],
+                lambda j, exc_info: failure.fail(j, -1, exc_info),  # not raised by an action
+                failure.cancel,
+            )
+        else:
+            with state.apply():
+                program.run_serially(actions)
+        failure.raise_first()
+    finally:
+        transport.reset()
+    return outputs
+
+
+def _placed(stage: Stage) -> AbstractContextManager[object]:
+    """Make the stage's device and compute stream current (nothing to do on the CPU)."""
+    if stage.device.type != "cuda" and not is_cuda(stage.stream):
+        return nullcontext()
+    stack = ExitStack()
+    stack.enter_context(use_device(stage.device))
+    stack.enter_context(use_stream(stage.stream))
+    return stack
+
+
+class _Program:
+    """How each action runs: messages in, the stage's work, messages out."""
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        transport: Transport,
+        inputs: Sequence[Batch],
+        outputs: list[Batch | None],
+        failure: Failure,
+    ) -> None:
+        self.stages = stages
+        self.transport = transport
+        self.inputs = inputs
+        self.outputs = outputs
+        self.failure = failure
+        self.last = len(stages) - 1
+
+    def run(self, j: int, actions: Sequence[Action], state: ThreadState) -> None:
+        """Run stage ``j``'s actions in order on its worker, under the caller's ``state``."""
+        failure = self.failure
+        with _placed(self.stages[j]), state.apply():
+            for position, action in enumerate(actions):
+                if failure.cancelled:
+                    return
+                try:
+                    self.act(j, action)
+                except Cancelled:
+                    return
+                except BaseException:
+                    failure.fail(j, position, cast(ExcInfo, sys.exc_info()))
+                    return
+
+    def run_serially(self, actions: Sequence[Sequence[Action]]) -> None:
+        """Run every action in the calling thread, column by column of :func:`simulate`."""
+        rows = simulate(actions)
+        for column in range(max((len(row) for row in rows), default=0)):
+            for j, row in enumerate(rows):
+                action = row[column] if column < len(row) else None
+                if action is not None:
+                    with _placed(self.stages[j]):
+                        self.act(j, action)
+
+    def act(self, j: int, action: Action) -> None:
+        if action.kind == "forward":
+            self.forward(j, action.microbatch)
+        else:
+            self.backward(j, action.microbatch)
+
+    def forward(self, j: int, i: int) -> None:
+        stage, transport = self.stages[j], self.transport
+        if j == 0:
+            batch = self.inputs[i]
+        else:
+            message = transport.receive(MessageKey("activations", i, j - 1, j))
+            values = stage.accept(message.values(), message.requires_grad)
+            tensors = cast(list[Tensor], values)
+            batch = Batch(tensors[0] if message.atomic else tuple(tensors))
+        skips: dict[SkipKey, Tensor | None] = {}
+        for source, keys in stage.pops.items():
+            message = transport.receive(MessageKey("skips", i, source, j))
+            values = stage.accept(message.values(), message.requires_grad)
+            skips.update(zip(keys, values, strict=True))
+        output, stashed, needs_grad = stage.forward(i, batch, skips)
+        if j == self.last:
+            self.outputs[i] = output
+        else:
+            transport.send(
+                MessageKey("activations", i, j, j + 1),
+                output.tensors,
+                atomic=output.atomic,
+                needs_grad=needs_grad,
+            )
+        for target, keys in stage.stashes.items():
+            values = [stashed[key] for key in keys]
+            transport.send(MessageKey("skips", i, j, target), values, needs_grad=needs_grad)
+
+    def backward(self, j: int, i: int) -> None:
+        stage, transport = self.stages[j], self.transport
+        grads: list[Tensor | None] = []
+        if j != self.last:
+            grads = transport.receive(MessageKey("gradients", i, j + 1, j)).values()
+        skip_grads: dict[SkipKey, Tensor | None] = {}
+        for target, keys in stage.stashes.items():
+            message = transport.receive(MessageKey("skip-gradients", i, target, j))
+            skip_grads.update(zip(keys, message.values(), strict=True))
+        input_grads, popped = stage.backward(i, grads, skip_grads)
+        if j != 0:
+            transport.send(MessageKey("gradients", i, j, j - 1), input_grads)
+        for source, keys in stage.pops.items():
+            values = [popped.get(key) for key in keys]
+            transport.send(MessageKey("skip-gradients", i, j, source), values)

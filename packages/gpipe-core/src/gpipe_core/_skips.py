@@ -1,0 +1,96 @@
+"""Skip connections in a stage, as explicit inputs and outputs.
+
+A stage with skippable layers runs as a function of its input and the skips it pops
+from earlier stages, returning its output and the skips it stashes for later stages
+(:func:`gpipe_skip.run_partition`). Both sides travel in one flat batch: the stage's
+tensors first, then the skip tensors. Under checkpointing the checkpointed function is
+that flat function, so the recomputation stashes again for its own backward, and the
+gradient of every skip tensor flows like any other.
+
+A skip stashed by stage ``j`` and popped by stage ``k`` is sent by the transport from
+``j`` straight to ``k`` (see :mod:`gpipe_core._transport`): once per micro-batch, and
+never through the stages in between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor, nn
+
+from gpipe_microbatch import Batch, TensorOrTensors, check
+from gpipe_skip import SkipKey, run_partition
+
+__all__ = ["SkipCall"]
+
+# How a partition's flat output splits: whether its output is one tensor, how many tensors
+# it has, and which outgoing skips are tensors (the others are None).
+_Structure = tuple[bool, int, tuple[SkipKey, ...]]
+
+
+class SkipCall:
+    """Partition ``j`` on micro-batch ``i`` as a function of one flat tuple of tensors.
+
+    The flat input is the partition's input tensors followed by the incoming skips that
+    are tensors; the flat output is the partition's output tensors followed by the
+    outgoing skips that are tensors. ``None`` skips are known to the call, not carried.
+    """
+
+    def __init__(
+        self,
+        partition: nn.Sequential,
+        what: str,
+        batch: Batch,
+        skips_in: dict[SkipKey, Tensor | None],
+        provides: Sequence[SkipKey],
+    ) -> None:
+        self.partition = partition
+        self.what = what
+        self.atomic = batch.atomic
+        self.inputs = len(batch)
+        self.in_keys = tuple(key for key, value in skips_in.items() if value is not None)
+        self.none_in = tuple(key for key, value in skips_in.items() if value is None)
+        self.provides = tuple(provides)
+        self.structure: _Structure | None = None
+
+    def flat_input(self, batch: Batch, skips_in: dict[SkipKey, Tensor | None]) -> Batch:
+        """The flat batch this call takes."""
+        skips = (value for value in skips_in.values() if value is not None)
+        return Batch((*batch, *skips))
+
+    def __call__(self, flat: TensorOrTensors) -> tuple[Tensor, ...]:
+        tensors = (flat,) if isinstance(flat, Tensor) else flat
+        input = tensors[0] if self.atomic else tuple(tensors[: self.inputs])
+        skips: dict[SkipKey, Tensor | None] = dict(
+            zip(self.in_keys, tensors[self.inputs :], strict=True)
+        )
+        skips.update(dict.fromkeys(self.none_in))
+        output, stashed = run_partition(self.partition, input, skips)
+        output = check(output, self.what)
+        outputs = (output,) if isinstance(output, Tensor) else output
+        values = [stashed[key] for key in self.provides]
+        present = tuple(
+            key for key, value in zip(self.provides, values, strict=True) if value is not None
+        )
+        structure = (isinstance(output, Tensor), len(outputs), present)
+        if self.structure is None:
+            self.structure = structure
+        elif structure != self.structure:
+            raise RuntimeError(
+                f"the recomputation of {self.what} differs from its first run: a conditional "
+                "skip stashed None in one run and a tensor in the other, or the output "
+                "changed shape (first run stashed: "
+                f"{[name for _, name in self.structure[2]]}, recomputation stashed: "
+                f"{[name for _, name in present]})"
+            )
+        return (*outputs, *(value for value in values if value is not None))
+
+    def split(self, flat: Batch) -> tuple[Batch, dict[SkipKey, Tensor | None]]:
+        """Split a flat output into the partition's output and its outgoing skips."""
+        assert self.structure is not None, "the partition has not run"
+        atomic, count, present = self.structure
+        tensors = flat.tensors
+        output = Batch(tensors[0] if atomic else tensors[:count])
+        skips: dict[SkipKey, Tensor | None] = dict.fromkeys(self.provides)
+        skips.update(zip(present, tensors[count:], strict=True))
+        return output, skips

@@ -1,0 +1,492 @@
+"""A stage: one partition on its device, running one micro-batch at a time.
+
+A :class:`Stage` does, for micro-batch ``i``: the forward pass (checkpointed or not),
+the loss on the last stage, the recomputation and the backward pass; and it keeps what
+they need in between (inputs, outputs, the checkpoint with its generator states, the
+skips). Both ``GPipe.forward`` and ``GPipe.step`` run their partitions through it; they
+differ in one parameter, who drives the backward pass:
+
+* **autograd** (``GPipe.forward``): the stage's graph hangs off its input, which carries
+  the previous stage's graph, so the output's graph reaches the caller's input and every
+  parameter; ``loss.backward()`` runs every stage's backward pass. A checkpointed
+  micro-batch is recomputed by autograd right before its backward pass, and phony edges
+  (:func:`~gpipe_microbatch.fork`, :func:`~gpipe_microbatch.join`) make stage ``j``
+  finish the backward pass of micro-batch ``i`` before that of ``i - 1``, so that each
+  recomputation runs right before its own backward pass.
+* **the stage** (``GPipe.step``): the stage's graph starts at leaves cut from what it
+  receives, and its backward pass (:meth:`Stage.backward`) differentiates its own
+  outputs with the gradients the next stage sent back (or the loss), returning its
+  inputs' gradients. A checkpointed micro-batch is recomputed where the schedule puts its
+  backward pass. Backward passes of different stages run at the same time, on the CPU
+  as well.
+
+Checkpointing is :class:`gpipe_checkpoint.Checkpointing` in both cases, placed by autograd
+or by the stage.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from functools import cached_property
+from typing import TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from gpipe_checkpoint import Checkpointing, RNGStates, device_rng_lock, save_rng_states
+from gpipe_microbatch import AbstractStream, Batch, TensorOrTensors, check, fork, join
+from gpipe_skip import SkipKey, SkipLayout
+
+from ._losses import LossFunction
+from ._skips import SkipCall
+from ._timeline import Phase
+from ._tracing import Tracer
+
+__all__ = ["LossSpec", "Stage", "clone", "nested", "run_backward"]
+
+_T = TypeVar("_T")
+_Function = Callable[[TensorOrTensors], TensorOrTensors]
+
+
+class _LockDepth(threading.local):
+    """How many generator locks the current thread holds through a stage."""
+
+    depth = 0
+
+
+_held = _LockDepth()
+
+
+def nested() -> bool:
+    """Whether the calling thread runs inside a stage that holds a generator lock (a
+    pipeline nested in a partition): such a pipeline must run in this thread."""
+    return _held.depth > 0
+
+
+def clone(batch: Batch) -> Batch:
+    """A batch of copies of ``batch``'s tensors (for a stage that modifies its input)."""
+    return Batch(batch.tensor.clone() if batch.atomic else tuple(t.clone() for t in batch))
+
+
+def _differentiable(tensor: Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _same_states(a: RNGStates, b: RNGStates) -> bool:
+    if not torch.equal(a.cpu, b.cpu):
+        return False
+    return a.cuda is None or b.cuda is None or torch.equal(a.cuda, b.cuda)
+
+
+# torch.autograd.backward checks and converts its arguments in Python on every call,
+# which costs about as much as a small partition's backward pass. The roots and gradients
+# here are made to match (a gradient per root, of its shape, dtype and device), so the
+# engine call behind it is made directly where this PyTorch has it.
+_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def run_backward(roots: Sequence[Tensor], gradients: Sequence[Tensor]) -> None:
+    """``torch.autograd.backward(roots, gradients)``, gradients accumulating into leaves."""
+    if _engine_run_backward is None:  # pragma: no cover - torch < 2.3
+        torch.autograd.backward(list(roots), list(gradients))
+        return
+    _engine_run_backward(
+        tuple(roots), tuple(gradients), False, False, (), allow_unreachable=True,
+        accumulate_grad=True,
+    )  # fmt: skip
+
+
+class LossSpec:
+    """What the last stage of a step needs for the losses.
+
+    Args:
+        loss_fn: ``loss_fn(output, target)`` returns a scalar tensor.
+        targets: the micro-batches of the target, on the last stage's device.
+        scales: what each micro-batch's loss is multiplied by before its backward pass.
+    """
+
+    def __init__(
+        self, loss_fn: LossFunction, targets: Sequence[Batch], scales: Sequence[float]
+    ) -> None:
+        self.loss_fn = loss_fn
+        self.targets = targets
+        self.scales = scales
+        #: Each micro-batch's loss, detached, once computed.
+        self.losses: list[Tensor | None] = [None] * len(targets)
+
+    def __call__(self, i: int, output: Batch) -> Tensor:
+        loss = self.loss_fn(output.value, self.targets[i].value)
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            seen = f"shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(
+                f"loss_fn must return a scalar tensor (micro-batch {i}, loss_fn returned: {seen})"
+            )
+        self.losses[i] = loss.detach()
+        scale = self.scales[i]
+        return loss if scale == 1.0 else loss * scale
+
+
+class _InFlight:
+    """What a stage keeps of a micro-batch between its forward and backward pass."""
+
+    __slots__ = ("call", "chk", "inputs", "loss", "outputs")
+
+    def __init__(self, inputs: Batch, call: SkipCall | None, chk: Checkpointing | None) -> None:
+        #: The flat input: leaves (views of the mini-batch on the first stage).
+        self.inputs = inputs
+        #: How the stage runs when it has skippable layers.
+        self.call = call
+        #: The checkpoint of a checkpointed micro-batch, until it is recomputed.
+        self.chk = chk
+        #: The flat output with its autograd graph (None while checkpointed).
+        self.outputs: tuple[Tensor, ...] | None = None
+        #: The scaled loss to differentiate, on the last stage.
+        self.loss: Tensor | None = None
+
+
+class Stage:
+    """Partition ``index`` on its device, for one run of ``microbatches`` micro-batches.
+
+    Args:
+        index: the stage's position in the pipeline.
+        partition: its layers, on ``device``.
+        device: where it computes.
+        stream: its compute stream.
+        microbatches: how many micro-batches the run has.
+        checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed.
+        autograd_backward: autograd drives the backward pass through the stage's graph,
+            which hangs off its input (``GPipe.forward``); otherwise the stage's graph
+            starts at leaves cut from its input and :meth:`backward` runs it
+            (``GPipe.step``).
+        grad: whether the run records autograd history (training with grad enabled).
+        skip_layout: the skip connections of the pipeline (None without any).
+        loss: the losses, on the last stage of a step.
+        tracer: labels and times the stage's tasks, if the run is traced.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        partition: nn.Sequential,
+        device: torch.device,
+        stream: AbstractStream,
+        *,
+        microbatches: int,
+        checkpoint_stop: int,
+        autograd_backward: bool,
+        grad: bool,
+        skip_layout: SkipLayout | None = None,
+        loss: LossSpec | None = None,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.index = index
+        self.partition = partition
+        self.device = device
+        self.stream = stream
+        self.microbatches = microbatches
+        self.checkpoint_stop = checkpoint_stop
+        self.autograd_backward = autograd_backward
+        self.grad = grad
+        self.loss = loss
+        self.tracer = tracer
+        self.what = f"output of partition {index}"
+        # Learned from the first micro-batches of the run (see _guarded and _call).
+        #: Whether the partition draws random numbers (None: not known yet).
+        self.draws: bool | None = None
+        #: Whether the partition modifies its input in place (None: not known yet).
+        self.modifies_input: bool | None = None
+        self.in_flight: dict[int, _InFlight] = {}
+        # The phony forked off the previous micro-batch's output (autograd backward).
+        self.phony: Tensor | None = None
+        # The skips the stage pops, by the stage that stashes them, and those it stashes,
+        # by the stage that pops them.
+        self.layout = skip_layout if skip_layout is not None and not skip_layout.empty else None
+        self.pops: dict[int, list[SkipKey]] = {}
+        self.stashes: dict[int, list[SkipKey]] = {}
+        self.skippable = self.layout is not None and self.layout.has_skippables(index)
+        if self.layout is not None:
+            for route in self.layout.requires(index):
+                self.pops.setdefault(route.stash_partition, []).append(route.key)
+            for route in self.layout.provides(index):
+                self.stashes.setdefault(route.pop_partition, []).append(route.key)
+
+    @cached_property
+    def trainable(self) -> bool:
+        """Whether the partition has parameters to train: a checkpointed output needs
+        gradients then, even where its input needs none."""
+        return any(p.requires_grad for p in self.partition.parameters())
+
+    def record(self, phase: Phase, i: int, backward: bool, function: Callable[[], _T]) -> _T:
+        """Run ``function`` as the stage's task ``phase`` on micro-batch ``i``, traced."""
+        if self.tracer is None:
+            return function()
+        return self.tracer.run(phase, i, self.index, self.device, self.stream, backward, function)
+
+    # -- what a run learns about the partition -------------------------------------------
+
+    def _guarded(self, compute: Callable[[], _T]) -> _T:
+        """Run ``compute`` under the device's generator lock if the partition draws.
+
+        Partitions on one CPU (or one CUDA device) share a generator. When a checkpointed
+        micro-batch draws random numbers while another worker draws from the same
+        generator, the draws interleave and the recomputation could not replay them. So in
+        a run with checkpointing, a partition that draws holds its device's generator lock
+        while it computes; partitions that draw none run freely. Whether a partition draws
+        is probed under the lock by its first task in the run (a model may change between
+        runs: a dropout probability raised from 0, a layer put in eval mode).
+        """
+        if self.checkpoint_stop == 0 or self.draws is False:
+            return compute()
+        with device_rng_lock(self.device):
+            _held.depth += 1
+            try:
+                if self.draws is True:
+                    return compute()
+                before = save_rng_states(self.device)
+                result = compute()
+                self.draws = not _same_states(before, save_rng_states(self.device))
+                return result
+            finally:
+                _held.depth -= 1
+
+    def _recompute_guard(self) -> AbstractContextManager[object]:
+        """Held around a recomputation: the generator lock if the partition draws."""
+        if self.draws is False:
+            return nullcontext()
+        return _HeldLock(device_rng_lock(self.device))
+
+    def _call(self, function: _Function, batch: Batch) -> Batch:
+        """Call ``function`` on ``batch`` without checkpointing.
+
+        A partition may modify its input in place (it starts with
+        ``nn.ReLU(inplace=True)``, say). When the input shares its version counter with
+        other tensors of the run (views of the mini-batch, the aliases that order backward
+        between micro-batches, or the sending stage's output), the partition gets a copy
+        and is watched, until it is seen not modifying its input.
+        """
+        shared = not self.autograd_backward or self.microbatches > 1
+        if not shared or self.modifies_input is False or not torch.is_grad_enabled():
+            return batch.call(function, self.what)
+        copies = clone(batch)
+        versions = [tensor._version for tensor in copies]
+        output = copies.call(function, self.what)
+        self.modifies_input = any(
+            tensor._version != version for tensor, version in zip(copies, versions, strict=True)
+        )
+        return output
+
+    # -- forward -------------------------------------------------------------------------
+
+    def accept(
+        self, message_values: Sequence[Tensor | None], requires_grad: Sequence[bool]
+    ) -> list[Tensor | None]:
+        """What the stage computes from: received values, cut into leaves when the stage
+        drives its own backward pass."""
+        if self.autograd_backward:
+            return list(message_values)
+        flags = iter(requires_grad)
+        return [
+            None
+            if value is None
+            else value.detach().requires_grad_(self.grad and next(flags) and _differentiable(value))
+            for value in message_values
+        ]
+
+    def forward(
+        self, i: int, batch: Batch, skips: dict[SkipKey, Tensor | None]
+    ) -> tuple[Batch, dict[SkipKey, Tensor | None], bool]:
+        """The forward pass of micro-batch ``i`` (and its loss on the last stage).
+
+        Args:
+            i: the micro-batch.
+            batch: its input (see :meth:`accept`).
+            skips: the skips the stage pops, by key.
+
+        Returns:
+            The output, the skips the stage stashes (by key), and whether their
+            recomputation will need gradients (a checkpointed output has no autograd
+            history yet).
+        """
+        call: SkipCall | None = None
+        layers: _Function = self.partition
+        if self.skippable:
+            assert self.layout is not None
+            provides = [route.key for route in self.layout.provides(self.index)]
+            call = SkipCall(self.partition, self.what, batch, skips, provides)
+            batch = call.flat_input(batch, skips)
+            layers = call
+        checkpointed = i < self.checkpoint_stop
+        tracer = self.tracer
+        if self.autograd_backward and self.grad:
+            if self.phony is not None and not checkpointed:
+                # A checkpointed micro-batch joins the phony itself, saving a node.
+                index = batch.find_tensor_idx()
+                batch.replace(index, join(batch[index], self.phony))
+            if tracer is not None:
+                tracer.input(batch, i, self.index, self.device, self.stream, self.trainable)
+        what = self.what
+
+        def function(input: TensorOrTensors) -> TensorOrTensors:
+            return check(layers(input), what)
+
+        chk: Checkpointing | None = None
+        compute: Callable[[], Batch]
+        if checkpointed:
+            checkpointed_function: _Function = function
+            if tracer is not None and self.autograd_backward:
+                checkpointed_function = tracer.recomputed(
+                    function, i, self.index, self.device, self.stream
+                )
+            chk = Checkpointing(
+                checkpointed_function,
+                batch,
+                copy_input=self.modifies_input is not False,
+                requires_grad=self.trainable,
+                guard=self._recompute_guard,
+            )
+            checkpointing = chk
+            if self.autograd_backward:
+                phony = self.phony
+
+                def compute() -> Batch:
+                    return checkpointing.checkpoint(phony)
+            else:
+
+                def compute() -> Batch:
+                    return checkpointing.checkpoint(detached=True)
+        else:
+
+            def compute() -> Batch:
+                return self._call(function, batch)
+
+        output = self._guarded(lambda: self.record(Phase.FORWARD, i, False, compute))
+        if chk is not None and (self.modifies_input is None or chk.input_modified):
+            self.modifies_input = chk.input_modified
+        if self.autograd_backward:
+            self._link(i, output, chk)
+        elif self.grad:
+            entry = _InFlight(batch, call, chk)
+            if chk is None:
+                entry.outputs = output.tensors
+            self.in_flight[i] = entry
+        main, stashed = call.split(output) if call is not None else (output, {})
+        if self.loss is not None and chk is None:
+            # A checkpointed micro-batch's loss is computed once, after its recomputation.
+            loss = self.record(Phase.LOSS, i, False, lambda: self._loss(i, main))
+            if self.grad:
+                self.in_flight[i].loss = loss
+        # A checkpointed output has no autograd history; its recomputation will need
+        # gradients where an input does, or the partition has parameters to train.
+        needs_grad = (
+            chk is not None
+            and not self.autograd_backward
+            and (self.trainable or any(tensor.requires_grad for tensor in batch))
+        )
+        return main, stashed, needs_grad
+
+    def _loss(self, i: int, main: Batch) -> Tensor:
+        assert self.loss is not None
+        return self.loss(i, main)
+
+    def _link(self, i: int, output: Batch, chk: Checkpointing | None) -> None:
+        """Wire micro-batch ``i``'s output into the graph autograd runs backward."""
+        if not self.grad:
+            return
+        if chk is not None:
+            forked = chk.recompute_in_backward(output)
+        elif self.tracer is not None:
+            # A checkpointed micro-batch's backward starts where its recomputation ends.
+            self.tracer.output(output, i, self.index, self.stream)
+        if i == self.microbatches - 1:
+            self.phony = None
+            return
+        if chk is not None:
+            self.phony = forked
+            return
+        index = output.find_tensor_idx()
+        tensor, self.phony = fork(output[index])
+        output.replace(index, tensor)
+
+    # -- backward (driven by the stage) --------------------------------------------------
+
+    def backward(
+        self, i: int, grads: Sequence[Tensor | None], skip_grads: dict[SkipKey, Tensor | None]
+    ) -> tuple[list[Tensor | None], dict[SkipKey, Tensor | None]]:
+        """The backward pass of micro-batch ``i``, after its recomputation if checkpointed.
+
+        Args:
+            i: the micro-batch.
+            grads: the gradients of the stage's output (none on the last stage).
+            skip_grads: the gradients of the skips it stashed, by key.
+
+        Returns:
+            The gradients of the stage's input, and of the skips it popped (by key).
+        """
+        entry = self.in_flight.pop(i)
+        if entry.chk is not None:
+            self._recompute(i, entry)
+        call = entry.call
+        gradients = list(grads)
+        if call is not None:
+            assert call.structure is not None
+            gradients.extend(skip_grads.get(key) for key in call.structure[2])
+
+        def compute() -> None:
+            roots: list[Tensor] = []
+            seeds: list[Tensor] = []
+            if entry.loss is not None and entry.loss.requires_grad:
+                roots.append(entry.loss)
+                seeds.append(torch.ones_like(entry.loss))
+            for tensor, gradient in zip(entry.outputs or (), gradients, strict=False):
+                if gradient is not None and tensor.requires_grad:
+                    roots.append(tensor)
+                    seeds.append(gradient)
+            if roots:
+                run_backward(roots, seeds)
+
+        self.record(Phase.BACKWARD, i, True, compute)
+        inputs = entry.inputs.tensors
+        entry.outputs = entry.loss = entry.chk = None
+        count = call.inputs if call is not None else len(inputs)
+        input_grads = [_grad(tensor) for tensor in inputs[:count]]
+        popped: dict[SkipKey, Tensor | None] = {}
+        if call is not None:
+            by_key = dict(zip(call.in_keys, inputs[count:], strict=True))
+            for keys in self.pops.values():
+                popped.update((key, _grad(by_key[key]) if key in by_key else None) for key in keys)
+        return input_grads, popped
+
+    def _recompute(self, i: int, entry: _InFlight) -> None:
+        chk = entry.chk
+        assert chk is not None
+        output = self.record(Phase.RECOMPUTE, i, True, chk.recompute)
+        entry.outputs = output.tensors
+        if self.loss is not None:
+            # The loss of a checkpointed micro-batch, once: its forward pass skipped it.
+            main = entry.call.split(output)[0] if entry.call is not None else output
+            entry.loss = self.record(Phase.LOSS, i, False, lambda: self._loss(i, main))
+
+
+class _HeldLock:
+    """A generator lock held by a stage (so that nested pipelines run serially)."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self, lock: threading.RLock) -> None:
+        self.lock = lock
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        _held.depth += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        _held.depth -= 1
+        self.lock.release()
+
+
+def _grad(tensor: Tensor) -> Tensor | None:
+    """The gradient a leaf of the stage received (the first stage's inputs are views of
+    the step's input, whose gradient the step hands back itself)."""
+    return tensor.grad if tensor.is_leaf and tensor.requires_grad else None
