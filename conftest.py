@@ -25,3 +25,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip_cuda)
+
+
+@pytest.fixture(autouse=True)
+def _doctest_names(doctest_namespace: dict[str, object]) -> None:
+    # Docstring examples use torch and nn as the modules that define them do; public names
+    # are documented under their package (gpipe_core.GPipe), whose namespace lacks them.
+    doctest_namespace["torch"] = torch
+    doctest_namespace["nn"] = torch.nn

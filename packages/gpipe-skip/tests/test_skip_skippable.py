@@ -472,44 +472,6 @@ def test_module_needs_no_gpipe_core() -> None:
     assert "gpipe_core" not in sys.modules
 
 
-def test_layer_by_layer_profiling() -> None:
-    """What a profiler does: call the layers in order in one thread, backward each alone."""
-
-    @skippable(stash=["skip"])
-    class Project(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = nn.Linear(3, 3)
-
-        def forward(self, x):
-            hidden = torch.tanh(self.linear(x))
-            yield stash("skip", hidden)  # a computed skip, sharing the output's graph
-            return hidden * 2
-
-    model = nn.Sequential(Project(), nn.Linear(3, 3), Add())
-
-    def profile() -> None:
-        x = torch.randn(4, 3)
-        for layer in model:
-            x = x.detach().requires_grad_()
-            y = layer(x)
-            y.sum().backward()
-            x = y
-
-    # Forward alone works with the default tracker.
-    x = torch.randn(4, 3)
-    for layer in model:
-        x = layer(x)
-    # Backward per layer: the pop's backward would reach into the stashing layer's graph,
-    # freed by that layer's own backward, unless the tracker detaches stashed tensors.
-    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
-        profile()
-    current_skip_tracker().clear()
-    with use_skip_tracker(SkipTracker(detach=True)) as tracker:
-        profile()
-    assert len(tracker) == 0
-
-
 def test_subclass_generator_may_yield_from_the_parent_forward() -> None:
     @skippable(stash=["skip"])
     class Base(nn.Module):

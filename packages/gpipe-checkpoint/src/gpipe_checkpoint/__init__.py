@@ -16,9 +16,15 @@ Example:
 """
 
 from .__about__ import __version__
-from .checkpoint import Checkpoint, Checkpointing, checkpoint
+from .checkpoint import Checkpoint, Checkpointing, checkpoint, is_differentiable, run_backward
 from .phase import enable_checkpointing, enable_recomputing, is_checkpointing, is_recomputing
-from .rng import RNGStates, device_rng_lock, restore_rng_states, save_rng_states
+from .rng import (
+    RNGStates,
+    device_rng_lock,
+    replay_rng_states,
+    restore_rng_states,
+    save_rng_states,
+)
 
 __all__ = [
     "Checkpoint",
@@ -30,7 +36,10 @@ __all__ = [
     "enable_checkpointing",
     "enable_recomputing",
     "is_checkpointing",
+    "is_differentiable",
     "is_recomputing",
+    "replay_rng_states",
     "restore_rng_states",
+    "run_backward",
     "save_rng_states",
 ]

@@ -29,8 +29,8 @@ Either way the same two routines run the phases.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -39,9 +39,9 @@ from torch import Tensor
 from gpipe_microbatch import Batch, TensorOrTensors, ThreadState, check, get_phony
 
 from .phase import enable_checkpointing, enable_recomputing
-from .rng import RNGStates, restore_rng_states, save_rng_states
+from .rng import RNGStates, replay_rng_states, save_rng_states
 
-__all__ = ["Checkpoint", "Checkpointing", "checkpoint"]
+__all__ = ["Checkpoint", "Checkpointing", "checkpoint", "is_differentiable", "run_backward"]
 
 Function = Callable[[TensorOrTensors], TensorOrTensors]
 
@@ -54,7 +54,13 @@ def _call(function: Function, atomic: bool, tensors: tuple[Tensor, ...]) -> Tens
     return check(function(tensors[0] if atomic else tensors), "output")
 
 
-def _differentiable(tensor: Tensor) -> bool:
+def is_differentiable(tensor: Tensor) -> bool:
+    """Whether ``tensor`` can require grad (a floating-point or complex tensor).
+
+    Example:
+        >>> is_differentiable(torch.ones(1)), is_differentiable(torch.ones(1, dtype=torch.long))
+        (True, False)
+    """
     return tensor.is_floating_point() or tensor.is_complex()
 
 
@@ -74,8 +80,11 @@ class Checkpointing:
             it does when ``function`` has parameters that require grad (the default).
             Pass False for a function without such parameters, so that its output does
             not require grad unless its input does, as without checkpointing.
-        guard: entered around the recompute phase, together with the saved generator
-            states (a lock that keeps other threads' random draws out, for example).
+        replay: ``replay(device, states)`` returns the context the recompute phase runs
+            in to replay the checkpoint phase's random draws (default:
+            :func:`replay_rng_states`, the saved generator states under the device's
+            generator lock). A scheduler that knows ``function`` draws nothing may skip
+            the restore, so that it cannot disturb other threads' draws.
 
     Example:
         >>> layer = torch.nn.Linear(3, 3)
@@ -105,7 +114,7 @@ class Checkpointing:
         *,
         copy_input: bool = False,
         requires_grad: bool = True,
-        guard: Callable[[], AbstractContextManager[object]] | None = None,
+        replay: Callable[[torch.device, RNGStates], AbstractContextManager[object]] | None = None,
     ) -> None:
         self.function = function
         self.batch = batch
@@ -113,7 +122,7 @@ class Checkpointing:
         #: Whether the checkpoint phase saw ``function`` modify its input in place.
         self.input_modified = False
         self.requires_grad = requires_grad
-        self.guard = guard
+        self.replay = replay if replay is not None else replay_rng_states
         # Whether recompute_in_backward() has armed the node, and the phony the
         # checkpoint phase returns next to the outputs.
         self.armed = False
@@ -151,10 +160,8 @@ class Checkpointing:
         """Run the function again on ``input``, with autograd, as the checkpoint phase ran."""
         assert self.saved is not None, "the checkpoint phase has not run"
         rng_states, thread_state = self.saved
-        guard = self.guard() if self.guard is not None else nullcontext()
         with (
-            guard,
-            restore_rng_states(input[0].device, rng_states),
+            self.replay(input[0].device, rng_states),
             thread_state.apply(),
             torch.enable_grad(),
             enable_recomputing(),
@@ -231,11 +238,20 @@ class Checkpointing:
 _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
-def _backward(tensors: list[Tensor], grads: list[Tensor]) -> None:
+def run_backward(tensors: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
     """``torch.autograd.backward(tensors, grads)``, minus its argument checks when needless.
 
-    The gradients come from autograd for outputs of the same shapes and types; only a
-    function that changed them when recomputed needs the checks (and their error).
+    :func:`torch.autograd.backward` checks and converts its arguments in Python on every
+    call, which costs about as much as a small layer's backward pass. Where each gradient
+    is a plain tensor of its tensor's shape and dtype (as autograd itself produces them),
+    the engine is called directly; otherwise through :func:`torch.autograd.backward`, with
+    its checks and errors. Gradients accumulate into the leaves' ``.grad``.
+
+    Example:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> run_backward([x * 3], [torch.ones(2)])
+        >>> x.grad
+        tensor([3., 3.])
     """
     if _engine_run_backward is None or any(
         type(tensor) is not Tensor
@@ -244,7 +260,7 @@ def _backward(tensors: list[Tensor], grads: list[Tensor]) -> None:
         or tensor.dtype != grad.dtype
         for tensor, grad in zip(tensors, grads, strict=True)
     ):
-        torch.autograd.backward(tensors, grads)
+        torch.autograd.backward(list(tensors), list(grads))
         return
     _engine_run_backward(
         tuple(tensors), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True
@@ -272,7 +288,7 @@ class Checkpoint(torch.autograd.Function):
         # Unused outputs (and the phony) pass no gradient (None) to the recomputed graph.
         ctx.set_materialize_grads(False)
         tensors = chk._run_checkpoint_phase(input)
-        ctx.mark_non_differentiable(*(t for t in tensors if not _differentiable(t)))
+        ctx.mark_non_differentiable(*(t for t in tensors if not is_differentiable(t)))
         phony = get_phony(input[0].device, requires_grad=False).detach()
         return (*tensors, phony)
 
@@ -300,7 +316,7 @@ class Checkpoint(torch.autograd.Function):
             if tensor.requires_grad and grad is not None
         ]
         if pairs:
-            _backward([t for t, _ in pairs], [g for _, g in pairs])
+            run_backward([t for t, _ in pairs], [g for _, g in pairs])
         grad_input: list[Tensor | None] = [None, None]
         grad_input.extend(leaf.grad for leaf in input_leaf)
         return tuple(grad_input)

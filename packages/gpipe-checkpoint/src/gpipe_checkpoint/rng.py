@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import threading
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["RNGStates", "device_rng_lock", "restore_rng_states", "save_rng_states"]
+__all__ = [
+    "RNGStates",
+    "device_rng_lock",
+    "replay_rng_states",
+    "restore_rng_states",
+    "save_rng_states",
+]
 
 
 class RNGStates(NamedTuple):
@@ -94,3 +101,24 @@ def device_rng_lock(device: torch.device) -> threading.RLock:
         with _locks_guard:
             lock = _locks.setdefault(key, threading.RLock())
     return lock
+
+
+@contextmanager
+def replay_rng_states(device: torch.device, states: RNGStates) -> Iterator[None]:
+    """Run the body with the generators set to ``states``, holding the device's generator
+    lock (:func:`device_rng_lock`), then put back their states.
+
+    What a recomputation replays its random draws in: holding the lock, no other thread
+    that draws under the lock (a checkpointed pipeline stage, another recomputation) can
+    draw between the restore and the put-back, where its draws would be replayed or lost.
+
+    Example:
+        >>> states = save_rng_states(torch.device("cpu"))
+        >>> a = torch.rand(2)
+        >>> with replay_rng_states(torch.device("cpu"), states):
+        ...     b = torch.rand(2)
+        >>> torch.equal(a, b)
+        True
+    """
+    with device_rng_lock(device), restore_rng_states(device, states):
+        yield

@@ -60,11 +60,3 @@ __all__ = [
     "task_label",
     "theoretical_bubble",
 ]
-
-# The public names are documented, pickled and shown in tracebacks as gpipe_core's own:
-# the modules that define them are private.
-for _name in __all__:
-    _value = globals()[_name]
-    if getattr(_value, "__module__", "").startswith("gpipe_core._"):
-        _value.__module__ = __name__
-del _name, _value

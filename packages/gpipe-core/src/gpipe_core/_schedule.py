@@ -232,7 +232,7 @@ def check_actions(
         >>> check_actions([[Action("backward", 0), Action("forward", 0)]], 1)
         Traceback (most recent call last):
           ...
-        gpipe_core.ScheduleError: partition 0 runs B0 before F0 (actions: ['B0', 'F0'])
+        gpipe_core._schedule.ScheduleError: partition 0 runs B0 before F0 (actions: ['B0', 'F0'])
     """
     kinds: tuple[ActionKind, ...] = ("forward", "backward") if backward else ("forward",)
     expected = {Action(kind, i) for kind in kinds for i in range(microbatches)}

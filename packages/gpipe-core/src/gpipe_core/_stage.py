@@ -35,7 +35,15 @@ from typing import TypeVar
 import torch
 from torch import Tensor, nn
 
-from gpipe_checkpoint import Checkpointing, RNGStates, device_rng_lock, save_rng_states
+from gpipe_checkpoint import (
+    Checkpointing,
+    RNGStates,
+    device_rng_lock,
+    is_differentiable,
+    replay_rng_states,
+    run_backward,
+    save_rng_states,
+)
 from gpipe_microbatch import AbstractStream, Batch, TensorOrTensors, check, fork, join
 from gpipe_skip import SkipKey, SkipLayout
 
@@ -44,7 +52,7 @@ from ._skips import SkipCall
 from ._timeline import Phase
 from ._tracing import Tracer
 
-__all__ = ["LossSpec", "Stage", "clone", "nested", "run_backward"]
+__all__ = ["LossSpec", "Stage", "clone", "nested"]
 
 _T = TypeVar("_T")
 _Function = Callable[[TensorOrTensors], TensorOrTensors]
@@ -70,32 +78,10 @@ def clone(batch: Batch) -> Batch:
     return Batch(batch.tensor.clone() if batch.atomic else tuple(t.clone() for t in batch))
 
 
-def _differentiable(tensor: Tensor) -> bool:
-    return tensor.is_floating_point() or tensor.is_complex()
-
-
 def _same_states(a: RNGStates, b: RNGStates) -> bool:
     if not torch.equal(a.cpu, b.cpu):
         return False
     return a.cuda is None or b.cuda is None or torch.equal(a.cuda, b.cuda)
-
-
-# torch.autograd.backward checks and converts its arguments in Python on every call,
-# which costs about as much as a small partition's backward pass. The roots and gradients
-# here are made to match (a gradient per root, of its shape, dtype and device), so the
-# engine call behind it is made directly where this PyTorch has it.
-_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
-
-
-def run_backward(roots: Sequence[Tensor], gradients: Sequence[Tensor]) -> None:
-    """``torch.autograd.backward(roots, gradients)``, gradients accumulating into leaves."""
-    if _engine_run_backward is None:  # pragma: no cover - torch < 2.3
-        torch.autograd.backward(list(roots), list(gradients))
-        return
-    _engine_run_backward(
-        tuple(roots), tuple(gradients), False, False, (), allow_unreachable=True,
-        accumulate_grad=True,
-    )  # fmt: skip
 
 
 class LossSpec:
@@ -251,11 +237,13 @@ class Stage:
             finally:
                 _held.depth -= 1
 
-    def _recompute_guard(self) -> AbstractContextManager[object]:
-        """Held around a recomputation: the generator lock if the partition draws."""
+    def _replay(self, device: torch.device, states: RNGStates) -> AbstractContextManager[object]:
+        """What a recomputation replays its random draws in: nothing for a partition that
+        draws none (restoring the generator would drop other workers' draws made
+        meanwhile), else the saved states under the generator lock."""
         if self.draws is False:
             return nullcontext()
-        return _HeldLock(device_rng_lock(self.device))
+        return _Replayed(device, states)
 
     def _call(self, function: _Function, batch: Batch) -> Batch:
         """Call ``function`` on ``batch`` without checkpointing.
@@ -280,19 +268,21 @@ class Stage:
     # -- forward -------------------------------------------------------------------------
 
     def accept(
-        self, message_values: Sequence[Tensor | None], requires_grad: Sequence[bool]
+        self, values: Sequence[Tensor | None], requires_grad: Sequence[bool]
     ) -> list[Tensor | None]:
-        """What the stage computes from: received values, cut into leaves when the stage
-        drives its own backward pass."""
+        """What the stage computes from: received ``values`` (with a ``requires_grad``
+        flag per tensor), cut into leaves when the stage drives its own backward pass."""
         if self.autograd_backward:
-            return list(message_values)
+            return list(values)
         flags = iter(requires_grad)
-        return [
-            None
-            if value is None
-            else value.detach().requires_grad_(self.grad and next(flags) and _differentiable(value))
-            for value in message_values
-        ]
+        leaves: list[Tensor | None] = []
+        for value in values:
+            if value is None:
+                leaves.append(None)
+                continue
+            needs = next(flags) and self.grad and is_differentiable(value)
+            leaves.append(value.detach().requires_grad_(needs))
+        return leaves
 
     def forward(
         self, i: int, batch: Batch, skips: dict[SkipKey, Tensor | None]
@@ -344,7 +334,7 @@ class Stage:
                 batch,
                 copy_input=self.modifies_input is not False,
                 requires_grad=self.trainable,
-                guard=self._recompute_guard,
+                replay=self._replay,
             )
             checkpointing = chk
             if self.autograd_backward:
@@ -469,21 +459,22 @@ class Stage:
             entry.loss = self.record(Phase.LOSS, i, False, lambda: self._loss(i, main))
 
 
-class _HeldLock:
-    """A generator lock held by a stage (so that nested pipelines run serially)."""
+class _Replayed:
+    """:func:`~gpipe_checkpoint.replay_rng_states`, counted as a generator lock held by a
+    stage (so that a pipeline nested in the partition runs serially)."""
 
-    __slots__ = ("lock",)
+    __slots__ = ("replay",)
 
-    def __init__(self, lock: threading.RLock) -> None:
-        self.lock = lock
+    def __init__(self, device: torch.device, states: RNGStates) -> None:
+        self.replay = replay_rng_states(device, states)
 
     def __enter__(self) -> None:
-        self.lock.acquire()
+        self.replay.__enter__()
         _held.depth += 1
 
     def __exit__(self, *exc_info: object) -> None:
         _held.depth -= 1
-        self.lock.release()
+        self.replay.__exit__(None, None, None)
 
 
 def _grad(tensor: Tensor) -> Tensor | None:

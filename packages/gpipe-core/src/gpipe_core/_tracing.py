@@ -30,7 +30,7 @@ from torch import Tensor
 from torch._C._autograd import _profiler_enabled
 from torch.profiler import record_function
 
-from gpipe_checkpoint import is_checkpointing, is_recomputing
+from gpipe_checkpoint import is_checkpointing, is_differentiable, is_recomputing
 from gpipe_microbatch import AbstractStream, Batch, TensorOrTensors, copy, get_phony
 
 from ._timeline import Phase, TaskEvent, Timeline, task_label
@@ -376,7 +376,7 @@ class Tracer:
         # needs a gradient; then every floating-point input needs one.
         phony = get_phony(batch[0].device, requires_grad=True) if not indices else None
         if phony is not None:
-            indices = [k for k, t in enumerate(batch) if t.is_floating_point() or t.is_complex()]
+            indices = [k for k, t in enumerate(batch) if is_differentiable(t)]
             if not indices:
                 return
         tensors = _Marker.apply(callback, phony, *(batch[k] for k in indices))  # type: ignore[no-untyped-call]

@@ -27,6 +27,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from gpipe_checkpoint import is_differentiable
 from gpipe_microbatch import AbstractStream, Batch, copy, wait
 
 from ._tracing import Tracer
@@ -68,10 +69,6 @@ class Message(NamedTuple):
 
 class Cancelled(Exception):
     """Raised in a stage waiting for a message when the run has been cancelled."""
-
-
-def _differentiable(tensor: Tensor) -> bool:
-    return tensor.is_floating_point() or tensor.is_complex()
 
 
 class Transport(ABC):
@@ -159,7 +156,7 @@ class LocalTransport(Transport):
         present = tuple(value is not None for value in values)
         tensors = [value for value in values if value is not None]
         requires_grad = tuple(
-            tensor.requires_grad or (needs_grad and _differentiable(tensor)) for tensor in tensors
+            tensor.requires_grad or (needs_grad and is_differentiable(tensor)) for tensor in tensors
         )
         if not self.keep_graph:
             tensors = [tensor.detach() for tensor in tensors]

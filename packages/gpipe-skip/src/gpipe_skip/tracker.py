@@ -38,12 +38,6 @@ class SkipTracker:
         skips: skips stashed before the first layer runs (the skips a partition receives
             from earlier partitions).
 
-    Keyword Args:
-        detach: keep every stashed tensor detached from the graph that made it (as a leaf
-            that requires grad if the tensor did). A profiler that runs the backward pass
-            of each layer on its own needs this: the backward of a popping layer then stops
-            at the skip tensor instead of reaching into the stashing layer's graph.
-
     Example:
         >>> import torch
         >>> from gpipe_skip import DEFAULT_NAMESPACE
@@ -55,18 +49,13 @@ class SkipTracker:
         0
     """
 
-    __slots__ = ("_skips", "detach")
+    __slots__ = ("_skips",)
 
-    def __init__(
-        self, skips: Mapping[SkipKey, Tensor | None] | None = None, *, detach: bool = False
-    ) -> None:
+    def __init__(self, skips: Mapping[SkipKey, Tensor | None] | None = None) -> None:
         self._skips: dict[SkipKey, Tensor | None] = dict(skips) if skips else {}
-        self.detach = detach
 
     def stash(self, key: SkipKey, tensor: Tensor | None) -> None:
         """Keep ``tensor`` under ``key`` until it is popped."""
-        if self.detach and tensor is not None:
-            tensor = tensor.detach().requires_grad_(tensor.requires_grad)
         self._skips[key] = tensor
 
     def pop(self, key: SkipKey) -> Tensor | None:
