@@ -1,0 +1,91 @@
+"""gpipe_core's public surface: the names it exports, where they are defined, no public modules.
+
+A change to this list is a change to the public API: it goes into the changelog.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pickle
+import pkgutil
+
+import gpipe_core
+
+PUBLIC_NAMES = [
+    "Action",
+    "BalanceError",
+    "CheckpointMode",
+    "Device",
+    "GPipe",
+    "GPipeSchedule",
+    "Losses",
+    "OneFOneBSchedule",
+    "PartitionSummary",
+    "Phase",
+    "Schedule",
+    "ScheduleError",
+    "TaskEvent",
+    "Timeline",
+    "TimelineSummary",
+    "__version__",
+    "check_actions",
+    "clock_cycles",
+    "get_schedule",
+    "schedules",
+    "simulate",
+    "task_label",
+    "theoretical_bubble",
+]
+
+# Names that are the very objects of a sibling distribution, re-exported.
+REEXPORTED = {"BalanceError"}
+
+
+def _classes_and_functions() -> list[tuple[str, object]]:
+    return [
+        (name, value)
+        for name in gpipe_core.__all__
+        if inspect.isclass(value := getattr(gpipe_core, name)) or inspect.isfunction(value)
+    ]
+
+
+def test_the_public_names_are_pinned() -> None:
+    assert sorted(gpipe_core.__all__) == PUBLIC_NAMES
+    assert len(set(gpipe_core.__all__)) == len(gpipe_core.__all__)
+
+
+def test_every_public_name_resolves() -> None:
+    for name in gpipe_core.__all__:
+        assert hasattr(gpipe_core, name), name
+    version = gpipe_core.__version__
+    assert isinstance(version, str) and version.count(".") >= 2
+
+
+def test_classes_and_functions_are_defined_in_gpipe_core() -> None:
+    checked = _classes_and_functions()
+    assert {name for name, _ in checked} >= {"GPipe", "Timeline", "simulate", "BalanceError"}
+    for name, value in checked:
+        module = value.__module__  # type: ignore[attr-defined]
+        if name in REEXPORTED:
+            # The sibling's own object, public there under the same name.
+            owner = importlib.import_module(module.split(".")[0])
+            assert owner.__name__ != "gpipe_core", name
+            assert getattr(owner, name) is value, name
+            continue
+        # gpipe_core itself or one of its private modules, never a public submodule.
+        assert module == "gpipe_core" or module.startswith("gpipe_core._"), (name, module)
+        # What pickle and tracebacks use to find it again.
+        qualname = value.__qualname__  # type: ignore[attr-defined]
+        assert getattr(importlib.import_module(module), qualname) is value, name
+
+
+def test_public_objects_pickle_by_reference() -> None:
+    for name, value in _classes_and_functions():
+        assert pickle.loads(pickle.dumps(value)) is value, name
+
+
+def test_the_package_has_no_public_submodules() -> None:
+    modules = [info.name for info in pkgutil.iter_modules(gpipe_core.__path__)]
+    assert modules, "no modules found: the package path is wrong"
+    assert [name for name in modules if not name.startswith("_")] == []
