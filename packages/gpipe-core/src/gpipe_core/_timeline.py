@@ -38,7 +38,7 @@ class Phase(str, Enum):
         BACKWARD: the backward pass of a partition on a micro-batch.
         COPY: a micro-batch (or its gradient, in backward) copied between the devices of
             two neighbouring partitions.
-        LOSS: the loss of a micro-batch; reserved for the step API, nothing records it yet.
+        LOSS: the loss of a micro-batch on the last partition, in a step.
     """
 
     FORWARD = "forward"
