@@ -416,7 +416,7 @@ class GPipe(nn.Module):
         In eval mode, or under :func:`torch.no_grad`, the step runs the forward passes and
         losses only, without autograd history.
 
-        If any task raises, every worker stops after its current task and the step
+        If any action raises, every worker stops after its current action and the step
         raises that first exception, with its traceback. Gradients of the micro-batches
         whose backward passes had finished stay in ``.grad`` (zero them before the next
         step); deferred batch norms drop the step's statistics. The model is ready for

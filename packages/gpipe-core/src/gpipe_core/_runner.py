@@ -107,12 +107,12 @@ def run(
     """
     outputs: list[Batch | None] = [None] * len(inputs)
     failure = Failure(transport, actions)
-    program = _Program(stages, transport, inputs, outputs, failure)
+    executor = _Executor(stages, transport, inputs, outputs, failure)
     try:
         if threaded:
-            pool.run_shares(
+            pool.run_jobs(
                 [
-                    partial(program.run, j, stage_actions, state)
+                    partial(executor.run, j, stage_actions, state)
                     for j, stage_actions in enumerate(actions)
                 ],
                 lambda j, exc_info: failure.fail(j, -1, exc_info),  # not raised by an action
@@ -120,7 +120,7 @@ def run(
             )
         else:
             with state.apply():
-                program.run_serially(actions)
+                executor.run_serially(actions)
         failure.raise_first()
     finally:
         transport.reset()
@@ -137,7 +137,7 @@ def _placed(stage: Stage) -> AbstractContextManager[object]:
     return stack
 
 
-class _Program:
+class _Executor:
     """How each action runs: messages in, the stage's work, messages out."""
 
     def __init__(

@@ -220,7 +220,7 @@ class Stage:
         generator, the draws interleave and the recomputation could not replay them. So in
         a run with checkpointing, a partition that draws holds its device's generator lock
         while it computes; partitions that draw none run freely. Whether a partition draws
-        is probed under the lock by its first task in the run (a model may change between
+        is probed under the lock by its first forward pass in the run (a model may change between
         runs: a dropout probability raised from 0, a layer put in eval mode).
         """
         if self.checkpoint_stop == 0 or self.draws is False:

@@ -1,4 +1,4 @@
-"""Worker threads: one per partition, each fed its share of a run through a queue.
+"""Worker threads: one per stage, each fed its stage's part of a run through a queue.
 
 A :class:`WorkerPool` belongs to one GPipe module. Its threads start on the first run that
 needs them and live until the module is garbage-collected (or :meth:`WorkerPool.close` is
@@ -25,17 +25,17 @@ __all__ = ["ExcInfo", "WorkerPool"]
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
 
 
-def _worker_loop(in_queue: SimpleQueue[_Share | None]) -> None:
+def _worker_loop(in_queue: SimpleQueue[_Job | None]) -> None:
     while True:
-        share = in_queue.get()
-        if share is None:
+        job = in_queue.get()
+        if job is None:
             return
-        share.run()  # reports its own end and errors
-        del share
+        job.run()  # reports its own end and errors
+        del job
 
 
-class _Share:
-    """A partition's share of a run, as its worker runs it (see :meth:`WorkerPool.run_shares`).
+class _Job:
+    """A stage's part of a run, as its worker runs it (see :meth:`WorkerPool.run_jobs`).
 
     Whatever happens, its end is counted, an exception going to ``failed`` first.
     """
@@ -64,7 +64,7 @@ class _Share:
 
 
 class _Ended:
-    """How many shares of a run have ended; the caller waits for all of them."""
+    """How many jobs of a run have ended; the caller waits for all of them."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -89,7 +89,7 @@ class WorkerPool:
 
     def __init__(self, workers: int) -> None:
         self.lock = threading.Lock()
-        self.in_queues: list[SimpleQueue[_Share | None]] = [SimpleQueue() for _ in range(workers)]
+        self.in_queues: list[SimpleQueue[_Job | None]] = [SimpleQueue() for _ in range(workers)]
         self.threads: list[threading.Thread] = []
         self.started = False
         self.closed = False
@@ -110,33 +110,33 @@ class WorkerPool:
                 thread.start()
         self.started = True
 
-    def _submit(self, partition: int, share: _Share) -> None:
+    def _submit(self, partition: int, job: _Job) -> None:
         if self.closed:
             raise RuntimeError("the worker pool of this GPipe module is closed")
         if not self.started:
             self._start()
-        self.in_queues[partition].put(share)
+        self.in_queues[partition].put(job)
 
-    def run_shares(
+    def run_jobs(
         self,
-        shares: Sequence[Callable[[], object]],
+        jobs: Sequence[Callable[[], object]],
         failed: Callable[[int, ExcInfo], None],
         stop: Callable[[], None],
     ) -> None:
-        """Run ``shares[j]`` on partition ``j``'s worker, for every ``j``, and wait for all.
+        """Run ``jobs[j]`` on stage ``j``'s worker, for every ``j``, and wait for all.
 
-        A share that raises reports to ``failed(j, exc_info)``; the caller raises what it
-        keeps. Each share reports its own end, so an interrupt in the caller
+        A job that raises reports to ``failed(j, exc_info)``; the caller raises what it
+        keeps. Each job reports its own end, so an interrupt in the caller
         (``KeyboardInterrupt``), wherever it lands, is handled alike: the caller calls
-        ``stop()``, which must make every share end soon, waits for them, and raises; the
+        ``stop()``, which must make every job end soon, waits for them, and raises; the
         next run finds the workers idle.
         """
         with self.lock:
             ended = _Ended()
             submitted = 0
             try:
-                for j, share in enumerate(shares):
-                    self._submit(j, _Share(share, functools.partial(failed, j), ended))
+                for j, job in enumerate(jobs):
+                    self._submit(j, _Job(job, functools.partial(failed, j), ended))
                     submitted += 1
                 ended.wait(submitted)
             except BaseException:
@@ -145,7 +145,7 @@ class WorkerPool:
                 raise
 
     def close(self) -> None:
-        """Stop every worker after its current task and wait for them (idempotent)."""
+        """Stop every worker after its current job and wait for them (idempotent)."""
         self.closed = True
         threads = [thread for thread in self.threads if thread.ident is not None]
         self.threads = []
