@@ -13,6 +13,7 @@ Grad mode and autocast are thread-local in PyTorch, so the runner applies the ca
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -81,6 +82,47 @@ class _Ended:
                 self.changed.wait()
 
 
+class _Starter:
+    """Starts threads from a thread of its own, for every pool of the process.
+
+    CPython gives a new thread's state the identity of the thread that creates it until
+    the new thread runs. An asynchronous exception aimed at the creating thread (a signal's
+    ``KeyboardInterrupt``, or ``PyThreadState_SetAsyncExc`` as timeout helpers use) may
+    then land in the new thread before it has started: it dies, and ``Thread.start``
+    waits forever for it. Nothing aims such exceptions at this thread, started at import.
+    """
+
+    def __init__(self) -> None:
+        self.requests: SimpleQueue[tuple[list[threading.Thread], threading.Event]] = SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="gpipe-starter", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            threads, done = self.requests.get()
+            for thread in threads:
+                if thread.ident is None:  # not started (a started thread has an ident)
+                    thread.start()
+            done.set()
+
+    def start(self, threads: list[threading.Thread]) -> None:
+        """Start the threads of ``threads`` not yet started; return once all have."""
+        done = threading.Event()
+        self.requests.put((threads, done))
+        done.wait()
+
+
+_starter = _Starter()
+
+
+def _new_starter() -> None:
+    global _starter
+    _starter = _Starter()  # the starter thread does not survive a fork
+
+
+os.register_at_fork(after_in_child=_new_starter)
+
+
 class WorkerPool:
     """One worker thread per partition.
 
@@ -105,9 +147,7 @@ class WorkerPool:
                 )
                 for j, in_queue in enumerate(self.in_queues)
             ]
-        for thread in self.threads:
-            if thread.ident is None:  # not started (a started thread has an ident)
-                thread.start()
+        _starter.start(self.threads)
         self.started = True
 
     def _submit(self, partition: int, job: _Job) -> None:
