@@ -371,7 +371,7 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python=DEV_PYTHON)
 def docs(session: nox.Session) -> None:
-    """Sphinx HTML build; every warning and every unresolved reference is an error."""
+    """Sphinx HTML build (warnings and unresolved references are errors); the pages' examples."""
     install_torch(session, DEV_TORCH)
     # matplotlib draws the plot of docs/timeline.rst while the docs build.
     session.install(*SPHINX, PLOT)
@@ -380,6 +380,11 @@ def docs(session: nox.Session) -> None:
     session.run(
         "sphinx-build", "-W", "-n", "--keep-going", "-E", "-b", "html",
         str(DOCS_DIR), str(out), *session.posargs,
+    )  # fmt: skip
+    # The pages' examples (testcode and doctest blocks) run, so that none can rot.
+    session.run(
+        "sphinx-build", "-W", "--keep-going", "-b", "doctest",
+        str(DOCS_DIR), str(DOCS_DIR / "_build" / "doctest"),
     )  # fmt: skip
 
 
