@@ -9,17 +9,13 @@ torch is only installed from a local wheel in one of pip's find-links directorie
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
-from urllib.request import url2pathname
 
 import nox
 
@@ -45,9 +41,6 @@ PLOT = "matplotlib>=3.6"
 nox.options.sessions = ["tests", "lint", "typecheck", "docs", "build"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
-# A Python version that is not installed skips its cells instead of failing the run, also
-# under CI=true (where nox would otherwise default to an error).
-nox.options.error_on_missing_interpreters = False
 # Never fetch interpreters from the network (newer nox downloads missing ones by default).
 if hasattr(nox.options, "download_python"):
     nox.options.download_python = "never"
@@ -81,6 +74,10 @@ def _expose_pyenv_interpreters() -> None:
 
 
 _expose_pyenv_interpreters()
+# A Python version that is not installed skips its cells instead of failing the run, also
+# under CI=true (where nox would otherwise default to an error); but without DEV_PYTHON
+# nothing would be tested, so then every missing interpreter is an error.
+nox.options.error_on_missing_interpreters = shutil.which(f"python{DEV_PYTHON}") is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,126 +225,27 @@ def external_requirements(packages: list[Package] | tuple[Package, ...]) -> list
 # --------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def find_links_dirs() -> tuple[Path, ...]:
-    """Local directories in pip's ``find-links`` setting (configuration files or environment)."""
-    values: list[str] = []
-    try:
-        listing = subprocess.run(
-            [sys.executable, "-m", "pip", "config", "list"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout
-    except OSError:
-        listing = ""
-    for line in listing.splitlines():
-        key, _, value = line.partition("=")
-        if key.strip().endswith("find-links"):
-            values.append(value.strip().strip("'\""))
-    values.append(os.environ.get("PIP_FIND_LINKS", ""))
-
-    dirs: list[Path] = []
-    for value in values:
-        for item in value.split():
-            item = item.removeprefix("file://")
-            path = Path(item)
-            if path.is_dir() and path not in dirs:
-                dirs.append(path)
-    return tuple(dirs)
-
-
-def _python_in(session: nox.Session) -> str:
-    bin_dir = Path(session.bin)
-    for name in ("python", "python.exe"):
-        if (bin_dir / name).exists():
-            return str(bin_dir / name)
-    return "python"
-
-
-def installed_torch_version(session: nox.Session, python: str | None = None) -> str | None:
-    """The torch version importable by ``python`` (the session's by default), or None."""
-    output = session.run(
-        python or _python_in(session),
-        "-c",
-        "import importlib.metadata as m\n"
-        "try:\n    print(m.version('torch'))\nexcept m.PackageNotFoundError:\n    print('-')",
-        silent=True,
-        external=True,
-    )
-    version = str(output).strip().splitlines()[-1] if output else "-"
-    return None if version == "-" else version
-
-
-def local_torch_wheel(session: nox.Session, version: str, python: str | None = None) -> Path | None:
-    """A wheel of torch ``version`` in a find-links directory that ``python`` can install.
-
-    pip itself decides which file matches the interpreter (``--dry-run --no-index``), so no
-    index is contacted and nothing is installed.
-    """
-    dirs = find_links_dirs()
-    if not any(dirs):
-        return None
-    candidates = [w for d in dirs for w in d.glob(f"torch-{version}*.whl")]
-    candidates = [w for w in candidates if re.match(rf"torch-{re.escape(version)}(\+|-)", w.name)]
-    if not candidates:
-        return None
-    report = Path(session.create_tmp()) / "torch-report.json"
-    report.unlink(missing_ok=True)
-    args = ["--no-index", "--no-deps", "--dry-run", "--ignore-installed", "--quiet"]
-    for d in dirs:
-        args += ["--find-links", str(d)]
-    session.run(
-        python or _python_in(session),
-        "-m",
-        "pip",
-        "install",
-        *args,
-        "--report",
-        str(report),
-        f"torch=={version}",
-        silent=True,
-        external=True,
-        success_codes=[0, 1],
-    )
-    if not report.exists():
-        return None
-    for item in json.loads(report.read_text(encoding="utf-8")).get("install", []):
-        url = item.get("download_info", {}).get("url", "")
-        if url.startswith("file:"):
-            return Path(url2pathname(urlparse(url).path))
-    return None
-
-
-def torch_unavailable_reason(version: str, session: nox.Session) -> str:
-    dirs = ", ".join(str(d) for d in find_links_dirs()) or "none configured"
-    return (
-        f"no torch=={version} wheel for Python {session.python or 'default'} in pip's "
-        f"find-links directories ({dirs}) and torch=={version} is not installed; torch is "
-        "never downloaded from an index"
-    )
-
-
 def install_torch(
-    session: nox.Session, version: str, *, python: str | None = None, skip: bool = False
+    session: nox.Session, version: str, *, python: str = "python", skip: bool = False
 ) -> None:
-    """Install torch ``version`` from a local wheel and pin it for the rest of the session.
+    """Install torch ``version`` from pip's find-links only and pin it for the rest of the session.
 
-    When no local wheel fits and that torch is not already installed, the session is skipped
-    (``skip=True``) or fails, with the reason. torch is never resolved from an index.
+    ``--no-index`` limits pip to its find-links directories (or a torch already installed), so
+    torch is never resolved from an index; torch's own dependencies come from the index after.
+    Without a fitting wheel the session is skipped (``skip=True``) or fails, with the reason.
     """
-    have = installed_torch_version(session, python)
-    if have is None or have.split("+")[0] != version:
-        wheel = local_torch_wheel(session, version, python)
-        if wheel is None:
-            reason = torch_unavailable_reason(version, session)
-            if skip:
-                session.skip(reason)
-            session.error(reason)
-        session.run(
-            python or _python_in(session), "-m", "pip", "install", "--quiet", str(wheel),
-            external=True,
-        )  # fmt: skip
+    pip = (python, "-m", "pip", "install", "--quiet")
+    try:
+        session.run(*pip, "--no-index", "--no-deps", f"torch=={version}", external=True)
+    except nox.command.CommandFailed:
+        reason = (
+            f"no torch=={version} wheel for Python {session.python} in pip's find-links "
+            "directories, and that torch is not installed; torch is never downloaded from an index"
+        )
+        if skip:
+            session.skip(reason)
+        session.error(reason)
+    session.run(*pip, f"torch=={version}", external=True)  # its dependencies
     constraints = Path(session.create_tmp()) / "constraints.txt"
     constraints.write_text(f"torch=={version}\n", encoding="utf-8")
     # Every later pip call in this session (build isolation included) keeps this torch.
@@ -414,8 +312,12 @@ def install_all_packages(session: nox.Session) -> None:
 @nox.parametrize("torch", TORCH_VERSIONS)
 @nox.parametrize("python", PYTHONS)
 def tests(session: nox.Session, torch: str) -> None:
-    """Each package's tests, with only its own dependency closure installed."""
-    install_torch(session, torch, skip=True)
+    """Each package's tests and docstring examples, with only its own dependency closure installed.
+
+    A cell without a local torch wheel is skipped, except the default interpreter with the
+    pinned torch: that cell fails, so that the run cannot pass without testing anything.
+    """
+    install_torch(session, torch, skip=(session.python, torch) != (DEV_PYTHON, DEV_TORCH))
     session.install(*TEST_DEPS)
     packages = discover_packages()
     for package in packages:
@@ -434,7 +336,12 @@ def tests(session: nox.Session, torch: str) -> None:
         if external:
             session.install(*external)
         session.run("python", "-m", "pip", "check")
-        session.run("python", "-m", "pytest", f"{package.rel}/tests", *session.posargs)
+        # The tests, and the docstring examples of the installed package (--pyargs), so that
+        # each module is imported once, under its own name.
+        session.run(
+            "python", "-m", "pytest", f"{package.rel}/tests",
+            "--doctest-modules", "--pyargs", package.import_name, *session.posargs,
+        )  # fmt: skip
     uninstall_gpipe(session)
 
 
@@ -464,7 +371,7 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python=DEV_PYTHON)
 def docs(session: nox.Session) -> None:
-    """Sphinx HTML build; every warning and every unresolved reference is an error."""
+    """Sphinx HTML build (warnings and unresolved references are errors); the pages' examples."""
     install_torch(session, DEV_TORCH)
     # matplotlib draws the plot of docs/timeline.rst while the docs build.
     session.install(*SPHINX, PLOT)
@@ -473,6 +380,11 @@ def docs(session: nox.Session) -> None:
     session.run(
         "sphinx-build", "-W", "-n", "--keep-going", "-E", "-b", "html",
         str(DOCS_DIR), str(out), *session.posargs,
+    )  # fmt: skip
+    # The pages' examples (testcode and doctest blocks) run, so that none can rot.
+    session.run(
+        "sphinx-build", "-W", "--keep-going", "-b", "doctest",
+        str(DOCS_DIR), str(DOCS_DIR / "_build" / "doctest"),
     )  # fmt: skip
 
 

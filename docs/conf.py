@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "_ext"))
 
 extensions = [
     "sphinx.ext.autodoc",
+    "sphinx.ext.doctest",
     "sphinx.ext.napoleon",
     "sphinx.ext.viewcode",
     "myst_parser",
@@ -49,6 +50,12 @@ source_suffix = {".rst": "restructuredtext"}
 root_doc = "index"
 exclude_patterns = ["_build"]
 templates_path: list[str] = []
+
+# -- doctest (sphinx-build -b doctest, run by nox -s docs) ----------------------------------
+
+# The pages' examples are testcode and doctest blocks; the docstrings' examples are run by
+# pytest --doctest-modules in the tests session, so plain >>> blocks are not run twice here.
+doctest_test_doctest_blocks = ""
 
 # -- autodoc / napoleon -------------------------------------------------------------------
 
