@@ -1,9 +1,10 @@
 """GPipe pipeline parallelism for PyTorch.
 
 This is the facade over the gpipe distributions: everything a user needs, under one name.
-:class:`GPipe`, :exc:`BalanceError`, :func:`is_checkpointing` and :func:`is_recomputing` are
-here; :mod:`gpipe.skip`, :mod:`gpipe.bn`, :mod:`gpipe.balance`, :mod:`gpipe.timeline` and
-:mod:`gpipe.schedule` re-export the rest, and ``python -m gpipe demo`` runs the demo.
+``gpipe.GPipe``, ``gpipe.BalanceError``, ``gpipe.is_checkpointing`` and
+``gpipe.is_recomputing`` are here; ``gpipe.skip``, ``gpipe.bn``, ``gpipe.balance``,
+``gpipe.timeline`` and ``gpipe.schedule`` re-export the rest, and ``python -m gpipe demo``
+runs the demo.
 
 Example:
     >>> import torch
