@@ -13,6 +13,10 @@ import gpipe.bn
 import gpipe.schedule
 import gpipe.skip
 import gpipe.timeline
+import gpipe_balance
+import gpipe_bn
+import gpipe_core
+import gpipe_skip
 
 NAMES = [
     "BalanceError",
@@ -30,18 +34,20 @@ NAMES = [
 #: The facade modules gpipe.<name>: user API. The command line and the demo are private.
 SUBMODULES = ["balance", "bn", "schedule", "skip", "timeline"]
 
-#: The names of each facade module.
-SUBMODULE_NAMES = {
-    "balance": [
-        "BalanceError",
-        "balance_by_size",
-        "balance_by_time",
-        "block_costs",
-        "profile_sizes",
-        "profile_times",
-        "solve",
-    ],
-    "bn": ["DeferredBatchNorm", "convert_deferred_batch_norm", "mini_batch"],
+#: The facade modules that re-export a distribution: every public name of it but those listed.
+REEXPORTS = {
+    "balance": (gpipe_balance, {"__version__"}),
+    "bn": (gpipe_bn, {"__version__"}),
+    # The skip machinery that only pipelines use (keys, commands, the current tracker) stays
+    # in gpipe_skip.
+    "skip": (
+        gpipe_skip,
+        {"DEFAULT_NAMESPACE", "Pop", "SkipKey", "Stash", "__version__", "current_skip_tracker"},
+    ),
+}
+
+#: The facade modules over gpipe-core, which keeps them among other names.
+CORE_NAMES = {
     "schedule": [
         "Action",
         "GPipeSchedule",
@@ -53,20 +59,6 @@ SUBMODULE_NAMES = {
         "get_schedule",
         "schedules",
         "simulate",
-    ],
-    "skip": [
-        "Namespace",
-        "SkipLayout",
-        "SkipRoute",
-        "SkipTracker",
-        "Skippable",
-        "inspect_skip_layout",
-        "pop",
-        "run_partition",
-        "skippable",
-        "stash",
-        "use_skip_tracker",
-        "verify_skippables",
     ],
     "timeline": [
         "PartitionSummary",
@@ -84,9 +76,22 @@ def test_public_names(public_names: Callable[[ModuleType, list[str], list[str]],
     public_names(gpipe, NAMES, SUBMODULES)
 
 
-@pytest.mark.parametrize("name", SUBMODULES)
-def test_facade_module_names(name: str) -> None:
+@pytest.mark.parametrize("name", sorted(REEXPORTS))
+def test_facade_modules_reexport_a_distribution(name: str) -> None:
     module = getattr(gpipe, name)
-    assert sorted(module.__all__) == SUBMODULE_NAMES[name]
+    package, kept_out = REEXPORTS[name]
+    assert sorted(module.__all__) == sorted(set(package.__all__) - kept_out)
     for attribute in module.__all__:
-        assert getattr(module, attribute, None) is not None, f"gpipe.{name}.{attribute}"
+        assert getattr(module, attribute) is getattr(package, attribute), attribute
+
+
+@pytest.mark.parametrize("name", sorted(CORE_NAMES))
+def test_facade_modules_over_gpipe_core(name: str) -> None:
+    module = getattr(gpipe, name)
+    assert sorted(module.__all__) == CORE_NAMES[name]
+    for attribute in module.__all__:
+        assert getattr(module, attribute) is getattr(gpipe_core, attribute), attribute
+
+
+def test_every_facade_module_is_pinned() -> None:
+    assert sorted([*REEXPORTS, *CORE_NAMES]) == SUBMODULES
