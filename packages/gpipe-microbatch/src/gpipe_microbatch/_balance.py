@@ -1,7 +1,8 @@
 """The checks of a split: a sequential module and a balance of its layers into partitions.
 
-They live here, next to :func:`check_chunks`, so that the balancing tools (gpipe-balance) and
-the pipeline (gpipe-core) raise the same errors without depending on each other.
+They live here, with :func:`check_chunks` and the other checks of what a user passes, so that
+the balancing tools (gpipe-balance) and the pipeline (gpipe-core) raise the same errors
+without depending on each other.
 """
 
 from __future__ import annotations
