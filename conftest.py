@@ -1,10 +1,15 @@
 """Root pytest configuration: tests marked ``cuda`` are skipped without a CUDA GPU.
 
-This file imports nothing but pytest and torch, so every distribution's test suite can use
-it whatever else is installed.
+It also hands out :func:`check_public_names` as a fixture, for each distribution's
+public-names test. This file imports nothing but pytest, torch and the standard library,
+so every distribution's test suite can use it whatever else is installed.
 """
 
 from __future__ import annotations
+
+import pkgutil
+from collections.abc import Callable
+from types import ModuleType
 
 import pytest
 import torch
@@ -33,3 +38,23 @@ def _doctest_names(doctest_namespace: dict[str, object]) -> None:
     # are documented under their package (gpipe_core.GPipe), whose namespace lacks them.
     doctest_namespace["torch"] = torch
     doctest_namespace["nn"] = torch.nn
+
+
+def check_public_names(package: ModuleType, names: list[str], submodules: list[str]) -> None:
+    """Check that ``package``'s public surface is exactly ``names`` and ``submodules``.
+
+    ``package.__all__``, sorted, must be ``names``, every name in it must resolve, and the
+    package's submodules without a leading underscore must be ``submodules`` (sorted): the
+    implementation modules are private, so that a change to the public surface is deliberate.
+    """
+    assert sorted(package.__all__) == names
+    missing = [name for name in package.__all__ if not hasattr(package, name)]
+    assert missing == [], f"{package.__name__} lists names it does not define: {missing}"
+    found = sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.name[0] != "_")
+    assert found == submodules
+
+
+@pytest.fixture
+def public_names() -> Callable[[ModuleType, list[str], list[str]], None]:
+    """:func:`check_public_names`, for tests that cannot import this file by name."""
+    return check_public_names

@@ -1,7 +1,8 @@
 """Nox sessions for the gpipe monorepo (run ``nox -l`` to list them).
 
 Packages are discovered from ``packages/*/pyproject.toml``; each one's sibling dependency
-closure comes from its ``[project].dependencies``, so a new package needs no change here.
+closure comes from its ``[project].dependencies`` (and, for its tests, its ``test`` extra), so
+a new package needs no change here.
 torch is only installed from a local wheel in one of pip's find-links directories (such as
 /opt/wheels) and is pinned for the rest of each session; it is never resolved from an index.
 """
@@ -109,6 +110,8 @@ class Package:
     external: tuple[str, ...]
     #: The requirements of its optional extras (``pip install gpipe[plot]``), siblings aside.
     extras: tuple[str, ...] = ()
+    #: The siblings that only its tests need (its ``test`` extra).
+    test_siblings: tuple[str, ...] = ()
 
     @property
     def rel(self) -> str:
@@ -169,6 +172,11 @@ def discover_packages() -> tuple[Package, ...]:
             for requirement in requirements
             if _requirement_name(requirement) not in raw
         ]
+        test_siblings = [
+            _requirement_name(requirement)
+            for requirement in project.get("optional-dependencies", {}).get("test", [])
+            if _requirement_name(requirement) in raw
+        ]
         packages[name] = Package(
             name=name,
             path=path,
@@ -177,6 +185,7 @@ def discover_packages() -> tuple[Package, ...]:
             siblings=tuple(siblings),
             external=tuple(external),
             extras=tuple(dict.fromkeys(extras)),
+            test_siblings=tuple(test_siblings),
         )
 
     # Kahn's algorithm, alphabetical among packages that are ready at the same time.
@@ -197,11 +206,14 @@ def discover_packages() -> tuple[Package, ...]:
     return tuple(ordered)
 
 
-def closure(package: Package) -> list[Package]:
-    """``package`` and every sibling it needs, transitively, in dependency order."""
+def closure(package: Package, *, tests: bool = False) -> list[Package]:
+    """``package`` and every sibling it needs, transitively, in dependency order.
+
+    With ``tests``, also the siblings that only its tests need (its ``test`` extra).
+    """
     by_name = {p.name: p for p in discover_packages()}
     needed: set[str] = set()
-    stack = [package.name]
+    stack = [package.name, *(package.test_siblings if tests else ())]
     while stack:
         name = stack.pop()
         if name not in needed:
@@ -326,7 +338,7 @@ def tests(session: nox.Session, torch: str) -> None:
     wheels = build_wheels(session, packages)
 
     for package in packages:
-        needed = closure(package)
+        needed = closure(package, tests=True)
         session.log(f"{package.name}: closure {[p.name for p in needed]}")
         uninstall_gpipe(session)
         session.install("--no-deps", *[str(wheels[p.name]) for p in needed])

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-import gpipe_balance.profile as profile_module
+import gpipe_balance._profile as profile_module
 from gpipe_balance import (
     BalanceError,
     balance_by_size,
@@ -20,6 +20,7 @@ from gpipe_balance import (
     profile_sizes,
     profile_times,
 )
+from gpipe_checkpoint import device_rng_lock
 
 # --------------------------------------------------------------------------------------------
 # Snapshots of everything profiling must leave alone
@@ -130,6 +131,60 @@ def test_random_draws_after_profiling_are_as_without() -> None:
     profile_times(model, sample, timeout=0)
     profile_sizes(model, sample)
     assert torch.equal(torch.rand(5), expected)
+
+
+# Whether the profiling thread held the CPU generator's lock at each draw of a Drawing layer
+# (module level: profiling runs deep copies of the layers).
+held_while_drawing: list[bool] = []
+
+
+class Drawing(nn.Module):
+    """Draws random numbers, and records whether its thread holds the generator lock."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        lock = device_rng_lock(torch.device("cpu"))
+        taken: list[bool] = []
+
+        def try_lock() -> None:
+            # Another thread can take the lock only if this one does not hold it.
+            taken.append(lock.acquire(blocking=False))
+            if taken[-1]:
+                lock.release()
+
+        thread = threading.Thread(target=try_lock)
+        thread.start()
+        thread.join()
+        held_while_drawing.append(not taken[0])
+        return x + torch.rand_like(x)
+
+
+@pytest.mark.parametrize("profiler", ["profile_times", "profile_sizes"])
+def test_layers_draw_under_the_generator_lock(profiler: str) -> None:
+    # A pipeline's checkpointed work holds the lock while it draws, so that its
+    # recomputation replays its own draws: profiling draws under the same lock.
+    held_while_drawing.clear()
+    PROFILERS[profiler](nn.Sequential(Drawing()), torch.randn(2, 3))
+    assert held_while_drawing and all(held_while_drawing)
+    # The control: outside profiling, the layer sees the lock free.
+    held_while_drawing.clear()
+    Drawing()(torch.randn(2, 3))
+    assert held_while_drawing == [False]
+
+
+def test_profiling_waits_for_the_generator_lock() -> None:
+    lock = device_rng_lock(torch.device("cpu"))
+    done = threading.Event()
+
+    def run() -> None:
+        profile_sizes(nn.Sequential(nn.Dropout()), torch.randn(2, 3))
+        done.set()
+
+    with lock:
+        thread = threading.Thread(target=run)
+        thread.start()
+        waited = not done.wait(0.2)
+    thread.join(10)
+    assert waited and done.is_set()
 
 
 @st.composite

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-import gpipe_balance.profile as profile_module
+import gpipe_balance._profile as profile_module
 from gpipe_balance import profile_sizes
-from gpipe_balance.progress import Progress
+from gpipe_balance._progress import Progress
 
 
 class Terminal(io.StringIO):

@@ -199,7 +199,7 @@ def test_checkpoint_replays_cuda_dropout() -> None:
 def test_generator_states_are_read_and_written_under_one_lock(use: str) -> None:
     # torch can deadlock two threads that get or set a generator's state at once (its
     # mutex against the GIL); gpipe's own reads and writes wait for one Python lock.
-    from gpipe_checkpoint import rng
+    from gpipe_checkpoint import _rng as rng
 
     cpu = torch.device("cpu")
     states = save_rng_states(cpu)

@@ -16,7 +16,6 @@ PUBLIC_NAMES = [
     "Action",
     "BalanceError",
     "CheckpointMode",
-    "Device",
     "GPipe",
     "GPipeSchedule",
     "Losses",

@@ -8,9 +8,20 @@ from typing import Any
 import pytest
 import torch
 
-from gpipe_microbatch import Batch, Fork, Join, depend, fork, get_phony, join
+from gpipe_microbatch import fork, get_phony, join
+from gpipe_microbatch._dependency import Fork, Join
 
 CPU = torch.device("cpu")
+
+
+def order(first: torch.Tensor, then: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``first`` and ``then`` with an edge: ``first``'s producer runs after ``then``'s consumer.
+
+    A phony is forked off ``first`` and joined to ``then``, as a pipeline orders the
+    backward passes of two micro-batches.
+    """
+    first, phony = fork(first)
+    return first, join(then, phony)
 
 
 class Log(torch.autograd.Function):
@@ -122,10 +133,9 @@ def test_join_backward_runs_the_forked_producer() -> None:
         b = torch.randn(2, requires_grad=True)
         a1 = Log.apply(a, "a", log)
         b1 = Log.apply(b, "b", log)
-        batch_a, batch_b = Batch(a1), Batch(b1)
         if with_edge:
-            depend(batch_a, batch_b)
-        batch_b.tensor.sum().backward()
+            a1, b1 = order(a1, b1)
+        b1.sum().backward()
         assert b.grad is not None
         if with_edge:
             assert log == ["b", "a"]
@@ -151,38 +161,37 @@ def _two_branches(with_edge: bool) -> tuple[list[str], torch.Tensor, torch.Tenso
         _ = a * 1
     a1 = Log.apply(a, "a producer", log)
     b1 = Log.apply(b, "b producer", log)
-    batch_a, batch_b = Batch(a1), Batch(b1)
     if with_edge:
-        depend(batch_a, batch_b)
+        a1, b1 = order(a1, b1)
 
     consumed: dict[str, torch.Tensor] = {}
 
     def consume() -> None:
-        consumed["b"] = Log.apply(batch_b.tensor * 3, "b consumer", log)
+        consumed["b"] = Log.apply(b1 * 3, "b consumer", log)
 
     thread = threading.Thread(target=consume)
     thread.start()
     thread.join()
-    loss = (batch_a.tensor * 2).sum() + consumed["b"].sum()
+    loss = (a1 * 2).sum() + consumed["b"].sum()
     loss.backward()
     assert a.grad is not None and b.grad is not None
     return log, a.grad, b.grad
 
 
-def test_depend_orders_backward() -> None:
+def test_fork_join_orders_backward() -> None:
     log, _, _ = _two_branches(with_edge=True)
     assert sorted(log) == ["a producer", "b consumer", "b producer"]
     # a's producer runs only after b's consumer.
     assert log.index("b consumer") < log.index("a producer")
 
 
-def test_without_depend_the_order_is_different() -> None:
-    # The control for test_depend_orders_backward: the setup does not give the order by itself.
+def test_without_the_edge_the_order_is_different() -> None:
+    # The control for test_fork_join_orders_backward: the setup does not give the order by itself.
     log, _, _ = _two_branches(with_edge=False)
     assert log.index("a producer") < log.index("b consumer")
 
 
-def test_depend_changes_no_values() -> None:
+def test_fork_join_change_no_values() -> None:
     torch.manual_seed(0)
     _, grad_a_plain, grad_b_plain = _two_branches(with_edge=False)
     torch.manual_seed(0)
@@ -191,19 +200,6 @@ def test_depend_changes_no_values() -> None:
     assert torch.equal(grad_b_plain, grad_b_edge)
     assert torch.equal(grad_a_edge, torch.full((2,), 2.0))
     assert torch.equal(grad_b_edge, torch.full((2,), 3.0))
-
-
-def test_depend_uses_floating_tensors() -> None:
-    a = torch.randn(2, requires_grad=True)
-    ints = torch.arange(2)
-    b = torch.randn(2, requires_grad=True)
-    fork_from = Batch((ints, a * 1))
-    join_to = Batch((ints, b * 1))
-    depend(fork_from, join_to)
-    assert fork_from[0] is ints
-    assert join_to[0] is ints
-    assert type(fork_from[1].grad_fn).__name__ == "ForkBackward"
-    assert type(join_to[1].grad_fn).__name__ == "JoinBackward"
 
 
 def test_fork_and_join_functions_directly() -> None:

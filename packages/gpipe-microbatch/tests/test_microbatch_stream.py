@@ -9,7 +9,6 @@ from gpipe_microbatch import (
     CPUStream,
     CPUStreamType,
     current_stream,
-    default_stream,
     get_device,
     is_cuda,
     new_stream,
@@ -26,7 +25,7 @@ cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("factory", [new_stream, current_stream, default_stream])
+@pytest.mark.parametrize("factory", [new_stream, current_stream])
 def test_cpu_streams_are_cpu_stream(factory: object) -> None:
     stream = factory(CPU)  # type: ignore[operator]
     assert stream is CPUStream
@@ -77,7 +76,6 @@ def test_cuda_streams() -> None:
     assert is_cuda(stream)
     assert get_device(stream) == device
     assert stream != torch.cuda.default_stream(device)
-    assert default_stream(device) == torch.cuda.default_stream(device)
     assert current_stream(device) == torch.cuda.current_stream(device)
 
 

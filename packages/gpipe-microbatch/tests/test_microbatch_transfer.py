@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpipe_microbatch import Batch, Copy, CPUStream, Wait, copy, new_stream, use_stream, wait
+from gpipe_microbatch import Batch, CPUStream, copy, new_stream, use_stream, wait
+from gpipe_microbatch._transfer import Copy, Wait
 
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from gpipe.cli import build_parser, main
-from gpipe.demo import DemoConfig, run_demo
+from gpipe._cli import build_parser, main
+from gpipe._demo import DemoConfig, run_demo
 
 TINY = ["--steps", "3", "--batch-size", "16", "--chunks", "2", "--width", "16", "--no-progress"]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gpipe.cli import build_parser, main
-from gpipe.demo import DemoConfig, run_demo
+from gpipe._cli import build_parser, main
+from gpipe._demo import DemoConfig, run_demo
 
 TINY = ["--steps", "2", "--batch-size", "16", "--chunks", "4", "--width", "16", "--no-progress"]
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -5,6 +5,8 @@
 * :func:`profile_times` and :func:`profile_sizes`: the per-layer costs themselves.
 * :func:`solve`: the exact partition solver for any list of per-layer costs, and
   :func:`block_costs` to see the cost of every partition of a balance.
+* :exc:`BalanceError`: what they raise for a number of partitions or costs that no split
+  can have; the very class :exc:`gpipe_microbatch.BalanceError`, which ``GPipe`` raises too.
 
 It needs neither gpipe-core nor a GPU.
 
@@ -19,15 +21,15 @@ Example:
     [1, 3]
 """
 
+from gpipe_microbatch import BalanceError
+
 from .__about__ import __version__
-from .balance import balance_by_size, balance_by_time
-from .errors import BalanceError
-from .profile import Device, profile_sizes, profile_times
-from .solver import block_costs, solve
+from ._balance import balance_by_size, balance_by_time
+from ._profile import profile_sizes, profile_times
+from ._solver import block_costs, solve
 
 __all__ = [
     "BalanceError",
-    "Device",
     "__version__",
     "balance_by_size",
     "balance_by_time",

@@ -18,7 +18,7 @@ Example:
 """
 
 from .__about__ import __version__
-from .batchnorm import DeferredBatchNorm, mini_batch
-from .convert import convert_deferred_batch_norm
+from ._batchnorm import DeferredBatchNorm, mini_batch
+from ._convert import convert_deferred_batch_norm
 
 __all__ = ["DeferredBatchNorm", "__version__", "convert_deferred_batch_norm", "mini_batch"]

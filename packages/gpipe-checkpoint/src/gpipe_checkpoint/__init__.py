@@ -2,8 +2,12 @@
 
 * :func:`checkpoint`: checkpoint one function call, without a pipeline.
 * :class:`Checkpointing`: the checkpoint and recompute phases, for a scheduler to place.
-* :func:`is_checkpointing`, :func:`is_recomputing`: which phase a layer runs in.
-* :func:`save_rng_states`, :func:`restore_rng_states`: CPU and CUDA generator states.
+* :func:`is_checkpointing`, :func:`is_recomputing`: which phase a layer runs in;
+  :func:`enable_checkpointing`, :func:`enable_recomputing` set them for a pipeline that
+  runs the phases itself.
+* :func:`save_rng_states`, :func:`restore_rng_states` and :class:`RNGStates`: CPU and CUDA
+  generator states; :func:`device_rng_lock`: the lock threads hold to keep their random
+  draws replayable.
 
 Example:
     >>> import torch
@@ -16,9 +20,9 @@ Example:
 """
 
 from .__about__ import __version__
-from .checkpoint import Checkpoint, Checkpointing, checkpoint, is_differentiable, run_backward
-from .phase import enable_checkpointing, enable_recomputing, is_checkpointing, is_recomputing
-from .rng import (
+from ._checkpoint import Checkpoint, Checkpointing, checkpoint, is_differentiable, run_backward
+from ._phase import enable_checkpointing, enable_recomputing, is_checkpointing, is_recomputing
+from ._rng import (
     RNGStates,
     device_rng_lock,
     replay_rng_states,

@@ -9,10 +9,11 @@ Example:
     torch.Size([6, 4])
 """
 
+from gpipe_microbatch import BalanceError
+
 from .__about__ import __version__
 from ._gpipe import CheckpointMode, GPipe
 from ._losses import Losses
-from ._partition import BalanceError, Device
 from ._schedule import (
     Action,
     GPipeSchedule,
@@ -39,7 +40,6 @@ __all__ = [
     "Action",
     "BalanceError",
     "CheckpointMode",
-    "Device",
     "GPipe",
     "GPipeSchedule",
     "Losses",

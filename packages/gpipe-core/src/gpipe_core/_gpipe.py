@@ -16,10 +16,12 @@ from gpipe_checkpoint import is_checkpointing, is_recomputing
 from gpipe_microbatch import (
     AbstractStream,
     Batch,
+    Device,
     TensorOrTensors,
     ThreadState,
     check,
     check_chunks,
+    check_module,
     current_stream,
     gather,
     new_stream,
@@ -28,7 +30,7 @@ from gpipe_microbatch import (
 from gpipe_skip import SkipLayout, inspect_skip_layout, verify_skippables
 
 from ._losses import Losses, LossFunction, Reduction
-from ._partition import Device, check_balance, check_split, resolve_devices, split_module
+from ._partition import check_balance, check_split, resolve_devices, split_module
 from ._runner import run
 from ._schedule import (
     Action,
@@ -192,10 +194,7 @@ class GPipe(nn.Module):
         deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(module, nn.Sequential):
-            raise TypeError(
-                f"module must be nn.Sequential to be partitioned (module: {type(module).__name__})"
-            )
+        check_module(module)
         verify_skippables(module)
         self.chunks = check_chunks(chunks)
         self.checkpoint = _check_checkpoint(checkpoint)

@@ -8,13 +8,10 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from gpipe_balance import BalanceError
-from gpipe_balance.solver import check_balance as check_counts
 from gpipe_microbatch import Device, normalize_device
+from gpipe_microbatch import check_balance as check_counts
 
 __all__ = [
-    "BalanceError",
-    "Device",
     "check_balance",
     "check_split",
     "resolve_devices",

@@ -1,11 +1,25 @@
-"""Micro-batches and the low-level pieces a pipeline needs.
+"""Micro-batches and the building blocks a pipeline is made of.
 
-* :class:`Batch`, :func:`scatter`, :func:`gather` and :func:`check`: mini-batches split
-  into micro-batches and put back together.
-* Streams with a CPU fallback: :data:`CPUStream`, :func:`new_stream`, :func:`use_stream` ...
-* :class:`Copy` and :class:`Wait`: a differentiable device copy and a stream wait.
-* :class:`ThreadState`: grad mode and autocast carried into worker threads.
-* :func:`get_phony`, :func:`fork`, :func:`join`, :func:`depend`: ordering edges in autograd.
+Most users never import this package: :class:`~gpipe_core.GPipe` uses it. It is public for
+whoever writes a pipeline or a transport of their own, and these are its building blocks:
+
+* Micro-batches: :class:`Batch`, :func:`scatter` and :func:`gather` split a mini-batch
+  into micro-batches and put them back together; :func:`check` and :func:`check_chunks`
+  check what a user passes.
+* The checks of a split: :func:`check_module`, :func:`check_balance` and
+  :exc:`BalanceError`, shared by the balancing tools and the pipeline.
+* Devices and streams with a CPU fallback: :data:`Device` and :func:`normalize_device`;
+  :data:`CPUStream` stands in for the streams of a device without any, so
+  :func:`new_stream`, :func:`current_stream`, :func:`use_device`, :func:`use_stream`,
+  :func:`wait_stream`, :func:`record_stream`, :func:`get_device` and :func:`is_cuda` work
+  on every device.
+* Moving a micro-batch between devices: :func:`copy` (a differentiable device copy) and
+  :func:`wait` (a stream wait that backward makes in reverse).
+* Ordering in autograd: :func:`get_phony` gives an empty tensor that carries an edge;
+  :func:`fork` splits one off a tensor and :func:`join` makes another tensor's backward
+  run first.
+* :class:`ThreadState`: grad mode, autocast and saved-tensor hooks carried into worker
+  threads.
 
 Example:
     >>> import torch
@@ -18,16 +32,16 @@ Example:
 """
 
 from .__about__ import __version__
-from .batch import Batch, TensorOrTensors, check, check_chunks, gather, scatter
-from .dependency import Fork, Join, depend, fork, join
-from .phony import get_phony
-from .stream import (
+from ._balance import BalanceError, check_balance, check_module
+from ._batch import Batch, TensorOrTensors, check, check_chunks, gather, scatter
+from ._dependency import fork, join
+from ._phony import get_phony
+from ._stream import (
     AbstractStream,
     CPUStream,
     CPUStreamType,
     Device,
     current_stream,
-    default_stream,
     get_device,
     is_cuda,
     new_stream,
@@ -37,28 +51,25 @@ from .stream import (
     use_stream,
     wait_stream,
 )
-from .threadstate import ThreadState
-from .transfer import Copy, Wait, copy, wait
+from ._threadstate import ThreadState
+from ._transfer import copy, wait
 
 __all__ = [
     "AbstractStream",
+    "BalanceError",
     "Batch",
     "CPUStream",
     "CPUStreamType",
-    "Copy",
     "Device",
-    "Fork",
-    "Join",
     "TensorOrTensors",
     "ThreadState",
-    "Wait",
     "__version__",
     "check",
+    "check_balance",
     "check_chunks",
+    "check_module",
     "copy",
     "current_stream",
-    "default_stream",
-    "depend",
     "fork",
     "gather",
     "get_device",

@@ -30,11 +30,11 @@ Example:
 """
 
 from .__about__ import __version__
-from .layout import SkipLayout, SkipRoute, inspect_skip_layout
-from .namespace import DEFAULT_NAMESPACE, Namespace, SkipKey
-from .skippable import Pop, Skippable, Stash, pop, skippable, stash
-from .tracker import SkipTracker, current_skip_tracker, run_partition, use_skip_tracker
-from .verify import verify_skippables
+from ._layout import SkipLayout, SkipRoute, inspect_skip_layout
+from ._namespace import DEFAULT_NAMESPACE, Namespace, SkipKey
+from ._skippable import Pop, Skippable, Stash, pop, skippable, stash
+from ._tracker import SkipTracker, current_skip_tracker, run_partition, use_skip_tracker
+from ._verify import verify_skippables
 
 __all__ = [
     "DEFAULT_NAMESPACE",

@@ -16,7 +16,6 @@ __all__ = [
     "CPUStream",
     "Device",
     "current_stream",
-    "default_stream",
     "get_device",
     "is_cuda",
     "new_stream",
@@ -87,13 +86,6 @@ def current_stream(device: torch.device) -> AbstractStream:
     if device.type != "cuda":
         return CPUStream
     return torch.cuda.current_stream(device)
-
-
-def default_stream(device: torch.device) -> AbstractStream:
-    """The default stream of ``device``."""
-    if device.type != "cuda":
-        return CPUStream
-    return torch.cuda.default_stream(device)
 
 
 def get_device(stream: AbstractStream) -> torch.device:

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .batch import Batch
-from .stream import (
+from ._batch import Batch
+from ._stream import (
     AbstractStream,
     current_stream,
     get_device,
@@ -95,7 +95,23 @@ def _needs_autograd(batch: Batch) -> bool:
 
 
 def copy(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
-    """Copy ``batch`` in place to ``next_stream``'s device, differentiably."""
+    """Copy ``batch`` in place to ``next_stream``'s device, differentiably.
+
+    The copy is queued on ``next_stream`` while ``prev_stream`` is current on the source
+    device; in backward the gradient is copied back on the same pair of streams.
+
+    Args:
+        batch: the micro-batch to copy; its tensors are replaced by their copies.
+        prev_stream: the stream the tensors of ``batch`` were produced on.
+        next_stream: a stream of the target device (:data:`CPUStream` for the CPU).
+
+    Example:
+        >>> from gpipe_microbatch import CPUStream
+        >>> batch = Batch(torch.ones(2, requires_grad=True))
+        >>> copy(batch, CPUStream, CPUStream)
+        >>> batch.tensor.device, batch.tensor.requires_grad
+        (device(type='cpu'), True)
+    """
     if _needs_autograd(batch):
         tensors = Copy.apply(prev_stream, next_stream, *batch)  # type: ignore[no-untyped-call]
     else:

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .namespace import SkipKey
+from ._namespace import SkipKey
 
 __all__ = [
     "SkipTracker",

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .namespace import SkipKey
-from .skippable import Skippable
+from ._namespace import SkipKey
+from ._skippable import Skippable
 
 __all__ = ["verify_skippables"]
 
@@ -33,7 +33,7 @@ def _skip(key: SkipKey) -> str:
 
 def _pairs_own_skips(module: nn.Module) -> bool:
     """Whether ``module`` keeps a skip layout of its own, as a GPipe does: it pairs its skips."""
-    from .layout import SkipLayout  # layout imports this module
+    from ._layout import SkipLayout  # _layout imports this module
 
     return isinstance(module.__dict__.get("skip_layout"), SkipLayout)
 

@@ -38,8 +38,8 @@ from torch import Tensor
 
 from gpipe_microbatch import Batch, TensorOrTensors, ThreadState, check, get_phony
 
-from .phase import enable_checkpointing, enable_recomputing
-from .rng import RNGStates, replay_rng_states, save_rng_states
+from ._phase import enable_checkpointing, enable_recomputing
+from ._rng import RNGStates, replay_rng_states, save_rng_states
 
 __all__ = ["Checkpoint", "Checkpointing", "checkpoint", "is_differentiable", "run_backward"]
 

@@ -8,7 +8,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from gpipe_microbatch import check_chunks
 
-from .batchnorm import DeferredBatchNorm
+from ._batchnorm import DeferredBatchNorm
 
 __all__ = ["convert_deferred_batch_norm"]
 

@@ -9,14 +9,18 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from .namespace import DEFAULT_NAMESPACE, Namespace, SkipKey
-from .tracker import current_skip_tracker
+from ._namespace import DEFAULT_NAMESPACE, Namespace, SkipKey
+from ._tracker import current_skip_tracker
 
 __all__ = ["Pop", "Skippable", "Stash", "pop", "skippable", "stash"]
 
 
 class Stash:
-    """The command ``yield stash(name, tensor)`` hands to the skippable layer's driver."""
+    """The command ``yield stash(name, tensor)`` hands to the skippable layer's driver.
+
+    Made by :func:`stash`; public as a type, for a typed generator ``forward``:
+    ``Generator[Stash | Pop, Tensor | None, Tensor]``.
+    """
 
     __slots__ = ("name", "tensor")
 
@@ -29,7 +33,10 @@ class Stash:
 
 
 class Pop:
-    """The command ``yield pop(name)`` hands to the skippable layer's driver."""
+    """The command ``yield pop(name)`` hands to the skippable layer's driver.
+
+    Made by :func:`pop`; public as a type, like :class:`Stash`.
+    """
 
     __slots__ = ("name",)
 

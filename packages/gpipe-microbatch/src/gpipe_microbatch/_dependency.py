@@ -12,10 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .batch import Batch
-from .phony import get_phony
+from ._phony import get_phony
 
-__all__ = ["Fork", "Join", "depend", "fork", "join"]
+__all__ = ["Fork", "Join", "fork", "join"]
 
 
 class Fork(torch.autograd.Function):
@@ -46,8 +45,17 @@ class Join(torch.autograd.Function):
 def fork(input: Tensor) -> tuple[Tensor, Tensor]:
     """Split a phony off ``input``: returns ``(input, phony)``.
 
-    Without autograd (grad disabled, or ``input`` not requiring grad) the phony carries
-    no edge.
+    Pass the phony to :func:`join` on another tensor: in backward, the gradient reaches
+    ``input``'s producer only after the joined tensor's backward has run. Without autograd
+    (grad disabled, or ``input`` not requiring grad) the phony carries no edge.
+
+    Example:
+        >>> a = torch.ones(2, requires_grad=True)
+        >>> b = torch.ones(2, requires_grad=True)
+        >>> _, phony = fork(a * 2)
+        >>> join(b * 3, phony).sum().backward()  # reaches a's branch, after b's
+        >>> a.grad, b.grad
+        (tensor([0., 0.]), tensor([3., 3.]))
     """
     if torch.is_grad_enabled() and input.requires_grad:
         output, phony = Fork.apply(input)  # type: ignore[no-untyped-call]
@@ -61,15 +69,3 @@ def join(input: Tensor, phony: Tensor) -> Tensor:
         output: Tensor = Join.apply(input, phony)  # type: ignore[no-untyped-call]
         return output
     return input
-
-
-def depend(fork_from: Batch, join_to: Batch) -> None:
-    """Order backward so that ``fork_from``'s producer runs after ``join_to``'s consumer.
-
-    Both batches are changed in place.
-    """
-    fork_index = fork_from.find_tensor_idx()
-    join_index = join_to.find_tensor_idx()
-    tensor, phony = fork(fork_from[fork_index])
-    fork_from.replace(fork_index, tensor)
-    join_to.replace(join_index, join(join_to[join_index], phony))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from gpipe_microbatch import TensorOrTensors
+from gpipe_microbatch import Device, TensorOrTensors, check_module
 
-from .profile import Device, check_module, profile_sizes, profile_times
-from .solver import check_partitions, solve
+from ._profile import profile_sizes, profile_times
+from ._solver import check_partitions, solve
 
 __all__ = ["balance_by_size", "balance_by_time"]
 

@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = build_parser().parse_args(argv)
     if args.command == "demo":
-        from .demo import DemoConfig, run_demo
+        from ._demo import DemoConfig, run_demo
 
         config = DemoConfig(
             steps=args.steps,

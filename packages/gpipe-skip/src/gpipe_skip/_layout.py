@@ -7,9 +7,9 @@ from typing import NamedTuple
 
 from torch import nn
 
-from .namespace import Namespace, SkipKey
-from .skippable import Skippable
-from .verify import raise_problems, scan_layers
+from ._namespace import Namespace, SkipKey
+from ._skippable import Skippable
+from ._verify import raise_problems, scan_layers
 
 __all__ = ["SkipLayout", "SkipRoute", "inspect_skip_layout"]
 

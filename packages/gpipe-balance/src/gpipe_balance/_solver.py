@@ -8,9 +8,9 @@ from collections.abc import Iterable
 from fractions import Fraction
 from numbers import Rational, Real
 
-from .errors import BalanceError
+from gpipe_microbatch import BalanceError, check_balance
 
-__all__ = ["block_costs", "check_balance", "check_partitions", "solve"]
+__all__ = ["block_costs", "check_partitions", "solve"]
 
 
 def check_partitions(partitions: object, layers: int) -> int:
@@ -55,28 +55,6 @@ def _scaled(costs: object) -> list[int]:
     exact = _exact(costs)
     factor = math.lcm(1, *(cost.denominator for cost in exact))
     return [cost.numerator * (factor // cost.denominator) for cost in exact]
-
-
-def check_balance(balance: object, layers: int) -> list[int]:
-    """Check that ``balance`` splits ``layers`` layers into non-empty blocks; returns it.
-
-    Raises:
-        BalanceError: ``balance`` is not a list of counts, is empty, has an entry that is
-            not a positive integer, or does not sum to ``layers``.
-    """
-    if isinstance(balance, (str, bytes)) or not isinstance(balance, Iterable):
-        raise BalanceError(f"balance must be a list of layer counts (balance: {balance!r})")
-    counts = list(balance)
-    if not counts:
-        raise BalanceError("balance must have at least one partition (balance: [])")
-    for count in counts:
-        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
-            raise BalanceError(f"balance must contain only positive integers (balance: {counts})")
-    if sum(counts) != layers:
-        raise BalanceError(
-            f"balance must sum to the number of layers (balance: {counts}, layers: {layers})"
-        )
-    return counts
 
 
 def block_costs(costs: Iterable[float], balance: Iterable[int]) -> list[float]:

@@ -26,33 +26,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gpipe_checkpoint import device_rng_lock, restore_rng_states, save_rng_states
 from gpipe_microbatch import (
     Batch,
     Device,
     TensorOrTensors,
     check,
     check_chunks,
+    check_module,
     normalize_device,
     scatter,
     use_device,
 )
 
-from .progress import Progress
+from ._progress import Progress
 
-__all__ = ["Device", "check_module", "profile_sizes", "profile_times", "resolve_device"]
-
-
-def check_module(module: object) -> nn.Sequential:
-    """Check that ``module`` is an ``nn.Sequential``; returns it.
-
-    Raises:
-        TypeError: it is not.
-    """
-    if not isinstance(module, nn.Sequential):
-        raise TypeError(
-            f"module must be nn.Sequential to be partitioned (module: {type(module).__name__})"
-        )
-    return module
+__all__ = ["profile_sizes", "profile_times", "resolve_device"]
 
 
 def resolve_device(batch: Batch, device: Device | None, what: str) -> torch.device:
@@ -83,14 +72,14 @@ def _synchronize(device: torch.device) -> None:
 
 @contextmanager
 def _preserved_rng(device: torch.device) -> Generator[None, None, None]:
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    try:
+    """Run the body holding ``device``'s generator lock, then put back the generator states.
+
+    The lock keeps a pipeline's checkpointed work from drawing in between (its recomputation
+    would not replay its draws); the states are gpipe-checkpoint's, saved and restored
+    under its lock.
+    """
+    with device_rng_lock(device), restore_rng_states(device, save_rng_states(device)):
         yield
-    finally:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
 
 
 # Objects that a layer's copy owns. Other objects copied with one layer (names, namespaces,
