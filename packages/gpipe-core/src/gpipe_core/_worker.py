@@ -93,23 +93,48 @@ class _Starter:
     """
 
     def __init__(self) -> None:
-        self.requests: SimpleQueue[tuple[list[threading.Thread], threading.Event]] = SimpleQueue()
+        self.requests: SimpleQueue[tuple[list[threading.Thread], _Request]] = SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name="gpipe-starter", daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
         while True:
-            threads, done = self.requests.get()
-            for thread in threads:
-                if thread.ident is None:  # not started (a started thread has an ident)
-                    thread.start()
-            done.set()
+            threads, request = self.requests.get()
+            try:
+                for thread in threads:
+                    if thread.ident is None:  # not started (a started thread has an ident)
+                        thread.start()
+            except BaseException as error:  # handed to the caller, which raises it
+                request.error = error
+            finally:
+                request.done.set()
+            del threads, request
 
     def start(self, threads: list[threading.Thread]) -> None:
-        """Start the threads of ``threads`` not yet started; return once all have."""
-        done = threading.Event()
-        self.requests.put((threads, done))
-        done.wait()
+        """Start the threads of ``threads`` not yet started; return once all have.
+
+        Raises:
+            RuntimeError: the starter thread is gone.
+            BaseException: what starting a thread raised.
+        """
+        request = _Request()
+        self.requests.put((threads, request))
+        while not request.done.wait(1.0):
+            if not self.thread.is_alive():
+                raise RuntimeError("gpipe's thread starter has stopped; no worker can start")
+        if request.error is not None:
+            error, request.error = request.error, None
+            raise error
+
+
+class _Request:
+    """One request to the starter: set when done, with the error of a failed start."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
 
 
 _starter = _Starter()
