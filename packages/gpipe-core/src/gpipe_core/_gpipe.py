@@ -354,6 +354,7 @@ class GPipe(nn.Module):
         outer recomputation must replay its random draws in the same order, and its
         workers would wait forever for a generator lock the calling thread holds.
         """
+        self._pool.refuse_reentry()
         m, n = len(batches), len(self.partitions)
         tracer = tracer_for(self, m)
         streams = [current_stream(device) for device in self.devices]

@@ -160,6 +160,8 @@ class WorkerPool:
         self.threads: list[threading.Thread] = []
         self.started = False
         self.closed = False
+        #: The thread whose run holds the pool, if any.
+        self.owner: int | None = None
 
     def _start(self) -> None:
         # Every thread is listed before any starts, and the pool counts as started only
@@ -195,8 +197,13 @@ class WorkerPool:
         (``KeyboardInterrupt``), wherever it lands, is handled alike: the caller calls
         ``stop()``, which must make every job end soon, waits for them, and raises; the
         next run finds the workers idle.
+
+        Raises:
+            RuntimeError: see :meth:`refuse_reentry`.
         """
+        self.refuse_reentry()
         with self.lock:
+            self.owner = threading.get_ident()
             ended = _Ended()
             submitted = 0
             try:
@@ -208,6 +215,24 @@ class WorkerPool:
                 stop()
                 ended.wait(submitted)
                 raise
+            finally:
+                self.owner = None
+
+    def refuse_reentry(self) -> None:
+        """Refuse a run started from inside a run of this pool.
+
+        Raises:
+            RuntimeError: called from one of this pool's workers, or from the thread whose
+                run holds the pool (a layer or hook re-entering its own module): waiting for
+                the workers would wait for itself.
+        """
+        current = threading.current_thread()
+        if current in self.threads or self.owner == current.ident:
+            raise RuntimeError(
+                "a GPipe module was called from inside its own run (a layer or a hook of the "
+                "module called it, or its step, again); it cannot wait for its own workers, "
+                f"so re-entering a module is not supported (thread: {current.name})"
+            )
 
     def close(self) -> None:
         """Stop every worker after its current job and wait for them (idempotent)."""
