@@ -390,3 +390,30 @@ def test_deepcopy_and_pickle_keep_skips_working(assert_matches_plain: Callable[.
     for clone in (copy.deepcopy(pipe), pickle.loads(pickle.dumps(pipe))):
         assert [r.pop_partition for r in clone.skip_layout.crossing()] == [3]
         assert_matches_plain(clone, plain, x)
+
+
+@pytest.mark.parametrize("path", ["forward", "step"])
+def test_a_conditional_skip_inside_one_partition_that_changes_is_a_clear_error(
+    path: str, assert_matches_plain: Callable[..., Any]
+) -> None:
+    # Stash and pop in the same partition: the skip never leaves it, but a recomputation
+    # that stashes otherwise recomputes another function, whose gradient would be wrong.
+    torch.manual_seed(0)
+    model = nn.Sequential(FlakyStash(), nn.Linear(WIDTH, WIDTH), TolerantPop(), nn.Tanh()).double()
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, [3, 1], chunks=2, checkpoint="always")
+    x = torch.randn(4, WIDTH, dtype=torch.float64)
+    y = torch.randn(4, WIDTH, dtype=torch.float64)
+    pipe[0].flaky = True
+    with pytest.raises(
+        RuntimeError,
+        match=r"the recomputation of output of partition 0 differs from its first run: .* "
+        r"\(first run stashed: \['long'\], recomputation stashed: \[\]\)",
+    ):
+        if path == "forward":
+            pipe(x).sum().backward()
+        else:
+            pipe.step(x, y, nn.MSELoss())
+    pipe[0].flaky = False
+    pipe.zero_grad()
+    assert_matches_plain(pipe, plain, x, weighted=True)

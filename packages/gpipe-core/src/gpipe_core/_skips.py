@@ -2,7 +2,7 @@
 
 A stage with skippable layers runs as a function of its input and the skips it pops
 from earlier stages, returning its output and the skips it stashes for later stages
-(:func:`gpipe_skip.run_partition`). Both sides travel in one flat batch: the stage's
+(as :func:`gpipe_skip.run_partition` runs it). Both sides travel in one flat batch: the stage's
 tensors first, then the skip tensors. Under checkpointing the checkpointed function is
 that flat function, so the recomputation stashes again for its own backward, and the
 gradient of every skip tensor flows like any other.
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 
 from gpipe_microbatch import Batch, TensorOrTensors, check
-from gpipe_skip import SkipKey, run_partition
+from gpipe_skip import SkipKey, SkipTracker, use_skip_tracker
 
 __all__ = ["SkipCall"]
 
@@ -52,6 +52,8 @@ class SkipCall:
         self.none_in = tuple(key for key, value in skips_in.items() if value is None)
         self.provides = tuple(provides)
         self.structure: _Structure | None = None
+        # Every stash of the first run, also those popped inside the partition.
+        self.history: tuple[tuple[SkipKey, bool], ...] = ()
 
     def flat_input(self, batch: Batch, skips_in: dict[SkipKey, Tensor | None]) -> Batch:
         """The flat batch this call takes."""
@@ -65,8 +67,11 @@ class SkipCall:
             zip(self.in_keys, tensors[self.inputs :], strict=True)
         )
         skips.update(dict.fromkeys(self.none_in))
-        output, stashed = run_partition(self.partition, input, skips)
-        output = check(output, self.what)
+        tracker = SkipTracker(skips)
+        with use_skip_tracker(tracker):
+            output = check(self.partition(input), self.what)
+        stashed = tracker.stashed()
+        history = tuple(tracker.history)
         outputs = (output,) if isinstance(output, Tensor) else output
         values = [stashed[key] for key in self.provides]
         present = tuple(
@@ -74,14 +79,15 @@ class SkipCall:
         )
         structure = (isinstance(output, Tensor), len(outputs), present)
         if self.structure is None:
-            self.structure = structure
-        elif structure != self.structure:
+            self.structure, self.history = structure, history
+        elif structure != self.structure or history != self.history:
+            # Within the partition too: the recomputed graph would belong to another
+            # function than the one the checkpoint phase ran.
             raise RuntimeError(
                 f"the recomputation of {self.what} differs from its first run: a conditional "
                 "skip stashed None in one run and a tensor in the other, or the output "
-                "changed shape (first run stashed: "
-                f"{[name for _, name in self.structure[2]]}, recomputation stashed: "
-                f"{[name for _, name in present]})"
+                f"changed shape (first run stashed: {_names(self.history)}, "
+                f"recomputation stashed: {_names(history)})"
             )
         return (*outputs, *(value for value in values if value is not None))
 
@@ -94,3 +100,8 @@ class SkipCall:
         skips: dict[SkipKey, Tensor | None] = dict.fromkeys(self.provides)
         skips.update(zip(present, tensors[count:], strict=True))
         return output, skips
+
+
+def _names(history: Sequence[tuple[SkipKey, bool]]) -> list[str]:
+    """The names of the skips a run stashed as tensors, in order."""
+    return [name for (_, name), tensor in history if tensor]

@@ -49,14 +49,19 @@ class SkipTracker:
         0
     """
 
-    __slots__ = ("_skips",)
+    __slots__ = ("_skips", "history")
 
     def __init__(self, skips: Mapping[SkipKey, Tensor | None] | None = None) -> None:
         self._skips: dict[SkipKey, Tensor | None] = dict(skips) if skips else {}
+        #: Every stash made into this tracker, in order: its key and whether it stashed a
+        #: tensor (rather than None). Two runs of one function that stash alike have equal
+        #: histories (a recomputation checks its own against the first run's).
+        self.history: list[tuple[SkipKey, bool]] = []
 
     def stash(self, key: SkipKey, tensor: Tensor | None) -> None:
         """Keep ``tensor`` under ``key`` until it is popped."""
         self._skips[key] = tensor
+        self.history.append((key, tensor is not None))
 
     def pop(self, key: SkipKey) -> Tensor | None:
         """Remove and return the tensor stashed under ``key``.
@@ -165,6 +170,7 @@ def run_partition(
 
     Returns:
         ``(output, skips_out)``: the partition's output and the skips it leaves stashed.
+        (:class:`SkipTracker` and :func:`use_skip_tracker` give more: every stash made.)
 
     Example:
         >>> import torch
