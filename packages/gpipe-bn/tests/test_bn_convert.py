@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize, spectral_norm, weight_norm
 
-from gpipe_bn import DeferredBatchNorm, convert_deferred_batch_norm
+from gpipe_bn import DeferredBatchNorm, convert_deferred_batch_norm, mini_batch
 
 
 class Block(nn.Module):
@@ -109,12 +109,21 @@ def test_on_cuda() -> None:
     assert int(converted.num_batches_tracked) == 1
 
 
-def test_a_shared_layer_stays_shared() -> None:
+def test_a_layer_used_at_two_places_is_refused() -> None:
+    # nn.BatchNorm would update its statistics once per place; deferred, they would be
+    # pooled over both places and counted once.
     shared = nn.BatchNorm1d(4)
     model = nn.Sequential(shared, nn.Linear(4, 4), shared)
-    convert_deferred_batch_norm(model)
-    assert isinstance(model[0], DeferredBatchNorm)
-    assert model[0] is model[2]
+    with pytest.raises(ValueError, match=r"used at several places .* \(places: \['0', '2'\]\)"):
+        convert_deferred_batch_norm(model)
+    assert model[0] is shared and model[2] is shared  # unchanged
+
+
+def test_mini_batch_refuses_a_deferred_layer_used_at_two_places() -> None:
+    shared = DeferredBatchNorm(4)
+    model = nn.Sequential(shared, nn.Linear(4, 4), shared)
+    with pytest.raises(ValueError, match="used at several places"), mini_batch(model):
+        pass
 
 
 def test_subclasses_are_converted_other_norms_are_not() -> None:

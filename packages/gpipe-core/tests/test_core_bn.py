@@ -443,3 +443,14 @@ def test_nested_pipelines_update_once(checkpoint: str) -> None:
     )
     inputs = [torch.randn(size, 6, dtype=torch.float64) for size in (16, 12)]
     train_both(outer, plain, inputs)
+
+
+def test_one_batch_norm_at_two_places_is_refused() -> None:
+    # nn.BatchNorm counts two updates per mini-batch there; deferred statistics cannot.
+    shared = nn.BatchNorm1d(4)
+    model = nn.Sequential(shared, nn.Linear(4, 4), shared, nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"used at several places .*\['0', '2'\]"):
+        GPipe(model, [2, 2], chunks=2, deferred_batch_norm=True)
+    assert model[0] is shared and model[2] is shared  # unchanged
+    # Without deferred batch norm it runs, as nn.BatchNorm would.
+    GPipe(model, [2, 2], chunks=2)(torch.randn(4, 4))

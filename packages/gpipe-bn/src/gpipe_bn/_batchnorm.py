@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from gpipe_checkpoint import is_recomputing
 from gpipe_microbatch import check_chunks
+
+_Layer = TypeVar("_Layer", bound=nn.Module)
 
 __all__ = ["DeferredBatchNorm", "mini_batch"]
 
@@ -310,6 +312,7 @@ def mini_batch(module: nn.Module) -> Iterator[None]:
 
     Raises:
         TypeError: ``module`` is not an :class:`~torch.nn.Module`.
+        ValueError: one :class:`DeferredBatchNorm` is used at several places of ``module``.
 
     Example:
         Gradient accumulation over micro-batches, with the statistics of the whole batch:
@@ -326,7 +329,7 @@ def mini_batch(module: nn.Module) -> Iterator[None]:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module (module: {type(module).__name__})")
-    layers = [layer for layer in module.modules() if isinstance(layer, DeferredBatchNorm)]
+    layers = list(dict.fromkeys(batch_norm_places(module, DeferredBatchNorm)))
     for layer in layers:
         if layer._deferring == 0:
             layer._discard()
@@ -346,3 +349,30 @@ def mini_batch(module: nn.Module) -> Iterator[None]:
                     layer.commit()
                 else:
                     layer._discard()
+
+
+def batch_norm_places(module: nn.Module, kind: type[_Layer]) -> list[_Layer]:
+    """The layers of ``module`` of type ``kind``, refusing one used at several places.
+
+    A batch norm layer used at two places of a model updates its running statistics twice
+    per mini-batch without micro-batches (``num_batches_tracked`` counts 2), once with the
+    statistics at each place; deferred, its statistics would be pooled over both places
+    and counted once. So such a layer is refused rather than tracked otherwise.
+
+    Raises:
+        ValueError: a layer of type ``kind`` is used at several places.
+    """
+    places: dict[int, list[str]] = {}
+    layers: list[_Layer] = []
+    for name, layer in module.named_modules(remove_duplicate=False):
+        if isinstance(layer, kind):
+            places.setdefault(id(layer), []).append(name or "<module>")
+            layers.append(layer)
+    for names in places.values():
+        if len(names) > 1:
+            raise ValueError(
+                "a batch norm layer used at several places cannot defer its running "
+                "statistics: nn.BatchNorm updates them once per place, deferred they would "
+                f"be pooled and counted once; give each place a layer of its own (places: {names})"
+            )
+    return layers

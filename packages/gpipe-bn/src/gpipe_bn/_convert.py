@@ -8,7 +8,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from gpipe_microbatch import check_chunks
 
-from ._batchnorm import DeferredBatchNorm
+from ._batchnorm import DeferredBatchNorm, batch_norm_places
 
 __all__ = ["convert_deferred_batch_norm"]
 
@@ -80,9 +80,10 @@ def convert_deferred_batch_norm(module: nn.Module, chunks: int = 1) -> nn.Module
     Each batch normalization layer (subclasses included) is replaced by a
     :class:`DeferredBatchNorm` that holds the same parameter and buffer tensors, so weights,
     running statistics, device, dtype, ``requires_grad`` and the training mode are kept, and
-    that accepts the same input shapes. A layer that appears in several places is replaced by
-    one layer in all of them. Other layers (``nn.SyncBatchNorm``, layers already deferred)
-    are left as they are. Hooks registered on a replaced layer are not carried over.
+    that accepts the same input shapes. A layer used at several places is refused: deferred,
+    its statistics could not be those of each place. Other layers (``nn.SyncBatchNorm``,
+    layers already deferred) are left as they are. Hooks registered on a replaced layer are
+    not carried over.
 
     The tree is changed in place (not at all if an error is raised); the return value is
     ``module``, or its replacement when ``module`` is itself a batch normalization layer.
@@ -101,7 +102,8 @@ def convert_deferred_batch_norm(module: nn.Module, chunks: int = 1) -> nn.Module
             layer has not been initialized by a first forward pass yet, or a batch
             normalization layer holds tensors the new layer would not keep (a weight
             reparametrized by :mod:`torch.nn.utils.parametrize`, ``weight_norm`` or
-            ``spectral_norm``, or tensors of a subclass).
+            ``spectral_norm``, or tensors of a subclass), or a batch normalization layer is
+            used at several places.
 
     Example:
         >>> from torch import nn
@@ -113,7 +115,8 @@ def convert_deferred_batch_norm(module: nn.Module, chunks: int = 1) -> nn.Module
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module (module: {type(module).__name__})")
     chunks = check_chunks(chunks)
-    for node in module.modules():  # refuse before replacing anything
+    batch_norm_places(module, _BatchNorm)  # refuse before replacing anything
+    for node in module.modules():
         _kind_of(node)
     replaced: dict[int, nn.Module] = {}
 
