@@ -416,6 +416,11 @@ class GPipe(nn.Module):
         In eval mode, or under :func:`torch.no_grad`, the step runs the forward passes and
         losses only, without autograd history.
 
+        Each micro-batch has its own backward pass, so hooks that fire once per backward
+        pass of the plain model (``register_post_accumulate_grad_hook``, and with it the
+        "optimizer step in backward" recipe) fire once per micro-batch: step the optimizer
+        after the step returns.
+
         If any action raises, every worker stops after its current action and the step
         raises that first exception, with its traceback. Gradients of the micro-batches
         whose backward passes had finished stay in ``.grad`` (zero them before the next
