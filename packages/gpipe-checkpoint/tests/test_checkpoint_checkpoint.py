@@ -584,18 +584,44 @@ def test_parameter_free_module_output_requires_grad_only_with_input() -> None:
     assert z.requires_grad
 
 
-def test_autograd_grad_is_refused_with_a_clear_error() -> None:
-    # The recomputed graph accumulates into .grad, which torch.autograd.grad must never
-    # touch; like PyTorch's reentrant checkpoint, refuse it instead.
-    layer = nn.Linear(3, 2)
+def test_autograd_grad_through_a_checkpointed_module_is_exact() -> None:
+    # A module's parameters are inputs of the checkpointed node: torch.autograd.grad and
+    # backward(inputs=...) get their gradients as from the module itself, .grad untouched.
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
     x = torch.randn(4, 3, requires_grad=True)
     y = checkpoint(layer, x)
     assert isinstance(y, torch.Tensor)
+    got = torch.autograd.grad(y.pow(2).sum(), [x, layer[0].weight, layer[2].bias])
+    expected = torch.autograd.grad(layer(x).pow(2).sum(), [x, layer[0].weight, layer[2].bias])
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e)
+    assert all(p.grad is None for p in layer.parameters())
+    checkpoint(layer, x).sum().backward(inputs=[layer[2].weight])  # type: ignore[union-attr]
+    assert layer[2].weight.grad is not None and layer[0].weight.grad is None
+
+
+def test_autograd_grad_through_a_function_is_refused_with_a_clear_error() -> None:
+    # A plain function's tensors are unknown: the recomputed graph can only accumulate into
+    # .grad, which torch.autograd.grad must never touch; refuse it, as PyTorch's reentrant
+    # checkpoint does.
+    weight = torch.randn(3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    y = checkpoint(lambda t: t * weight, x)
+    assert isinstance(y, torch.Tensor)
     with pytest.raises(RuntimeError, match=r"torch\.autograd\.grad\(\)"):
         torch.autograd.grad(y.sum(), x)
-    assert layer.weight.grad is None
-    # The same layer still trains through .backward() afterwards.
-    y = checkpoint(layer, x)
+    assert weight.grad is None
+    # It still trains through .backward() afterwards.
+    y = checkpoint(lambda t: t * weight, x)
     assert isinstance(y, torch.Tensor)
     y.sum().backward()
-    torch.testing.assert_close(layer.weight.grad, x.detach().sum(0).expand(2, 3))
+    torch.testing.assert_close(weight.grad, x.detach().sum(0))
+
+
+def test_second_order_gradients_are_refused() -> None:
+    layer = nn.Linear(3, 2)
+    y = checkpoint(layer, torch.randn(4, 3))
+    assert isinstance(y, torch.Tensor)
+    with pytest.raises(RuntimeError, match="second-order gradients"):
+        torch.autograd.grad(y.pow(2).sum(), list(layer.parameters()), create_graph=True)

@@ -468,12 +468,14 @@ def test_autograd_grad_without_checkpointing_matches_plain() -> None:
     assert all(p.grad is None for p in pipe.parameters())
 
 
-@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
-def test_autograd_grad_through_checkpoints_is_refused(checkpoint: str) -> None:
-    pipe, _ = pipe_and_plain(checkpoint)
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_autograd_grad_through_checkpoints_toward_the_input(checkpoint: str) -> None:
+    # More of torch.autograd.grad and backward(inputs=...) in test_core_autograd_api.py.
+    pipe, plain = pipe_and_plain(checkpoint)
     x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
-    with pytest.raises(RuntimeError, match=r"backward\(\) only"):
-        torch.autograd.grad(pipe(x).sum(), x)
+    (got,) = torch.autograd.grad(pipe(x).sum(), x)
+    (expected,) = torch.autograd.grad(plain(x).sum(), x)
+    torch.testing.assert_close(got, expected)
 
 
 @pytest.mark.parametrize("checkpoint", MODES)

@@ -29,7 +29,7 @@ Either way the same two routines run the phases.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -85,6 +85,13 @@ class Checkpointing:
             :func:`replay_rng_states`, the saved generator states under the device's
             generator lock). A scheduler that knows ``function`` draws nothing may skip
             the restore, so that it cannot disturb other threads' draws.
+        parameters: every tensor that requires grad which ``function`` uses besides its
+            input (a module's parameters). The autograd node placed by :meth:`checkpoint`
+            then takes them as inputs and returns their gradients, so that
+            :func:`torch.autograd.grad` and ``backward(inputs=...)`` see them as with the
+            function itself. Without them (None), the recomputation accumulates into the
+            ``.grad`` of whatever the function uses, and only ``.backward()`` is
+            supported (:func:`torch.autograd.grad` raises).
 
     Example:
         >>> layer = torch.nn.Linear(3, 3)
@@ -115,6 +122,7 @@ class Checkpointing:
         copy_input: bool = False,
         requires_grad: bool = True,
         replay: Callable[[torch.device, RNGStates], AbstractContextManager[object]] | None = None,
+        parameters: Iterable[Tensor] | None = None,
     ) -> None:
         self.function = function
         self.batch = batch
@@ -123,6 +131,8 @@ class Checkpointing:
         self.input_modified = False
         self.requires_grad = requires_grad
         self.replay = replay if replay is not None else replay_rng_states
+        #: The tensors ``function`` uses besides its input (a module's parameters), or None.
+        self.parameters = tuple(parameters) if parameters is not None else None
         # Whether recompute_in_backward() has armed the node, and the phony the
         # checkpoint phase returns next to the outputs.
         self.armed = False
@@ -198,7 +208,7 @@ class Checkpointing:
         if phony is None or not (phony.requires_grad and torch.is_grad_enabled()):
             phony = get_phony(self.batch[0].device, requires_grad=self.requires_grad)
         *output, self.phony = Checkpoint.apply(  # type: ignore[no-untyped-call]
-            phony, self, *self.batch
+            phony, self, *self.batch, *(self.parameters or ())
         )
         return Batch(output[0] if self.output_atomic else tuple(output))
 
@@ -253,17 +263,23 @@ def run_backward(tensors: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
         >>> x.grad
         tensor([3., 3.])
     """
-    if _engine_run_backward is None or any(
-        type(tensor) is not Tensor
-        or type(grad) is not Tensor
-        or tensor.shape != grad.shape
-        or tensor.dtype != grad.dtype
-        for tensor, grad in zip(tensors, grads, strict=True)
-    ):
+    if _engine_run_backward is None or not _plain(tensors, grads):
         torch.autograd.backward(list(tensors), list(grads))
         return
     _engine_run_backward(
         tuple(tensors), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True
+    )
+
+
+def _plain(tensors: Sequence[Tensor], grads: Sequence[Tensor]) -> bool:
+    """Whether each gradient is a plain tensor of its tensor's shape and dtype (so the
+    engine may be called without torch.autograd's checks and conversions)."""
+    return all(
+        type(tensor) is Tensor
+        and type(grad) is Tensor
+        and tensor.shape == grad.shape
+        and tensor.dtype == grad.dtype
+        for tensor, grad in zip(tensors, grads, strict=True)
     )
 
 
@@ -275,15 +291,22 @@ class Checkpoint(torch.autograd.Function):
     """Both phases in one autograd node: forward without history; in backward, recompute
     the function with autograd and pass the gradients through the recomputed graph.
 
-    Called as ``Checkpoint.apply(phony, checkpointing, *input)``; returns the outputs and
-    a phony (see :meth:`Checkpointing.recompute_in_backward`). One node rather than one per phase:
-    the recomputation runs right before the checkpoint phase's backward either way, and
-    each autograd node of a Python function costs a task several microseconds.
+    Called as ``Checkpoint.apply(phony, checkpointing, *input, *parameters)``; returns the
+    outputs and a phony (see :meth:`Checkpointing.recompute_in_backward`). One node rather
+    than one per phase: the recomputation runs right before the checkpoint phase's backward
+    either way, and each autograd node of a Python function costs several microseconds.
+
+    Second-order gradients (a backward pass with ``create_graph=True``) are refused: the
+    gradients this node returns are computed from a recomputed graph cut at the node's
+    input, so a graph of them would miss every path through the input.
     """
 
     @staticmethod
-    def forward(ctx: Any, phony: Tensor, chk: Checkpointing, *input: Tensor) -> tuple[Tensor, ...]:
+    def forward(
+        ctx: Any, phony: Tensor, chk: Checkpointing, *input_and_parameters: Tensor
+    ) -> tuple[Tensor, ...]:
         ctx.chk = chk
+        input = input_and_parameters[: len(chk.batch)]
         ctx.save_for_backward(*input)
         # Unused outputs (and the phony) pass no gradient (None) to the recomputed graph.
         ctx.set_materialize_grads(False)
@@ -301,10 +324,25 @@ class Checkpoint(torch.autograd.Function):
                 "(call Checkpointing.recompute_in_backward on the output of "
                 "Checkpointing.checkpoint)"
             )
-        if not torch.autograd._is_checkpoint_valid():  # type: ignore[no-untyped-call]
+        if torch.is_grad_enabled():  # the engine runs backward in grad mode = create_graph
+            raise RuntimeError(
+                "checkpointing cannot give second-order gradients (a backward pass with "
+                "create_graph=True through a checkpointed function): the recomputed graph "
+                "is cut at the function's input; turn checkpointing off for such a backward "
+                "pass (GPipe(..., checkpoint='never'))"
+            )
+        # A whole backward pass (.backward()) accumulates into .grad of every leaf the
+        # recomputed graph reaches; one that wants some inputs only (torch.autograd.grad,
+        # .backward(inputs=...)) gets the gradients of the input and of the parameters
+        # returned, as the function itself would give them.
+        whole = torch.autograd._is_checkpoint_valid()  # type: ignore[no-untyped-call]
+        parameters = chk.parameters
+        if not whole and parameters is None:
             raise RuntimeError(
                 "checkpointing works with .backward() only, not with torch.autograd.grad() "
-                "or .backward(inputs=...): the recomputed graph accumulates into .grad"
+                "or .backward(inputs=...), unless the checkpointed function's parameters are "
+                "given (Checkpointing(..., parameters=...)): the recomputed graph accumulates "
+                "into .grad"
             )
         input_leaf = tuple(
             tensor.detach().requires_grad_(tensor.requires_grad) for tensor in ctx.saved_tensors
@@ -315,11 +353,33 @@ class Checkpoint(torch.autograd.Function):
             for tensor, grad in zip(tensors, grad_output[:-1], strict=False)
             if tensor.requires_grad and grad is not None
         ]
-        if pairs:
-            run_backward([t for t, _ in pairs], [g for _, g in pairs])
+        roots, seeds = [t for t, _ in pairs], [g for _, g in pairs]
         grad_input: list[Tensor | None] = [None, None]
-        grad_input.extend(leaf.grad for leaf in input_leaf)
+        if whole or parameters is None:
+            if pairs:
+                run_backward(roots, seeds)
+            grad_input.extend(leaf.grad for leaf in input_leaf)
+            grad_input.extend(None for _ in parameters or ())  # accumulated already
+            return tuple(grad_input)
+        wanted = [t for t in (*input_leaf, *parameters) if t.requires_grad]
+        found = iter(_gradients(roots, seeds, wanted) if pairs and wanted else [None] * len(wanted))
+        grad_input.extend(next(found) if t.requires_grad else None for t in input_leaf)
+        grad_input.extend(next(found) if t.requires_grad else None for t in parameters)
         return tuple(grad_input)
+
+
+def _gradients(
+    tensors: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor]
+) -> tuple[Tensor | None, ...]:
+    """``torch.autograd.grad(tensors, inputs, grads, allow_unused=True)``, minus its checks
+    when needless (see :func:`run_backward`)."""
+    if _engine_run_backward is None or not _plain(tensors, grads):
+        return torch.autograd.grad(list(tensors), list(inputs), list(grads), allow_unused=True)
+    result: tuple[Tensor | None, ...] = _engine_run_backward(
+        tuple(tensors), tuple(grads), False, False, tuple(inputs), allow_unreachable=True,
+        accumulate_grad=False,
+    )  # fmt: skip
+    return result
 
 
 def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
@@ -355,7 +415,8 @@ def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
     requires_grad = not isinstance(function, torch.nn.Module) or any(
         parameter.requires_grad for parameter in function.parameters()
     )
-    chk = Checkpointing(function, batch, requires_grad=requires_grad)
+    parameters = function.parameters() if isinstance(function, torch.nn.Module) else None
+    chk = Checkpointing(function, batch, requires_grad=requires_grad, parameters=parameters)
     output = chk.checkpoint()
     chk.recompute_in_backward(output)
     return output.value

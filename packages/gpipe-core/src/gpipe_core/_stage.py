@@ -199,10 +199,15 @@ class Stage:
                 self.stashes.setdefault(route.pop_partition, []).append(route.key)
 
     @cached_property
+    def parameters(self) -> tuple[Tensor, ...]:
+        """The partition's parameters that require grad."""
+        return tuple(p for p in self.partition.parameters() if p.requires_grad)
+
+    @property
     def trainable(self) -> bool:
         """Whether the partition has parameters to train: a checkpointed output needs
         gradients then, even where its input needs none."""
-        return any(p.requires_grad for p in self.partition.parameters())
+        return bool(self.parameters)
 
     def record(self, phase: Phase, i: int, backward: bool, function: Callable[[], _T]) -> _T:
         """Run ``function`` as the stage's task ``phase`` on micro-batch ``i``, traced."""
@@ -335,6 +340,8 @@ class Stage:
                 copy_input=self.modifies_input is not False,
                 requires_grad=self.trainable,
                 replay=self._replay,
+                # Autograd sees them (torch.autograd.grad, backward(inputs=...)).
+                parameters=self.parameters if self.autograd_backward else None,
             )
             checkpointing = chk
             if self.autograd_backward:
