@@ -184,8 +184,12 @@ class Stage:
         #: Whether the partition modifies its input in place (None: not known yet).
         self.modifies_input: bool | None = None
         self.in_flight: dict[int, _InFlight] = {}
-        # The phony forked off the previous micro-batch's output (autograd backward).
+        # The phony forked off the previous micro-batch's output (autograd backward), and
+        # whether to order the micro-batches' backward passes so: recomputations need it
+        # (each runs right before its own backward pass), and CUDA streams; on the CPU
+        # without checkpointing, autograd's own order serves and saves two nodes per task.
         self.phony: Tensor | None = None
+        self.ordered = checkpoint_stop > 0 or device.type == "cuda"
         # The skips the stage pops, by the stage that stashes them, and those it stashes,
         # by the stage that pops them.
         self.layout = skip_layout if skip_layout is not None and not skip_layout.empty else None
@@ -396,7 +400,7 @@ class Stage:
         elif self.tracer is not None:
             # A checkpointed micro-batch's backward starts where its recomputation ends.
             self.tracer.output(output, i, self.index, self.stream)
-        if i == self.microbatches - 1:
+        if i == self.microbatches - 1 or not self.ordered:
             self.phony = None
             return
         if chk is not None:
