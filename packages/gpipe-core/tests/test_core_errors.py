@@ -11,7 +11,9 @@ import pytest
 import torch
 from torch import nn
 
+import gpipe_core._partition as gpipe_partition
 from gpipe_core import BalanceError, GPipe
+from gpipe_core._partition import check_split
 
 
 def three_layers() -> nn.Sequential:
@@ -92,13 +94,43 @@ def test_parameter_shared_across_devices_is_refused() -> None:
         "a parameter or buffer is shared by partitions on different devices "
         "(partition 0 on cpu, partition 1 on meta)"
     )
+    # Two devices without a GPU: GPipe itself refuses meta (see below), so the check that
+    # GPipe runs before moving anything is called directly.
+    devices = [torch.device("cpu"), torch.device("meta")]
     with pytest.raises(ValueError, match=re.escape(message)):
-        GPipe(model, [1, 2], devices=["cpu", "meta"])
-    # Refused before anything moved.
+        check_split(model, [1, 2], devices)
     assert shared.weight.device.type == "cpu"
 
 
-def test_refused_split_leaves_batch_norms_unconverted() -> None:
+@pytest.mark.parametrize(
+    ("devices", "error", "message"),
+    [
+        (["cpu", "meta"], ValueError, r"moving layers to meta would lose their weights"),
+        (["cpu", "bogus"], ValueError, r"not a device \(devices\[1\]: 'bogus'"),
+        (["cpu", None], TypeError, r"devices\[1\]: None"),
+        ([1.5, 2], TypeError, r"devices\[0\]: 1.5"),
+        ([-1, "cpu"], ValueError, r"cannot be negative \(devices\[0\]: -1"),
+    ],
+)
+def test_bad_devices_are_refused_before_any_layer_moves(
+    devices: list[object], error: type[Exception], message: str
+) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    with pytest.raises(error, match=message):
+        GPipe(model, [1, 1], devices=devices, deferred_batch_norm=True)  # type: ignore[arg-type]
+    assert model[0].weight.device.type == "cpu"
+    assert type(model[1]) is nn.BatchNorm1d
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_a_cuda_device_without_cuda_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"CUDA is not available \(devices\[1\]: 'cuda:0'"):
+        GPipe(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), [1, 1], devices=["cpu", "cuda:0"])
+
+
+def test_refused_split_leaves_batch_norms_unconverted(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pretend meta holds data, so that the split itself is refused (a shared parameter).
+    monkeypatch.setattr(gpipe_partition, "_device", lambda device, k, devices: torch.device(device))
     shared = nn.Linear(2, 2)
     model = nn.Sequential(shared, nn.BatchNorm1d(2), shared)
     with pytest.raises(ValueError, match="shared by partitions on different devices"):

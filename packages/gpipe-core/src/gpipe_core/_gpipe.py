@@ -88,8 +88,8 @@ def _builtin_actions(
 ) -> tuple[tuple[Action, ...], ...]:
     plan = kind()
     lists = plan.actions(m, n) if backward else plan.forward_only(m, n)
-    check_actions(lists, m, backward=backward)
-    return tuple(tuple(actions) for actions in lists)
+    checked = check_actions(lists, m, backward=backward, partitions=n, schedule=plan)
+    return tuple(tuple(actions) for actions in checked)
 
 
 def _actions(plan: Schedule, m: int, n: int, backward: bool) -> Sequence[Sequence[Action]]:
@@ -97,8 +97,7 @@ def _actions(plan: Schedule, m: int, n: int, backward: bool) -> Sequence[Sequenc
     if type(plan) in (GPipeSchedule, OneFOneBSchedule):
         return _builtin_actions(type(plan), m, n, backward)
     lists = plan.actions(m, n) if backward else plan.forward_only(m, n)
-    check_actions(lists, m, backward=backward)
-    return lists
+    return check_actions(lists, m, backward=backward, partitions=n, schedule=plan)
 
 
 def _to(batch: Batch, device: torch.device) -> Batch:
@@ -195,6 +194,11 @@ class GPipe(nn.Module):
     ) -> None:
         super().__init__()
         check_module(module)
+        if not isinstance(deferred_batch_norm, bool):
+            raise TypeError(
+                f"deferred_batch_norm must be True or False (deferred_batch_norm: "
+                f"{deferred_batch_norm!r})"
+            )
         verify_skippables(module)
         self.chunks = check_chunks(chunks)
         self.checkpoint = _check_checkpoint(checkpoint)
@@ -330,8 +334,17 @@ class GPipe(nn.Module):
         # checkpointed.
         grad = torch.is_grad_enabled()
         checkpoint_stop = self._checkpoint_stop(m) if self.training and grad else 0
-        outputs = self._run(batches, actions, grad, checkpoint_stop, autograd_backward=True)
-        return gather(cast(list[Batch], outputs))
+        outputs = cast(
+            list[Batch], self._run(batches, actions, grad, checkpoint_stop, autograd_backward=True)
+        )
+        for i, output in enumerate(outputs):
+            for tensor in output:
+                if tensor.dim() == 0:
+                    raise ValueError(
+                        f"output of partition {n - 1} must have a batch dimension to gather "
+                        f"the micro-batches (micro-batch {i}, shape: {tuple(tensor.shape)})"
+                    )
+        return gather(outputs)
 
     def _checkpoint_stop(self, m: int) -> int:
         """How many of ``m`` micro-batches are checkpointed in training."""
@@ -502,7 +515,7 @@ class GPipe(nn.Module):
         actions = _actions(plan, m, n, backward)
         total = sum(sizes)
         scales = [size / total if reduction == "mean" and total else 1.0 for size in sizes]
-        losses = LossSpec(loss_fn, targets, scales)
+        losses = LossSpec(loss_fn, targets, scales, backward)
         with torch.set_grad_enabled(backward):
             state = ThreadState.capture()
         checkpoint_stop = self._checkpoint_stop(m) if backward else 0

@@ -36,7 +36,10 @@ def resolve_devices(devices: Iterable[Device] | None, partitions: int) -> list[t
     for every partition.
 
     Raises:
-        ValueError: fewer devices than partitions.
+        TypeError: ``devices`` is not a list, or an entry is not a device, a device name
+            or an index.
+        ValueError: fewer devices than partitions, or a device that cannot hold a
+            partition (unknown, without CUDA, a CUDA index out of range, ``meta``).
     """
     if devices is None:
         if torch.cuda.is_available():
@@ -48,13 +51,40 @@ def resolve_devices(devices: Iterable[Device] | None, partitions: int) -> list[t
             raise TypeError(
                 f"devices must be a list of devices, one per partition (devices: {devices!r})"
             )
-        resolved = [normalize_device(device) for device in devices]
+        resolved = [_device(device, k, devices) for k, device in enumerate(devices)]
     if len(resolved) < partitions:
         raise ValueError(
             "too few devices to hold the partitions "
             f"(devices: {len(resolved)}, partitions: {partitions})"
         )
     return resolved[:partitions]
+
+
+def _device(device: object, k: int, devices: object) -> torch.device:
+    """``devices[k]`` as a device that can hold a partition, or a clear error."""
+    where = f"devices[{k}]: {device!r}, devices: {devices!r}"
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"devices must hold devices, device names or indices ({where})")
+    if isinstance(device, int) and device < 0:
+        raise ValueError(f"a device index cannot be negative ({where})")
+    try:
+        resolved = normalize_device(device)
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(f"devices has an entry that is not a device ({where})") from error
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"devices names a CUDA device but CUDA is not available ({where})")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(
+                "devices names a CUDA device that does not exist "
+                f"(cuda devices: {torch.cuda.device_count()}, {where})"
+            )
+    elif resolved.type in ("meta",):
+        raise ValueError(
+            f"devices must be devices that hold tensors' data; moving layers to meta would "
+            f"lose their weights ({where})"
+        )
+    return resolved
 
 
 def _check_shared(partitions: Sequence[nn.Sequential], devices: Sequence[torch.device]) -> None:

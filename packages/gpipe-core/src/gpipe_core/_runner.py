@@ -181,10 +181,19 @@ class _Executor:
                         self.act(j, action)
 
     def act(self, j: int, action: Action) -> None:
-        if action.kind == "forward":
-            self.forward(j, action.microbatch)
-        else:
-            self.backward(j, action.microbatch)
+        try:
+            if action.kind == "forward":
+                self.forward(j, action.microbatch)
+            else:
+                self.backward(j, action.microbatch)
+        except Cancelled:
+            raise
+        except Exception as error:
+            # Where it happened, as a note: the type and the traceback stay the error's own.
+            add_note = getattr(error, "add_note", None)  # Python 3.11+
+            if add_note is not None:
+                add_note(f"(in {action.kind} of micro-batch {action.microbatch} on partition {j})")
+            raise
 
     def forward(self, j: int, i: int) -> None:
         stage, transport = self.stages[j], self.transport

@@ -89,7 +89,7 @@ class Schedule(ABC):
 
     def forward_only(self, microbatches: int, partitions: int) -> list[list[Action]]:
         """The forward actions alone, in the same order (a step without backward)."""
-        lists = self.actions(microbatches, partitions)
+        lists = _as_lists(self.actions(microbatches, partitions), partitions, self)
         return [[action for action in actions if action.kind == "forward"] for actions in lists]
 
     def grid(self, microbatches: int, partitions: int) -> str:
@@ -215,18 +215,29 @@ def _dependencies(action: Action, j: int, partitions: int) -> list[tuple[int, Ac
 
 
 def check_actions(
-    lists: Sequence[Sequence[Action]], microbatches: int, *, backward: bool = True
-) -> None:
+    lists: Sequence[Sequence[Action]],
+    microbatches: int,
+    *,
+    backward: bool = True,
+    partitions: int | None = None,
+    schedule: object = None,
+) -> list[list[Action]]:
     """Check that action lists can run: each action once, in an order that cannot deadlock.
 
     Args:
         lists: each partition's actions.
         microbatches: the number of micro-batches.
         backward: whether the lists have backward actions (else forward ones only).
+        partitions: how many lists there must be (default: any number).
+        schedule: the schedule that made the lists, named in the errors.
+
+    Returns:
+        The lists, as lists.
 
     Raises:
-        ScheduleError: a partition misses or repeats an action, runs a backward pass
-            before its forward pass, or the partitions would wait for each other forever.
+        ScheduleError: the lists are not one list of actions per partition, a partition
+            misses or repeats an action, runs a backward pass before its forward pass, or
+            the partitions would wait for each other forever.
 
     Example:
         >>> check_actions([[Action("backward", 0), Action("forward", 0)]], 1)
@@ -234,6 +245,7 @@ def check_actions(
           ...
         gpipe_core._schedule.ScheduleError: partition 0 runs B0 before F0 (actions: ['B0', 'F0'])
     """
+    lists = _as_lists(lists, partitions, schedule)
     kinds: tuple[ActionKind, ...] = ("forward", "backward") if backward else ("forward",)
     expected = {Action(kind, i) for kind in kinds for i in range(microbatches)}
     for j, actions in enumerate(lists):
@@ -256,6 +268,35 @@ def check_actions(
                     f"partition {j} runs {action} before F{action.microbatch} (actions: {names})"
                 )
     simulate(lists)
+    return lists
+
+
+def _as_lists(lists: object, partitions: int | None, schedule: object) -> list[list[Action]]:
+    """``lists`` as one list of actions per partition, or a :class:`ScheduleError`."""
+    who = f"schedule {schedule!r} returned" if schedule is not None else "got"
+    if not isinstance(lists, (list, tuple)):
+        raise ScheduleError(
+            f"action lists must be a list with one list of actions per partition ({who}: "
+            f"{type(lists).__name__})"
+        )
+    if partitions is not None and len(lists) != partitions:
+        raise ScheduleError(
+            f"action lists must be one per partition ({who} {len(lists)} lists for "
+            f"{partitions} partitions)"
+        )
+    result: list[list[Action]] = []
+    for j, actions in enumerate(lists):
+        if not isinstance(actions, (list, tuple)) or not all(
+            isinstance(action, Action) for action in actions
+        ):
+            seen = type(actions).__name__
+            if isinstance(actions, (list, tuple)):
+                seen = f"{seen} holding {sorted({type(a).__name__ for a in actions})}"
+            raise ScheduleError(
+                f"the action list of partition {j} must be a list of Action ({who}: {seen})"
+            )
+        result.append(list(actions))
+    return result
 
 
 def simulate(lists: Sequence[Sequence[Action]]) -> list[list[Action | None]]:

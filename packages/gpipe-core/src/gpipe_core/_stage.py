@@ -91,14 +91,20 @@ class LossSpec:
         loss_fn: ``loss_fn(output, target)`` returns a scalar tensor.
         targets: the micro-batches of the target, on the last stage's device.
         scales: what each micro-batch's loss is multiplied by before its backward pass.
+        backward: whether the losses are differentiated (a training step).
     """
 
     def __init__(
-        self, loss_fn: LossFunction, targets: Sequence[Batch], scales: Sequence[float]
+        self,
+        loss_fn: LossFunction,
+        targets: Sequence[Batch],
+        scales: Sequence[float],
+        backward: bool,
     ) -> None:
         self.loss_fn = loss_fn
         self.targets = targets
         self.scales = scales
+        self.backward = backward
         #: Each micro-batch's loss, detached, once computed.
         self.losses: list[Tensor | None] = [None] * len(targets)
 
@@ -108,6 +114,13 @@ class LossSpec:
             seen = f"shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
             raise ValueError(
                 f"loss_fn must return a scalar tensor (micro-batch {i}, loss_fn returned: {seen})"
+            )
+        if self.backward and not loss.requires_grad:
+            # loss.backward() would raise here; a step would silently train nothing.
+            raise ValueError(
+                "loss_fn must return a loss with autograd history in a training step "
+                f"(micro-batch {i}, loss_fn returned a tensor that does not require grad: "
+                "detached, constant or integer)"
             )
         self.losses[i] = loss.detach()
         scale = self.scales[i]
@@ -362,7 +375,17 @@ class Stage:
             def compute() -> Batch:
                 return self._call(function, batch)
 
-        output = self._guarded(lambda: self.record(Phase.FORWARD, i, False, compute))
+        try:
+            output = self._guarded(lambda: self.record(Phase.FORWARD, i, False, compute))
+        except RuntimeError as error:
+            if self.autograd_backward or "leaf Variable that requires grad" not in str(error):
+                raise
+            # As the forward pass refuses it: the stage's input is a leaf of its own graph.
+            raise RuntimeError(
+                f"partition {self.index} modified its input in place (micro-batch {i}), "
+                "which a step cannot differentiate: each partition's input is a leaf of "
+                "its own graph; make the layer out-of-place (nn.ReLU(inplace=False))"
+            ) from error
         if chk is not None and (self.modifies_input is None or chk.input_modified):
             self.modifies_input = chk.input_modified
         if self.autograd_backward:

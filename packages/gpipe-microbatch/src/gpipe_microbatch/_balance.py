@@ -7,7 +7,8 @@ without depending on each other.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 
 from torch import nn
 
@@ -53,7 +54,8 @@ def check_balance(balance: object, layers: int) -> list[int]:
         ...     print(error)
         balance must contain only positive integers (balance: [2, 0])
     """
-    if isinstance(balance, (str, bytes)) or not isinstance(balance, Iterable):
+    if isinstance(balance, (str, bytes, Mapping, AbstractSet)) or not isinstance(balance, Iterable):
+        # A mapping or a set has no order of partitions (a dict would give its keys).
         raise BalanceError(f"balance must be a list of layer counts (balance: {balance!r})")
     counts = list(balance)
     if not counts:
