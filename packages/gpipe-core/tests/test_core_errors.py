@@ -279,6 +279,9 @@ def test_partition_output_must_be_a_tensor_or_tuple(
         pytest.param(lambda m: m.to(torch.zeros(1)), id="to(tensor)"),
         pytest.param(lambda m: m.to("cpu", torch.float64), id="to('cpu', dtype)"),
         pytest.param(lambda m: m.to("meta"), id="to('meta')"),
+        pytest.param(lambda m: m.to(0), id="to(0)"),
+        pytest.param(lambda m: m.to(device=0), id="to(device=0)"),
+        pytest.param(lambda m: m.to("cuda"), id="to('cuda')"),
     ],
 )
 def test_moving_is_refused(move: object) -> None:

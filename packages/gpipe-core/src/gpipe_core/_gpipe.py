@@ -286,6 +286,11 @@ class GPipe(nn.Module):
         Raises:
             TypeError: the arguments name a device (or a tensor, which has one).
         """
+        # A device index is refused as it is, before torch resolves it (without an
+        # accelerator torch would raise its own error for it).
+        index = kwargs.get("device", args[0] if args else None)
+        if isinstance(index, int) and not isinstance(index, bool):
+            self._refuse_move(".to(device)", index)
         device: torch.device | None = torch._C._nn._parse_to(*args, **kwargs)[0]
         if device is not None:
             self._refuse_move(".to(device)", device)
