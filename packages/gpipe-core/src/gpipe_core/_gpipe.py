@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, NoReturn, cast
@@ -215,6 +216,9 @@ class GPipe(nn.Module):
         #: Which skip connections cross which partitions (see :mod:`gpipe_skip`).
         self.skip_layout = inspect_skip_layout(self._partition_list())
         self._init_runtime()
+        # Checkpoints use the plain module's keys, whatever the balance.
+        self.register_state_dict_post_hook(_plain_keys)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(_partition_keys)  # type: ignore[no-untyped-call]
 
     def _init_runtime(self) -> None:
         """The state that is not copied or pickled: copy streams and worker threads."""
@@ -242,6 +246,31 @@ class GPipe(nn.Module):
 
     def _partition_list(self) -> list[nn.Sequential]:
         return cast(list[nn.Sequential], list(self.partitions))
+
+    def unwrap(self) -> nn.Sequential:
+        """The layers as one :class:`~torch.nn.Sequential`, in order, under their names.
+
+        The same layer objects, trained, wherever they are: a copy
+        (:func:`copy.deepcopy`) is the plain model without the pipeline, to move, save or
+        serve alone. Its :meth:`~torch.nn.Module.state_dict` has the same keys as this
+        module's.
+
+        Example:
+            >>> import copy
+            >>> pipe = GPipe(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), [2, 1])
+            >>> plain = copy.deepcopy(pipe.unwrap())
+            >>> x = torch.randn(3, 4)
+            >>> torch.equal(plain(x), pipe(x)), list(plain.state_dict()) == list(pipe.state_dict())
+            (True, True)
+        """
+        return nn.Sequential(
+            OrderedDict(
+                (name, layer)
+                for partition in self._partition_list()
+                for name, layer in partition._modules.items()
+                if layer is not None
+            )
+        )
 
     def __len__(self) -> int:
         return sum(len(partition) for partition in self._partition_list())
@@ -560,3 +589,33 @@ class GPipe(nn.Module):
             f"balance={self.balance}, devices={devices}, chunks={self.chunks}, "
             f"checkpoint={self.checkpoint!r}"
         )
+
+
+def _plain_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, _: object) -> None:
+    """State dict hook: ``partitions.J.<layer>.<rest>`` becomes ``<layer>.<rest>``, the plain
+    module's key (layers keep their names in the partitions)."""
+    head = prefix + "partitions."
+    for key in [key for key in state_dict if key.startswith(head)]:
+        state_dict[prefix + key[len(head) :].partition(".")[2]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        for key in [key for key in metadata if key.startswith(head[:-1])]:
+            plain = key[len(head) :].partition(".")[2]
+            value = metadata.pop(key)
+            if plain:  # not the partitions themselves
+                metadata[prefix + plain] = value
+
+
+def _partition_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: object) -> None:
+    """Load pre-hook: plain keys (``<layer>.<rest>``) go to their partition; the keys of
+    earlier versions (``partitions.J.<layer>.<rest>``) are taken as they are."""
+    owner = {
+        name: j
+        for j, partition in enumerate(cast(GPipe, module)._partition_list())
+        for name in partition._modules
+    }
+    for key in [key for key in state_dict if key.startswith(prefix)]:
+        rest = key[len(prefix) :]
+        j = owner.get(rest.partition(".")[0])
+        if j is not None and not rest.startswith("partitions."):
+            state_dict[f"{prefix}partitions.{j}.{rest}"] = state_dict.pop(key)

@@ -1,0 +1,124 @@
+"""Portable checkpoints: a GPipe module's state dict has the plain module's keys.
+
+A checkpoint saved with one balance loads into another balance, into the plain
+``nn.Sequential`` and back, and the keys of earlier versions (``partitions.J.``) still
+load; ``unwrap`` gives the trained layers as one ``nn.Sequential``.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections import OrderedDict
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from gpipe_core import GPipe
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), block, nn.Tanh(), nn.Linear(4, 2))
+
+
+def trained(balance: list[int]) -> GPipe:
+    pipe = GPipe(model(), balance, chunks=2)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        pipe(torch.randn(8, 4)).pow(2).sum().backward()
+        optimizer.step()
+    return pipe
+
+
+def round_trip(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded: dict[str, torch.Tensor] = torch.load(buffer)
+    return loaded
+
+
+def same_outputs(*modules: nn.Module) -> None:
+    x = torch.randn(6, 4)
+    for module in modules:
+        module.eval()
+    with torch.no_grad():
+        first = modules[0](x)
+        for module in modules[1:]:
+            assert torch.equal(module(x), first)
+
+
+def test_keys_are_the_plain_models() -> None:
+    pipe = trained([2, 3])
+    assert list(pipe.state_dict()) == list(model().state_dict())
+    assert list(pipe.state_dict()) == list(pipe.unwrap().state_dict())
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    saved=st.sampled_from([[2, 3], [1, 4], [5], [1, 1, 1, 1, 1]]),
+    loaded=st.sampled_from([[2, 3], [4, 1], [3, 2], [1, 2, 2]]),
+)
+def test_a_checkpoint_loads_into_another_balance_and_the_plain_model(
+    saved: list[int], loaded: list[int]
+) -> None:
+    pipe = trained(saved)
+    state = round_trip(pipe.state_dict())
+    other = GPipe(model(), loaded, chunks=3)
+    assert not torch.equal(other[0].weight, pipe[0].weight)
+    other.load_state_dict(state)
+    plain = model()
+    plain.load_state_dict(state)
+    back = GPipe(model(), saved, chunks=2)
+    back.load_state_dict(round_trip(plain.state_dict()))
+    same_outputs(pipe, other, plain, back)
+
+
+def test_keys_of_earlier_versions_still_load() -> None:
+    pipe = trained([2, 3])
+    old = OrderedDict(
+        (f"partitions.{0 if int(key.split('.')[0]) < 2 else 1}.{key}", value)
+        for key, value in pipe.state_dict().items()
+    )
+    other = GPipe(model(), [2, 3])
+    other.load_state_dict(old)
+    same_outputs(pipe, other)
+
+
+def test_missing_and_unexpected_keys_are_reported() -> None:
+    state = trained([2, 3]).state_dict()
+    del state["4.bias"]
+    state["9.weight"] = torch.zeros(1)
+    with pytest.raises(RuntimeError, match=r"Missing key.*4\.bias.*|Unexpected key.*9\.weight"):
+        GPipe(model(), [2, 3]).load_state_dict(state)
+
+
+def test_inside_another_module() -> None:
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pipe = GPipe(model(), [2, 3])
+
+    wrapper = Wrapper()
+    with torch.no_grad():
+        wrapper.pipe[0].weight.add_(1.0)
+    state = wrapper.state_dict()
+    assert list(state)[:2] == ["pipe.0.weight", "pipe.0.bias"]
+    other = Wrapper()
+    other.load_state_dict(state)
+    same_outputs(wrapper.pipe, other.pipe)
+
+
+def test_unwrap_gives_the_trained_layers_in_order() -> None:
+    pipe = trained([1, 2, 2])
+    plain = pipe.unwrap()
+    assert isinstance(plain, nn.Sequential) and len(plain) == len(pipe)
+    assert all(a is b for a, b in zip(plain, pipe, strict=True))
+    deployed = copy.deepcopy(plain)
+    same_outputs(pipe, deployed)
