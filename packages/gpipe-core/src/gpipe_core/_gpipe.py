@@ -31,7 +31,13 @@ from gpipe_microbatch import (
 from gpipe_skip import SkipLayout, inspect_skip_layout, verify_skippables
 
 from ._losses import Losses, LossFunction, Reduction
-from ._partition import check_balance, check_split, resolve_devices, split_module
+from ._partition import (
+    balance_from_placement,
+    check_balance,
+    check_split,
+    resolve_devices,
+    split_module,
+)
 from ._runner import run
 from ._schedule import (
     Action,
@@ -145,8 +151,12 @@ class GPipe(nn.Module):
     several devices, or on one CPU). Outputs and gradients are those of ``module``.
 
     Args:
-        module: the model to pipeline; its layers are what ``balance`` counts.
-        balance: the number of layers in each partition.
+        module: the model to pipeline; its layers are what ``balance`` counts. An empty
+            :class:`~torch.nn.Sequential` is the identity.
+        balance: the number of layers in each partition. Without it (and without
+            ``devices``), partitions follow where the layers already are: the runs of
+            consecutive layers on one device (refused, with a hint to measure a balance,
+            when every layer is on one device).
 
     Keyword Args:
         devices: the device of each partition (default: every CUDA device in order, or
@@ -186,7 +196,7 @@ class GPipe(nn.Module):
     def __init__(
         self,
         module: nn.Sequential,
-        balance: Iterable[int],
+        balance: Iterable[int] | None = None,
         *,
         devices: Iterable[Device] | None = None,
         chunks: int = 1,
@@ -203,6 +213,13 @@ class GPipe(nn.Module):
         verify_skippables(module)
         self.chunks = check_chunks(chunks)
         self.checkpoint = _check_checkpoint(checkpoint)
+        if balance is None and devices is None:
+            balance, devices = balance_from_placement(module)
+        elif balance is None:
+            raise TypeError(
+                "balance must be given with devices (balance: None, devices: "
+                f"{devices!r}); without both, partitions follow where the layers are"
+            )
         self.balance = check_balance(module, balance)
         self.devices = resolve_devices(devices, len(self.balance))
         if deferred_batch_norm:
@@ -335,6 +352,8 @@ class GPipe(nn.Module):
         return self._copy_streams
 
     def _check_input_device(self, input: TensorOrTensors) -> None:
+        if not self.devices:
+            return  # an empty pipeline takes its input where it is
         tensors = (input,) if isinstance(input, torch.Tensor) else input
         expected = self.devices[0]
         for index, tensor in enumerate(tensors):
@@ -360,6 +379,8 @@ class GPipe(nn.Module):
             ValueError: ``input`` is not on ``devices[0]``.
         """
         value = check(input, "input")
+        if not self.partitions:
+            return value  # an empty nn.Sequential is the identity
         self._check_input_device(value)
         batches = scatter(value, self.chunks)
         m, n = len(batches), len(self.partitions)
@@ -541,15 +562,27 @@ class GPipe(nn.Module):
                 "target must have the input's batch size "
                 f"(input: {sum(sizes)}, target: {sum(target_sizes)})"
             )
-        last = self.devices[-1]
-        targets = [
-            batch if all(t.device == last for t in batch) else _to(batch, last) for batch in targets
-        ]
+        if self.devices:
+            last = self.devices[-1]
+            targets = [
+                batch if all(t.device == last for t in batch) else _to(batch, last)
+                for batch in targets
+            ]
         m, n = len(batches), len(self.partitions)
-        actions = _actions(plan, m, n, backward)
         total = sum(sizes)
         scales = [size / total if reduction == "mean" and total else 1.0 for size in sizes]
         losses = LossSpec(loss_fn, targets, scales, backward)
+        if n == 0:
+            # An empty nn.Sequential is the identity: the losses of the input itself.
+            with torch.set_grad_enabled(backward):
+                for i, batch in enumerate(batches):
+                    loss = losses(i, batch)
+                    if backward:
+                        torch.autograd.backward(loss)
+            input_leaves.backward()
+            target_leaves.backward()
+            return Losses(cast(list[torch.Tensor], losses.losses), sizes, reduction)
+        actions = _actions(plan, m, n, backward)
         with torch.set_grad_enabled(backward):
             state = ThreadState.capture()
         checkpoint_stop = self._checkpoint_stop(m) if backward else 0

@@ -19,6 +19,47 @@ __all__ = [
 ]
 
 
+def balance_from_placement(module: nn.Sequential) -> tuple[list[int], list[torch.device]]:
+    """The balance and devices that follow where ``module``'s layers are.
+
+    Partitions are the runs of consecutive layers on one device; a layer without
+    parameters or buffers belongs with the layer before it (the first such layers, with
+    the first layer that has a device). An empty module has no partitions.
+
+    Raises:
+        TypeError: every layer is on one device: where to split cannot be read from the
+            module (the message shows how to measure a balance).
+    """
+    if len(module) == 0:
+        return [], []
+    placed: list[torch.device | None] = []
+    for layer in module:
+        tensor: torch.Tensor | None = None
+        if layer is not None:
+            tensor = next(iter(layer.parameters()), None)
+        if tensor is None and layer is not None:
+            tensor = next(iter(layer.buffers()), None)
+        placed.append(tensor.device if tensor is not None else None)
+    known = [device for device in placed if device is not None]
+    if len(set(known)) < 2:
+        where = str(known[0]) if known else "no device: no layer has parameters"
+        raise TypeError(
+            f"balance must be given when every layer is on one device (layers: {len(module)}, "
+            f"device: {where}): pass the number of layers in each partition, or measure it, "
+            "for example balance = gpipe.balance.balance_by_time(2, module, sample) (or "
+            "balance_by_size) and then GPipe(module, balance)"
+        )
+    current = known[0]
+    runs: list[tuple[torch.device, int]] = []
+    for device in placed:
+        current = device if device is not None else current
+        if runs and runs[-1][0] == current:
+            runs[-1] = (current, runs[-1][1] + 1)
+        else:
+            runs.append((current, 1))
+    return [count for _, count in runs], [device for device, _ in runs]
+
+
 def check_balance(module: nn.Sequential, balance: object) -> list[int]:
     """Check ``balance`` against ``module``; returns it as a list of layer counts.
 
@@ -26,6 +67,8 @@ def check_balance(module: nn.Sequential, balance: object) -> list[int]:
         BalanceError: ``balance`` is empty, has an entry that is not a positive integer,
             or does not sum to the number of layers.
     """
+    if len(module) == 0 and isinstance(balance, (list, tuple)) and not balance:
+        return []  # an empty module: no partitions
     return check_counts(balance, len(module))
 
 
