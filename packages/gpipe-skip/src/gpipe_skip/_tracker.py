@@ -53,9 +53,10 @@ class SkipTracker:
 
     def __init__(self, skips: Mapping[SkipKey, Tensor | None] | None = None) -> None:
         self._skips: dict[SkipKey, Tensor | None] = dict(skips) if skips else {}
-        #: Every stash made into this tracker, in order: its key and whether it stashed a
-        #: tensor (rather than None). Two runs of one function that stash alike have equal
-        #: histories (a recomputation checks its own against the first run's).
+        #: Every stash made into this tracker, in order, as the pair of its key and
+        #: whether it stashed a tensor rather than None. Two runs of one function that
+        #: stash alike have equal histories; a recomputation checks its own against the
+        #: first run's.
         self.history: list[tuple[SkipKey, bool]] = []
 
     def stash(self, key: SkipKey, tensor: Tensor | None) -> None:
