@@ -10,8 +10,10 @@ torch is only installed from a local wheel in one of pip's find-links directorie
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
+import shlex
 import shutil
 import sys
 import tomllib
@@ -402,7 +404,13 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python=DEV_PYTHON)
 def build(session: nox.Session) -> None:
-    """Build every package; install the meta-package from dist/ into a fresh venv."""
+    """Build every package into dist/; check the READMEs' install commands in a fresh venv.
+
+    The top-level README's commands (the plain install and the plot extra) run exactly as
+    written, and gpipe must then be the version just built, imported from the fresh venv; the
+    guide and the plot hints must give the same commands. Each package README's commands are
+    dry-run: they must install that package's closure, all from dist/.
+    """
     session.install("build")
     packages = discover_packages()
     shutil.rmtree(DIST_DIR, ignore_errors=True)
@@ -415,38 +423,95 @@ def build(session: nox.Session) -> None:
             if not (DIST_DIR / artifact).is_file():
                 session.error(f"missing build artifact dist/{artifact}")
 
+    install, install_plot = _readme_install_commands(ROOT / "README.md")
+    # The guide and the plot hints give the same commands as the README.
+    guide = (DOCS_DIR / "guide.rst").read_text(encoding="utf-8")
+    for command in (install, install_plot):
+        if f"$ {command}\n" not in guide:
+            session.error(f"docs/guide.rst does not give the README's command: {command}")
+    hint_sources = [
+        PACKAGES_DIR / "gpipe-core" / "src" / "gpipe_core" / "_timeline.py",
+        PACKAGES_DIR / "gpipe" / "src" / "gpipe" / "_cli.py",
+    ]
+    for source in hint_sources:
+        if install_plot not in source.read_text(encoding="utf-8"):
+            session.error(f"{source.relative_to(ROOT)} does not give the README's {install_plot}")
+
     venv_dir = Path(session.create_tmp()) / "fresh-venv"
     shutil.rmtree(venv_dir, ignore_errors=True)
     session.run("python", "-m", "venv", str(venv_dir))
     bin_dir = venv_dir / ("Scripts" if sys.platform == "win32" else "bin")
     python = str(bin_dir / "python")
+    # torch from the local wheel only, pinned (PIP_CONSTRAINT) for the commands below.
     install_torch(session, DEV_TORCH, python=python)
+    # Each command runs in a shell with the fresh venv activated, as a user would type it.
+    activate = f". {shlex.quote(str(bin_dir / 'activate'))} && "
+    by_name = {p.name: p for p in packages}
 
-    # Pin every sibling to the version just built: names such as "gpipe" are taken on PyPI by
-    # unrelated projects, so an unpinned request could resolve to one of those.
-    constraints = Path(session.create_tmp()) / "build-constraints.txt"
-    constraints.write_text(
-        f"torch=={DEV_TORCH}\n" + "".join(f"{p.name}=={p.version}\n" for p in packages),
-        encoding="utf-8",
-    )
-    session.env["PIP_CONSTRAINT"] = str(constraints)
-    meta = packages[-1]
-    session.run(
-        python, "-m", "pip", "install", "--quiet", "--find-links", str(DIST_DIR),
-        f"{meta.name}=={meta.version}", external=True,
-    )  # fmt: skip
+    def installs(command: str) -> dict[str, str]:
+        """What ``command`` would install (a dry run): distribution name -> where from."""
+        report = Path(session.create_tmp()) / "install-report.json"
+        dry_run = f" --dry-run --quiet --report {shlex.quote(str(report))}"
+        session.run("sh", "-c", activate + command + dry_run, external=True)
+        items = json.loads(report.read_text(encoding="utf-8"))["install"]
+        return {_normalize(i["metadata"]["name"]): i["download_info"]["url"] for i in items}
+
+    # Each package README's commands, dry runs in the fresh venv: exactly the package's
+    # closure, every one from the wheel just built in dist/.
+    for package in packages:
+        readme = package.path / "README.md"
+        for command in _readme_install_commands(readme, expected=None):
+            got = {n: url for n, url in installs(command).items() if n in by_name}
+            want = {
+                p.name: (DIST_DIR / f"{p.name.replace('-', '_')}-{p.version}-py3-none-any.whl")
+                .resolve()
+                .as_uri()
+                for p in closure(package)
+            }
+            if got != want:
+                session.error(f"{readme.relative_to(ROOT)}: {command!r} installs {got}, not {want}")
+
+    # The README's commands exactly as written, in the fresh venv, from the checkout's root.
+    for command in (install, install_plot):
+        session.run("sh", "-c", activate + command, external=True)
     session.run(python, "-m", "pip", "check", external=True)
     check = (
-        "import importlib.metadata as m, sys\n"
+        "import importlib.metadata as m, os, sys\n"
         "from gpipe import GPipe\n"
-        "import gpipe\n"
-        "print(gpipe.__version__)\n"
+        "import gpipe, matplotlib\n"
+        "print(gpipe.__version__, gpipe.__file__)\n"
+        f"assert gpipe.__version__ == {packages[-1].version!r}, gpipe.__version__\n"
         "expected = " + repr({p.name: p.version for p in packages}) + "\n"
         "got = {n: m.version(n) for n in expected}\n"
         "assert got == expected, f'installed {got}, built {expected}'\n"
-        "assert gpipe.__file__.startswith(sys.prefix), gpipe.__file__\n"
+        f"venv = os.path.realpath({str(venv_dir)!r})\n"
+        "assert os.path.realpath(gpipe.__file__).startswith(venv + os.sep), gpipe.__file__\n"
     )
     session.run(python, "-c", check, external=True)
+
+
+def _readme_install_commands(readme: Path, expected: int | None = 2) -> list[str]:
+    """The ``pip install`` lines of the code blocks in ``readme``'s "## Install" section.
+
+    For the top-level README: the plain command, then the one with the ``plot`` extra.
+    """
+    text = readme.read_text(encoding="utf-8")
+    match = re.search(r"^## Install\n(.*?)(?=^## )", text, re.MULTILINE | re.DOTALL)
+    if match is None:
+        raise ValueError(f"{readme}: no '## Install' section")
+    commands = re.findall(r"^(pip install .+)$", match.group(1), re.MULTILINE)
+    if expected is None:
+        if not commands:
+            raise ValueError(f"{readme}: no 'pip install' command under '## Install'")
+        return commands
+    plain = [c for c in commands if "[plot]" not in c]
+    plot = [c for c in commands if "[plot]" in c]
+    if len(plain) != 1 or len(plot) != 1:
+        raise ValueError(
+            f"{readme}: expected one 'pip install' command and one with [plot] under"
+            f" '## Install' (found: {commands})"
+        )
+    return [plain[0], plot[0]]
 
 
 @nox.session(python=DEV_PYTHON)

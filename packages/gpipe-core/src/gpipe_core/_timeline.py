@@ -208,7 +208,10 @@ _COLORS = {
     Phase.LOSS: "#c44e52",
 }
 
-_PLOT_HINT = "timeline.plot needs matplotlib: pip install gpipe[plot] (or pip install matplotlib)"
+_PLOT_HINT = (
+    "timeline.plot needs matplotlib: pip install matplotlib (or, from a checkout with the "
+    'wheels built into dist/: pip install dist/*.whl "gpipe[plot]")'
+)
 
 
 class Timeline:

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot",
         metavar="PATH",
         help="record one more pipelined step and draw its timeline here (PNG, SVG or PDF; "
-        "needs matplotlib: pip install gpipe[plot])",
+        "needs matplotlib: pip install matplotlib)",
     )
     return parser
 
@@ -85,7 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 build_parser().error(f"--{name} must be a positive integer (--{name}: {value})")
         if config.plot is not None and not _has_matplotlib():
             build_parser().error(
-                f"--plot needs matplotlib: pip install gpipe[plot] (--plot: {config.plot})"
+                f"--plot needs matplotlib: pip install matplotlib (or, from a checkout with the "
+                'wheels built into dist/: pip install dist/*.whl "gpipe[plot]"; '
+                f"--plot: {config.plot})"
             )
         report = run_demo(config)
         print(report.format())
