@@ -15,7 +15,10 @@ from gpipe_core import GPipe
 
 
 def test_balance_omitted_on_one_device_says_how_to_measure_one() -> None:
-    with pytest.raises(TypeError, match=r"balance must be given when every layer is on one device .*balance_by_time"):
+    with pytest.raises(
+        TypeError,
+        match=r"balance must be given when every layer is on one device .*balance_by_time",
+    ):
         GPipe(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)))
 
 
