@@ -110,7 +110,7 @@ class Package:
     version: str
     siblings: tuple[str, ...]
     external: tuple[str, ...]
-    #: The requirements of its optional extras (``pip install gpipe[plot]``), siblings aside.
+    #: The requirements of its optional extras (``gpipe[plot]``), siblings aside.
     extras: tuple[str, ...] = ()
     #: The siblings that only its tests need (its ``test`` extra).
     test_siblings: tuple[str, ...] = ()

@@ -392,7 +392,7 @@ class Timeline:
 
         Each bar is a task, labelled with its micro-batch; copies are thin bars at the
         bottom of the row of the partition they feed. Needs matplotlib
-        (``pip install gpipe[plot]``).
+        (``pip install matplotlib``).
 
         Args:
             path: where to save the figure (the format follows the extension, ``.png``
