@@ -199,7 +199,7 @@ def profile_times(
 
     The times are measured, so they vary a little between runs; a balance computed from
     them may too when layers cost about the same. Save the balance you trained with next
-    to the model's state (see the guide).
+    to the model's state (see :func:`~gpipe_balance.balance_by_time`).
 
     Args:
         module: the model, which is not changed (see the module docstring).
