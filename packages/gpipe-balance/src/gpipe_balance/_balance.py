@@ -6,7 +6,7 @@ from torch import nn
 
 from gpipe_microbatch import Device, TensorOrTensors, check_module
 
-from ._profile import profile_sizes, profile_times
+from ._profile import MIN_PASSES, _profile_times, profile_sizes
 from ._solver import check_partitions, solve
 
 __all__ = ["balance_by_size", "balance_by_time"]
@@ -18,6 +18,7 @@ def balance_by_time(
     sample: TensorOrTensors,
     *,
     timeout: float = 1.0,
+    passes: int = MIN_PASSES,
     device: Device | None = None,
     progress: bool | None = None,
 ) -> list[int]:
@@ -25,7 +26,16 @@ def balance_by_time(
 
     Every layer's forward and backward time on ``sample`` is measured
     (:func:`~gpipe_balance.profile_times`), and :func:`~gpipe_balance.solve` returns the
-    split whose slowest partition is as fast as possible for those times.
+    split whose slowest partition is as fast as possible for those times. After a warm-up
+    pass over the layers, at least ``passes`` measured passes run (5 by default) whatever
+    the timeout, and more until ``timeout``; every layer's time is its median over the
+    passes, which a pass slowed down by the rest of the machine does not change.
+
+    Times are measured, so a balance may still differ between runs when several splits are
+    almost as fast: save the balance with the model's state, and reuse it to resume or
+    deploy, rather than balancing again::
+
+        torch.save({"balance": model.balance, "model": model.state_dict()}, path)
 
     The model is not changed: layers are profiled on copies, and the random number
     generator states are restored.
@@ -35,8 +45,10 @@ def balance_by_time(
         module: the model to split.
         sample: an input of the model (a tensor or a tuple of tensors) of any batch size;
             the batch size of one micro-batch gives the most faithful times.
-        timeout: seconds to keep repeating the measurements for (default 1.0); a warm-up
-            pass and one measured pass over the layers always run.
+        timeout: seconds to keep repeating the measurements for (default 1.0), counted
+            from the start; ``0`` runs the warm-up and the minimum passes only.
+        passes: the smallest number of measured passes (default 5), run even when they
+            take longer than ``timeout``.
         device: the device to profile on; by default the device of ``sample``, which must be
             on ``device`` when both are given.
         progress: show a progress bar: True, False, or None (the default) for a bar on
@@ -50,7 +62,13 @@ def balance_by_time(
             layers.
         TypeError: ``module`` is not ``nn.Sequential``, or ``sample`` is not a tensor or a
             tuple of tensors.
-        ValueError: ``sample`` is not on ``device``, or ``timeout`` is negative or not finite.
+        ValueError: ``sample`` is not on ``device``, ``timeout`` is negative or not finite,
+            or ``passes`` is not a positive integer.
+
+    Warns:
+        UserWarning: ``timeout`` is positive and the warm-up and the minimum ``passes`` took
+            longer than it (the warning names the timeout and the passes done); see
+            :func:`~gpipe_balance.profile_times`.
 
     Example:
         >>> import torch
@@ -62,7 +80,15 @@ def balance_by_time(
     """
     module = check_module(module)
     check_partitions(partitions, len(module))
-    times = profile_times(module, sample, timeout=timeout, device=device, progress=progress)
+    times = _profile_times(
+        module,
+        sample,
+        timeout=timeout,
+        passes=passes,
+        device=device,
+        progress=progress,
+        stacklevel=3,
+    )
     return solve(times, partitions)
 
 

@@ -18,6 +18,7 @@ import copy
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from numbers import Real
@@ -160,11 +161,27 @@ def _check_real(value: object, name: str) -> float:
     return number
 
 
+#: The smallest number of measured passes, whatever the timeout (see :func:`profile_times`).
+MIN_PASSES = 5
+
+
+def check_passes(passes: object) -> int:
+    """Check that ``passes`` is a positive integer; returns it.
+
+    Raises:
+        ValueError: ``passes`` is not a positive integer (booleans are refused too).
+    """
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes <= 0:
+        raise ValueError(f"passes must be a positive integer (passes: {passes!r})")
+    return passes
+
+
 def profile_times(
     module: nn.Sequential,
     sample: TensorOrTensors,
     *,
     timeout: float = 1.0,
+    passes: int = MIN_PASSES,
     device: Device | None = None,
     progress: bool | None = None,
 ) -> list[float]:
@@ -173,15 +190,24 @@ def profile_times(
     Every layer runs forward on the previous layer's output and then backward on its own
     output (with a gradient of ones), in training mode. A first pass over the layers warms
     up (it pays one-time costs: allocations, kernel selection, lazy initialization) and is
-    not counted; then the passes repeat until ``timeout`` seconds have passed since the start,
-    at least once, and every layer's time is its median over them. On CUDA the device
-    is synchronized around every measured region, so the times are the kernels' times, not
-    the launch times.
+    not counted. Then at least ``passes`` measured passes run (5 by default), whatever the
+    timeout, and more until ``timeout`` seconds have passed since the start. Every layer's
+    time is its **median** over the measured passes, so that a pass slowed down by the rest
+    of the machine (another process, a garbage collection) does not change it. On CUDA the
+    device is synchronized around every measured region, so the times are the kernels'
+    times, not the launch times.
+
+    The times are measured, so they vary a little between runs; a balance computed from
+    them may too when layers cost about the same. Save the balance you trained with next
+    to the model's state (see :func:`~gpipe_balance.balance_by_time`).
 
     Args:
         module: the model, which is not changed (see the module docstring).
         sample: an input of the model: a tensor or a tuple of tensors.
-        timeout: seconds to keep repeating the passes for (default 1.0).
+        timeout: seconds to keep repeating the passes for (default 1.0), counted from the
+            start, warm-up included. ``0`` runs the minimum passes only.
+        passes: the smallest number of measured passes (default 5), run even when they
+            take longer than ``timeout``.
         device: the device to profile on; by default the device of ``sample``.
         progress: show a progress bar: True, False, or None (the default) for a bar on
             standard error when it is a terminal and profiling takes more than a second.
@@ -192,23 +218,54 @@ def profile_times(
     Raises:
         TypeError: ``module`` is not ``nn.Sequential``, or ``sample`` is not a tensor or a
             tuple of tensors, or a layer returns something else.
-        ValueError: ``sample`` is not on ``device``, or ``timeout`` is negative or not finite.
+        ValueError: ``sample`` is not on ``device``, ``timeout`` is negative or not finite,
+            or ``passes`` is not a positive integer.
+
+    Warns:
+        UserWarning: ``timeout`` is positive and had passed before the warm-up pass and the
+            minimum ``passes`` were done: profiling took longer than asked, and the times
+            are the median of the minimum number of passes only. The warning names the
+            timeout, the passes done and the time they took. A ``timeout`` of 0 asks for
+            the minimum passes only, and never warns.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
         >>> len(profile_times(model, torch.randn(4, 8), timeout=0))
         2
     """
+    return _profile_times(
+        module,
+        sample,
+        timeout=timeout,
+        passes=passes,
+        device=device,
+        progress=progress,
+        stacklevel=3,
+    )
+
+
+def _profile_times(
+    module: nn.Sequential,
+    sample: TensorOrTensors,
+    *,
+    timeout: float,
+    passes: int,
+    device: Device | None,
+    progress: bool | None,
+    stacklevel: int,
+) -> list[float]:
+    """:func:`profile_times`, warning ``stacklevel`` frames up (3: the public caller's caller)."""
     module = check_module(module)
     batch = Batch(check(sample, "sample"))
     target = resolve_device(batch, device, "sample")
     timeout = _check_real(timeout, "timeout")
-    passes: list[list[float]] = []
+    passes = check_passes(passes)
+    measured: list[list[float]] = []
     start = time.perf_counter()
-    # The bar shows the share of the work done, in percent. The warm-up pass and one measured
-    # pass always run, and the passes go on until the timeout: the share is the smaller of
-    # the two, and the bar is full only once profiling is done.
-    runs = 2 * len(module)
+    # The bar shows the share of the work done, in percent. The warm-up pass and the minimum
+    # measured passes always run, and the passes go on until the timeout: the share is the
+    # smaller of the two, and the bar is full only once profiling is done.
+    runs = (1 + passes) * len(module)
     done = 0
     bar = Progress("profiling layer times", 100, unit="%", enabled=progress)
     with bar, use_device(target), _preserved_rng(target), torch.enable_grad():
@@ -223,12 +280,23 @@ def profile_times(
         # The first pass pays one-time costs (allocations, kernel selection, lazy
         # initialization): it warms up and is not counted.
         _time_pass(module, batch, target, tick)
-        while True:
-            passes.append(_time_pass(module, batch, target, tick))
-            if time.perf_counter() - start >= timeout:
-                break
+        while len(measured) < passes:
+            measured.append(_time_pass(module, batch, target, tick))
+        elapsed = time.perf_counter() - start
+        if 0 < timeout < elapsed:
+            warnings.warn(
+                f"profiling ran past the timeout: the warm-up pass and the minimum {passes}"
+                f" measured passes took {elapsed:.3g} s (timeout: {timeout:g} s, passes:"
+                f" {len(measured)}); the times are the median of {len(measured)} passes."
+                " Raise timeout to measure within it, or lower passes",
+                UserWarning,
+                stacklevel=stacklevel,
+            )
+        while elapsed < timeout:
+            measured.append(_time_pass(module, batch, target, tick))
+            elapsed = time.perf_counter() - start
         bar.update(100)
-    return [statistics.median(times) for times in zip(*passes, strict=True)]
+    return [statistics.median(times) for times in zip(*measured, strict=True)]
 
 
 def _time_pass(
