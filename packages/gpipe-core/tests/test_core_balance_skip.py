@@ -65,7 +65,7 @@ def state(model: nn.Module) -> dict[str, Any]:
 
 
 PROFILERS: dict[str, Callable[[nn.Sequential, torch.Tensor], list[int]]] = {
-    "time": lambda model, x: balance_by_time(3, model, x, timeout=0.05),
+    "time": lambda model, x: balance_by_time(3, model, x, timeout=0),
     "size": lambda model, x: balance_by_size(3, model, x, chunks=2),
 }
 

@@ -58,7 +58,7 @@ def test_balanced_gpipe_matches_the_plain_model(by: str) -> None:
     x = torch.randn(16, 8)
     expected = model(x)
     if by == "time":
-        balance = gpipe.balance.balance_by_time(3, model, x, timeout=0.05)
+        balance = gpipe.balance.balance_by_time(3, model, x, timeout=0)
     else:
         balance = gpipe.balance.balance_by_size(3, model, x, chunks=4)
     assert len(balance) == 3 and sum(balance) == len(model)
