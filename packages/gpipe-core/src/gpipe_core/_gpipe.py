@@ -268,7 +268,7 @@ class GPipe(nn.Module):
         """The layers as one :class:`~torch.nn.Sequential`, in order, under their names.
 
         The same layer objects, trained, wherever they are: a copy
-        (:func:`copy.deepcopy`) is the plain model without the pipeline, to move, save or
+        (``copy.deepcopy``) is the plain model without the pipeline, to move, save or
         serve alone. Its :meth:`~torch.nn.Module.state_dict` has the same keys as this
         module's.
 
