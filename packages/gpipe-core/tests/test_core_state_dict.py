@@ -51,7 +51,8 @@ def same_outputs(*modules: nn.Module) -> None:
     with torch.no_grad():
         first = modules[0](x)
         for module in modules[1:]:
-            assert torch.equal(module(x), first)
+            # Equal up to rounding: micro-batches may take other matmul kernels.
+            torch.testing.assert_close(module(x), first)
 
 
 def test_keys_are_the_plain_models() -> None:
