@@ -497,3 +497,15 @@ def test_subclass_generator_may_yield_from_the_parent_forward() -> None:
         # Driven again after a call: the re-entry mark does not outlive the call.
         torch.testing.assert_close(Base()(torch.ones(1)), torch.full((1,), 2.0))
         tracker.pop((DEFAULT_NAMESPACE, "skip"))
+
+
+def test_a_tracker_records_its_stashes_only_when_asked() -> None:
+    # A long-lived tracker (the thread's default) must not grow with every stash.
+    key = ("ns", "skip")
+    quiet = SkipTracker()
+    quiet.stash(key, torch.ones(1))  # type: ignore[arg-type]
+    assert quiet.history is None
+    recording = SkipTracker(history=True)
+    recording.stash(key, torch.ones(1))  # type: ignore[arg-type]
+    recording.stash(key, None)  # type: ignore[arg-type]
+    assert recording.history == [(key, True), (key, False)]

@@ -376,7 +376,10 @@ class GPipe(nn.Module):
         Raises:
             TypeError: ``input`` or a partition's output is not a tensor or a tuple of
                 tensors.
-            ValueError: ``input`` is not on ``devices[0]``.
+            ValueError: ``input`` is not on ``devices[0]``, or the last partition's output
+                has no batch dimension to gather.
+            RuntimeError: the module is called from inside its own run (a layer or hook
+                calling it again).
         """
         value = check(input, "input")
         if not self.partitions:

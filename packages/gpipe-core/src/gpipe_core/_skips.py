@@ -67,11 +67,11 @@ class SkipCall:
             zip(self.in_keys, tensors[self.inputs :], strict=True)
         )
         skips.update(dict.fromkeys(self.none_in))
-        tracker = SkipTracker(skips)
+        tracker = SkipTracker(skips, history=True)
         with use_skip_tracker(tracker):
             output = check(self.partition(input), self.what)
         stashed = tracker.stashed()
-        history = tuple(tracker.history)
+        history = tuple(tracker.history or ())
         outputs = (output,) if isinstance(output, Tensor) else output
         values = [stashed[key] for key in self.provides]
         present = tuple(

@@ -137,15 +137,24 @@ class _Request:
         self.error: BaseException | None = None
 
 
-_starter = _Starter()
+_starter: _Starter | None = _Starter()
 
 
-def _new_starter() -> None:
+def _forget_starter() -> None:
     global _starter
-    _starter = _Starter()  # the starter thread does not survive a fork
+    # The starter thread does not survive a fork; a child that starts workers (rarely: a
+    # DataLoader worker does not) makes its own, so forked children start no thread.
+    _starter = None
 
 
-os.register_at_fork(after_in_child=_new_starter)
+def _get_starter() -> _Starter:
+    global _starter
+    if _starter is None:
+        _starter = _Starter()
+    return _starter
+
+
+os.register_at_fork(after_in_child=_forget_starter)
 
 
 class WorkerPool:
@@ -174,7 +183,7 @@ class WorkerPool:
                 )
                 for j, in_queue in enumerate(self.in_queues)
             ]
-        _starter.start(self.threads)
+        _get_starter().start(self.threads)
         self.started = True
 
     def _submit(self, partition: int, job: _Job) -> None:

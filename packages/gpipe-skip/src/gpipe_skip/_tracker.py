@@ -38,6 +38,10 @@ class SkipTracker:
         skips: skips stashed before the first layer runs (the skips a partition receives
             from earlier partitions).
 
+    Keyword Args:
+        history: record every stash in :attr:`history` (for a tracker that lives for one
+            run of a function, as a pipeline's does).
+
     Example:
         >>> import torch
         >>> from gpipe_skip import DEFAULT_NAMESPACE
@@ -51,18 +55,21 @@ class SkipTracker:
 
     __slots__ = ("_skips", "history")
 
-    def __init__(self, skips: Mapping[SkipKey, Tensor | None] | None = None) -> None:
+    def __init__(
+        self, skips: Mapping[SkipKey, Tensor | None] | None = None, *, history: bool = False
+    ) -> None:
         self._skips: dict[SkipKey, Tensor | None] = dict(skips) if skips else {}
-        #: Every stash made into this tracker, in order, as the pair of its key and
-        #: whether it stashed a tensor rather than None. Two runs of one function that
-        #: stash alike have equal histories; a recomputation checks its own against the
-        #: first run's.
-        self.history: list[tuple[SkipKey, bool]] = []
+        #: With ``history=True``, every stash made into this tracker, in order, as the pair
+        #: of its key and whether it stashed a tensor rather than None (else None: a
+        #: long-lived tracker keeps nothing). Two runs of one function that stash alike
+        #: have equal histories; a recomputation checks its own against the first run's.
+        self.history: list[tuple[SkipKey, bool]] | None = [] if history else None
 
     def stash(self, key: SkipKey, tensor: Tensor | None) -> None:
         """Keep ``tensor`` under ``key`` until it is popped."""
         self._skips[key] = tensor
-        self.history.append((key, tensor is not None))
+        if self.history is not None:
+            self.history.append((key, tensor is not None))
 
     def pop(self, key: SkipKey) -> Tensor | None:
         """Remove and return the tensor stashed under ``key``.
