@@ -6,7 +6,17 @@ by name: each fixture returns the helper (a function or a class) instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -112,3 +122,135 @@ def assert_matches_plain_fixture() -> Callable[..., tuple[Any, Any]]:
 def scale_fixture() -> type[Scale]:
     """A module that multiplies its input by a constant factor."""
     return Scale
+
+
+# -- several processes ---------------------------------------------------------------------
+
+CASES_FILE = Path(__file__).with_name("distributed_cases.py")
+
+
+def load_cases() -> ModuleType:
+    """``distributed_cases.py``, loaded by path (the tests' modules are not a package)."""
+    spec = importlib.util.spec_from_file_location("gpipe_core_distributed_cases", CASES_FILE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # pickled classes of the cases resolve through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RankFailed(AssertionError):
+    """A rank of a test cluster raised, or did not answer in time."""
+
+
+class Cluster:
+    """``world`` processes in one gloo group, running the cases of ``distributed_cases.py``.
+
+    Each rank is a subprocess (one intra-op thread) that answers on a pipe; :meth:`run`
+    sends every rank a case and returns the ranks' results, or raises :class:`RankFailed`
+    when one raised or did not answer within ``timeout`` seconds. :meth:`close` ends
+    every process (killing it if it must) and reaps it.
+    """
+
+    def __init__(self, world: int, timeout: float = 120.0) -> None:
+        self.world = world
+        self.timeout = timeout
+        self.cases = load_cases()
+        port = _free_port()
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.processes = [
+            subprocess.Popen(
+                [sys.executable, str(CASES_FILE), str(rank), str(world), str(port)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+            )
+            for rank in range(world)
+        ]
+
+    def run(self, case: str, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``case`` on every rank with ``kwargs``; each rank's result."""
+        replies: list[Any] = [None] * self.world
+
+        def read(rank: int, process: subprocess.Popen[bytes]) -> None:
+            assert process.stdin is not None and process.stdout is not None
+            try:
+                self.cases.write_frame(process.stdin, (case, kwargs))
+                replies[rank] = self.cases.read_frame(process.stdout)
+            except (EOFError, OSError) as error:
+                replies[rank] = ("gone", f"{type(error).__name__}: {error}", "")
+
+        readers = [
+            threading.Thread(target=read, args=(rank, process), daemon=True)
+            for rank, process in enumerate(self.processes)
+        ]
+        for reader in readers:
+            reader.start()
+        deadline = time.monotonic() + (timeout or self.timeout)
+        for reader in readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
+        late = [rank for rank, reader in enumerate(readers) if reader.is_alive()]
+        if late:
+            self.close()
+            raise RankFailed(f"ranks {late} did not answer case {case!r} in time")
+        return replies
+
+    def results(self, case: str, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """:meth:`run`, refusing any rank's error."""
+        replies = self.run(case, timeout, **kwargs)
+        for rank, reply in enumerate(replies):
+            if reply[0] != "ok":
+                raise RankFailed(f"rank {rank}: {reply[1]}\n{reply[2]}")
+        return [reply[1] for reply in replies]
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.stdin is not None and not process.stdin.closed:
+                with contextlib.suppress(OSError):
+                    process.stdin.close()
+        deadline = time.monotonic() + 20
+        for process in self.processes:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            if process.stdout is not None:
+                process.stdout.close()
+
+
+@pytest.fixture(scope="session", name="load_cases")
+def load_cases_fixture() -> Callable[[], ModuleType]:
+    return load_cases
+
+
+@pytest.fixture(scope="module", name="cluster2")
+def cluster2_fixture() -> Iterator[Cluster]:
+    """Two ranks, shared by the tests of a module (each test's cases leave them ready)."""
+    cluster = Cluster(2)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(name="new_cluster")
+def new_cluster_fixture() -> Iterator[Callable[[int], Cluster]]:
+    """Make clusters of a given size for one test; they are closed after it."""
+    made: list[Cluster] = []
+
+    def make(world: int) -> Cluster:
+        made.append(Cluster(world))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for cluster in made:
+            cluster.close()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import functools
+import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Literal, NoReturn, cast
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, cast
 
 import torch
 from torch import nn
@@ -35,6 +37,7 @@ from ._partition import (
     balance_from_placement,
     check_balance,
     check_split,
+    layer_groups,
     resolve_devices,
     split_module,
 )
@@ -50,8 +53,13 @@ from ._schedule import (
 from ._stage import LossSpec, Stage, nested
 from ._timeline import Timeline
 from ._tracing import record, tracer_for
-from ._transport import LocalTransport
+from ._transport import Cancelled, LocalTransport, Transport
 from ._worker import WorkerPool
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from ._distributed import DistributedTransport
 
 __all__ = ["GPipe"]
 
@@ -105,6 +113,40 @@ def _actions(plan: Schedule, m: int, n: int, backward: bool) -> Sequence[Sequenc
         return _builtin_actions(type(plan), m, n, backward)
     lists = plan.actions(m, n) if backward else plan.forward_only(m, n)
     return check_actions(lists, m, backward=backward, partitions=n, schedule=plan)
+
+
+def _check_timeout(timeout: object, group: object) -> float:
+    """``timeout`` in seconds (only meaningful with a group)."""
+    if timeout is None:
+        return 1800.0
+    if group is None:
+        raise ValueError(
+            f"timeout bounds the waits for other ranks and needs group (timeout: {timeout!r})"
+        )
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"timeout must be seconds or a timedelta (timeout: {timeout!r})")
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive (timeout: {timeout!r})")
+    return seconds
+
+
+def _stage_devices(devices: Iterable[Device] | None, local: Sequence[bool]) -> list[torch.device]:
+    """The device of each partition of a pipeline across processes: ``devices`` (or the
+    default) for this rank's partitions, ``meta`` for the others'."""
+    count = sum(local)
+    if devices is None:
+        if torch.cuda.is_available():
+            own = [torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))] * count
+        else:
+            own = [torch.device("cpu")] * count
+    else:
+        own = resolve_devices(devices, count)
+    mine = iter(own)
+    return [next(mine) if here else torch.device("meta") for here in local]
 
 
 def _to(batch: Batch, device: torch.device) -> Batch:
@@ -170,6 +212,14 @@ class GPipe(nn.Module):
             per mini-batch, as the whole mini-batch would, rather than once per
             micro-batch. The layers keep their parameters and buffers; ``module`` is
             changed in place.
+        group: a ``torch.distributed`` process group (gloo) to run the stages across
+            processes: partition ``s`` runs on rank ``s % group.size()`` of the group,
+            which keeps only its own partitions' layers (see :doc:`/distributed`). Then
+            ``devices`` lists the devices of this rank's partitions (default: the CUDA
+            device ``LOCAL_RANK`` when CUDA is available, else the CPU), and the other
+            ranks' partitions show as ``meta`` in :attr:`devices`.
+        timeout: with ``group``, the seconds any wait for another rank may last
+            (default: 1800) before the run fails with an error saying who waits for what.
 
     Raises:
         TypeError: ``module`` is not an :class:`~torch.nn.Sequential`, or its skippable
@@ -202,6 +252,8 @@ class GPipe(nn.Module):
         chunks: int = 1,
         checkpoint: CheckpointMode = "except_last",
         deferred_batch_norm: bool = False,
+        group: dist.ProcessGroup | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> None:
         super().__init__()
         check_module(module)
@@ -213,6 +265,17 @@ class GPipe(nn.Module):
         verify_skippables(module)
         self.chunks = check_chunks(chunks)
         self.checkpoint = _check_checkpoint(checkpoint)
+        self._group = group
+        self._timeout = _check_timeout(timeout, group)
+        if group is not None:
+            from ._distributed import check_group, pipeline_tag
+
+            check_group(group)
+            if balance is None:
+                raise TypeError(
+                    "balance must be given with group (balance: None): it says which layers "
+                    "each rank runs"
+                )
         if balance is None and devices is None:
             balance, devices = balance_from_placement(module)
         elif balance is None:
@@ -221,7 +284,24 @@ class GPipe(nn.Module):
                 f"{devices!r}); without both, partitions follow where the layers are"
             )
         self.balance = check_balance(module, balance)
-        self.devices = resolve_devices(devices, len(self.balance))
+        n = len(self.balance)
+        #: The rank (in ``group``) of each partition; all 0 without a group.
+        self.stage_ranks = [0] * n
+        self._rank = 0
+        if group is not None:
+            size = group.size()
+            if n < size or n % size:
+                raise ValueError(
+                    "balance must have a multiple of group.size() partitions, one or more "
+                    f"per rank (partitions: {n}, group.size(): {size})"
+                )
+            self._rank = group.rank()
+            self.stage_ranks = [j % size for j in range(n)]
+            self._tag = pipeline_tag(group)
+        local = [rank == self._rank for rank in self.stage_ranks]
+        self.devices = (
+            _stage_devices(devices, local) if group is not None else resolve_devices(devices, n)
+        )
         if deferred_batch_norm:
             # Every check that could refuse the module first: a refused module is unchanged.
             check_split(module, self.balance, self.devices)
@@ -229,30 +309,60 @@ class GPipe(nn.Module):
         # Deferred batch norms, converted here or by hand, see each forward call as one
         # mini-batch; models without them skip the walk over their modules in forward.
         self._deferred_batch_norm = any(isinstance(m, DeferredBatchNorm) for m in module.modules())
-        self.partitions = nn.ModuleList(split_module(module, self.balance, self.devices))
-        #: Which skip connections cross which partitions (see :mod:`gpipe_skip`).
-        self.skip_layout = inspect_skip_layout(self._partition_list())
+        # Which skip connections cross which partitions (see :mod:`gpipe_skip`): from
+        # every partition, before a rank releases the others'.
+        self.skip_layout: SkipLayout = inspect_skip_layout(layer_groups(module, self.balance))
+        #: The names of the layers other ranks run.
+        self._remote_layers = {
+            name
+            for j, layers in enumerate(layer_groups(module, self.balance))
+            if not local[j]
+            for name in layers._modules
+        }
+        self.partitions = nn.ModuleList(
+            split_module(module, self.balance, self.devices, None if group is None else local)
+        )
         self._init_runtime()
         # Checkpoints use the plain module's keys, whatever the balance.
         self.register_state_dict_post_hook(_plain_keys)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_pre_hook(_partition_keys)  # type: ignore[no-untyped-call]
 
     def _init_runtime(self) -> None:
-        """The state that is not copied or pickled: copy streams and worker threads."""
+        """The state that is not copied or pickled: copy streams, worker threads, and the
+        transport across processes."""
         self._copy_streams: list[list[AbstractStream]] = [[] for _ in self.devices]
         self._pool = self._new_pool()
+        self._transport: DistributedTransport | None = None
 
     def _new_pool(self) -> WorkerPool:
-        pool = WorkerPool(len(self.balance))
+        pool = WorkerPool(self.stage_ranks.count(self._rank))
         # The workers hold no reference to the module: collecting it stops them.
         weakref.finalize(self, pool.close)
         return pool
+
+    def _local(self, j: int) -> bool:
+        """Whether partition ``j`` runs in this process."""
+        return self._group is None or self.stage_ranks[j] == self._rank
+
+    def _distributed(self) -> DistributedTransport:
+        """The transport to the other ranks (made on first use)."""
+        if self._transport is None:
+            from ._distributed import DistributedTransport
+
+            assert self._group is not None
+            transport = DistributedTransport(
+                self._group, self.stage_ranks, self.devices, timeout=self._timeout, tag=self._tag
+            )
+            weakref.finalize(self, transport.close)
+            self._transport = transport
+        return self._transport
 
     def __getstate__(self) -> dict[str, Any]:
         # Threads, locks and CUDA streams cannot be copied or pickled; a copy gets its own.
         state: dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
         state.pop("_pool", None)
         state.pop("_copy_streams", None)
+        state.pop("_transport", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -379,14 +489,36 @@ class GPipe(nn.Module):
             ValueError: ``input`` is not on ``devices[0]``, or the last partition's output
                 has no batch dimension to gather.
             RuntimeError: the module is called from inside its own run (a layer or hook
-                calling it again).
+                calling it again); or, across processes, in training with grad enabled
+                (use :meth:`step`).
+
+        With ``group`` (across processes), every rank calls it; the first partition's rank
+        takes ``input`` (``None`` elsewhere), and the last partition's rank returns the
+        output (``None`` elsewhere). Only inference runs so: autograd cannot reach across
+        processes.
         """
-        value = check(input, "input")
-        if not self.partitions:
-            return value  # an empty nn.Sequential is the identity
-        self._check_input_device(value)
-        batches = scatter(value, self.chunks)
-        m, n = len(batches), len(self.partitions)
+        if self._group is None:
+            return self._forward(input)
+        if self.training and torch.is_grad_enabled():
+            raise RuntimeError(
+                "GPipe across processes runs forward() for inference only (eval mode or "
+                "torch.no_grad()): autograd cannot reach across processes; train with "
+                "step(input, target, loss_fn), which runs every backward pass "
+                f"(training: {self.training}, grad enabled: {torch.is_grad_enabled()})"
+            )
+        with self._session():
+            return self._forward(input)
+
+    def _forward(self, input: TensorOrTensors) -> TensorOrTensors:
+        n = len(self.partitions)
+        value: TensorOrTensors | None = None
+        if self._local(0):
+            value = check(input, "input")
+            if not n:
+                return value  # an empty nn.Sequential is the identity
+            self._check_input_device(value)
+        batches, sizes = self._microbatches(value)
+        m = len(sizes)
         actions = _builtin_actions(GPipeSchedule, m, n, False)
         # In eval mode the output still has a graph (when grad mode is on); nothing is
         # checkpointed.
@@ -395,6 +527,8 @@ class GPipe(nn.Module):
         outputs = cast(
             list[Batch], self._run(batches, actions, grad, checkpoint_stop, autograd_backward=True)
         )
+        if not self._local(n - 1):
+            return cast(TensorOrTensors, None)  # the output is on the last stage's rank
         for i, output in enumerate(outputs):
             for tensor in output:
                 if tensor.dim() == 0:
@@ -403,6 +537,45 @@ class GPipe(nn.Module):
                         f"the micro-batches (micro-batch {i}, shape: {tuple(tensor.shape)})"
                     )
         return gather(outputs)
+
+    def _microbatches(self, value: TensorOrTensors | None) -> tuple[list[Batch], list[int]]:
+        """The micro-batches of ``value`` and their sizes, on the first partition's rank;
+        on other ranks, no micro-batches, and their sizes from that rank."""
+        if self._local(0):
+            assert value is not None
+            batches = scatter(value, self.chunks)
+            sizes = [len(batch[0]) for batch in batches]
+            if self._group is not None:
+                self._distributed().send_plan((sizes,))
+            return batches, sizes
+        (sizes,) = self._distributed().receive_plan()
+        return [], list(sizes)
+
+    @contextmanager
+    def _session(self) -> Iterator[_Session]:
+        """A run across processes, on every rank: begun together, ended together.
+
+        The ``with`` block's error is told to the other ranks, which raise a
+        :class:`RemoteStageError` naming this rank; if another rank fails, the block's
+        waits end and the ``with`` statement raises that error.
+        """
+        transport = self._distributed()
+        transport.begin()
+        session = _Session()
+        try:
+            yield session
+        except Cancelled:
+            transport.finish(None)  # raises the failing rank's error
+            raise
+        except BaseException as error:
+            try:
+                transport.finish(error)
+            except Exception as also:  # the local error stays the one raised
+                add_note = getattr(error, "add_note", None)
+                if add_note is not None:
+                    add_note(f"(ending the run on the other ranks failed too: {also})")
+            raise
+        session.payloads = transport.finish(None, session.payload)
 
     def _checkpoint_stop(self, m: int) -> int:
         """How many of ``m`` micro-batches are checkpointed in training."""
@@ -426,11 +599,13 @@ class GPipe(nn.Module):
         workers would wait forever for a generator lock the calling thread holds.
         """
         self._pool.refuse_reentry()
-        m, n = len(batches), len(self.partitions)
+        m, n = len({action.microbatch for action in actions[0]}), len(self.partitions)
         tracer = tracer_for(self, m)
         streams = [current_stream(device) for device in self.devices]
         stages = [
-            Stage(
+            None
+            if not self._local(j)
+            else Stage(
                 j,
                 partition,
                 self.devices[j],
@@ -445,20 +620,29 @@ class GPipe(nn.Module):
             )
             for j, partition in enumerate(self._partition_list())
         ]
-        transport = LocalTransport(
-            self.devices,
-            self._ensure_copy_streams(m),
-            streams,
-            keep_graph=autograd_backward,
-            tracer=tracer,
-        )
-        threaded = n > 1 and not (nested() or is_checkpointing() or is_recomputing())
+        transport: Transport
+        if self._group is None:
+            transport = LocalTransport(
+                self.devices,
+                self._ensure_copy_streams(m),
+                streams,
+                keep_graph=autograd_backward,
+                tracer=tracer,
+            )
+            threaded = n > 1 and not (nested() or is_checkpointing() or is_recomputing())
+        else:
+            transport = self._distributed()
+            # One stage per rank runs in the calling thread, several on their workers.
+            threaded = self.stage_ranks.count(self._rank) > 1
         if state is None:
             state = ThreadState.capture()
         # Deferred batch norms update their running statistics once, after all m
         # micro-batches (m may be less than chunks), and not at all if a micro-batch fails.
         with mini_batch(self) if self._deferred_batch_norm else nullcontext():
-            return run(stages, transport, actions, batches, self._pool, state, threaded)
+            outputs = run(stages, transport, actions, batches, self._pool, state, threaded)
+            if self._transport is not None and self._transport.cancelled:
+                raise Cancelled  # another rank failed: the session raises its error
+        return outputs
 
     def step(
         self,
@@ -541,9 +725,35 @@ class GPipe(nn.Module):
             >>> model[0].weight.grad.shape
             torch.Size([8, 4])
         """
-        value = check(input, "input")
-        self._check_input_device(value)
-        target_value = check(target, "target")
+        if self._group is None:
+            return cast(Losses, self._step(input, target, loss_fn, schedule, reduction))
+        with self._session() as session:
+            losses = self._step(input, target, loss_fn, schedule, reduction)
+            if losses is not None:
+                session.payload = ([loss.cpu() for loss in losses], losses.sizes, losses.reduction)
+        if losses is not None:
+            return losses
+        # Every rank returns the losses of the last partition's rank.
+        values, sizes, reduction = session.payloads[self.stage_ranks[-1]]
+        return Losses(values, sizes, reduction)
+
+    def _step(
+        self,
+        input: TensorOrTensors,
+        target: TensorOrTensors,
+        loss_fn: LossFunction,
+        schedule: str | Schedule,
+        reduction: Reduction | None,
+    ) -> Losses | None:
+        """:meth:`step`'s work on this process: the losses on the last partition's rank,
+        None elsewhere."""
+        n = len(self.partitions)
+        first, last = self._local(0), n == 0 or self._local(n - 1)
+        value: TensorOrTensors | None = None
+        if first:
+            value = check(input, "input")
+            self._check_input_device(value)
+        target_value = check(target, "target") if last else None
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (loss_fn: {type(loss_fn).__name__})")
         reduction = _check_reduction(loss_fn, reduction)
@@ -554,47 +764,53 @@ class GPipe(nn.Module):
                 f"(checkpointing: {is_checkpointing()}, recomputing: {is_recomputing()})"
             )
         backward = self.training and torch.is_grad_enabled()
-        input_leaves = _Leaves(value, backward)
-        target_leaves = _Leaves(target_value, backward)
-        batches = scatter(input_leaves.value, self.chunks)
-        targets = scatter(target_leaves.value, self.chunks)
-        sizes = [len(batch[0]) for batch in batches]
-        target_sizes = [len(batch[0]) for batch in targets]
-        if sizes != target_sizes:
-            raise ValueError(
-                "target must have the input's batch size "
-                f"(input: {sum(sizes)}, target: {sum(target_sizes)})"
-            )
-        if self.devices:
-            last = self.devices[-1]
-            targets = [
-                batch if all(t.device == last for t in batch) else _to(batch, last)
-                for batch in targets
-            ]
-        m, n = len(batches), len(self.partitions)
-        total = sum(sizes)
-        scales = [size / total if reduction == "mean" and total else 1.0 for size in sizes]
-        losses = LossSpec(loss_fn, targets, scales, backward)
+        input_leaves = _Leaves(value, backward) if value is not None else None
+        batches, sizes = self._microbatches(input_leaves.value if input_leaves else None)
+        losses: LossSpec | None = None
+        target_leaves: _Leaves | None = None
+        if last:
+            assert target_value is not None
+            target_leaves = _Leaves(target_value, backward)
+            targets = scatter(target_leaves.value, self.chunks)
+            target_sizes = [len(batch[0]) for batch in targets]
+            if sizes != target_sizes:
+                raise ValueError(
+                    "target must have the input's batch size "
+                    f"(input: {sum(sizes)}, target: {sum(target_sizes)})"
+                )
+            if self.devices:
+                device = self.devices[-1]
+                targets = [
+                    batch if all(t.device == device for t in batch) else _to(batch, device)
+                    for batch in targets
+                ]
+            total = sum(sizes)
+            scales = [size / total if reduction == "mean" and total else 1.0 for size in sizes]
+            losses = LossSpec(loss_fn, targets, scales, backward)
+        m = len(sizes)
         if n == 0:
             # An empty nn.Sequential is the identity: the losses of the input itself.
+            assert losses is not None and input_leaves is not None and target_leaves is not None
             with torch.set_grad_enabled(backward):
                 for i, batch in enumerate(batches):
                     loss = losses(i, batch)
                     if backward:
                         torch.autograd.backward(loss)
+        else:
+            actions = _actions(plan, m, n, backward)
+            with torch.set_grad_enabled(backward):
+                state = ThreadState.capture()
+            checkpoint_stop = self._checkpoint_stop(m) if backward else 0
+            self._run(
+                batches, actions, backward, checkpoint_stop,
+                autograd_backward=False, loss=losses, state=state,
+            )  # fmt: skip
+        if input_leaves is not None:
             input_leaves.backward()
+        if target_leaves is not None:
             target_leaves.backward()
-            return Losses(cast(list[torch.Tensor], losses.losses), sizes, reduction)
-        actions = _actions(plan, m, n, backward)
-        with torch.set_grad_enabled(backward):
-            state = ThreadState.capture()
-        checkpoint_stop = self._checkpoint_stop(m) if backward else 0
-        self._run(
-            batches, actions, backward, checkpoint_stop,
-            autograd_backward=False, loss=losses, state=state,
-        )  # fmt: skip
-        input_leaves.backward()
-        target_leaves.backward()
+        if losses is None:
+            return None
         return Losses(cast(list[torch.Tensor], losses.losses), sizes, reduction)
 
     def trace(self) -> AbstractContextManager[Timeline]:
@@ -625,6 +841,16 @@ class GPipe(nn.Module):
             f"balance={self.balance}, devices={devices}, chunks={self.chunks}, "
             f"checkpoint={self.checkpoint!r}"
         )
+
+
+class _Session:
+    """What a run across processes gives every rank: each rank's payload."""
+
+    def __init__(self) -> None:
+        #: What this rank gives the others when the run ends.
+        self.payload: object = None
+        #: What each other rank gave.
+        self.payloads: dict[int, Any] = {}
 
 
 def _plain_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, _: object) -> None:

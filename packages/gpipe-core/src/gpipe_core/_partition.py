@@ -14,6 +14,7 @@ from gpipe_microbatch import check_balance as check_counts
 __all__ = [
     "check_balance",
     "check_split",
+    "layer_groups",
     "resolve_devices",
     "split_module",
 ]
@@ -144,7 +145,9 @@ def _check_shared(partitions: Sequence[nn.Sequential], devices: Sequence[torch.d
                 )
 
 
-def _partitions(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
+def layer_groups(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
+    """``module``'s layers in ``len(balance)`` sequentials, where they are, under their
+    names."""
     layers = list(module._modules.items())
     partitions: list[nn.Sequential] = []
     start = 0
@@ -162,21 +165,40 @@ def check_split(
     Raises:
         ValueError: a parameter is shared by partitions on different devices.
     """
-    _check_shared(_partitions(module, balance), devices)
+    _check_shared(layer_groups(module, balance), devices)
 
 
 def split_module(
-    module: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device]
+    module: nn.Sequential,
+    balance: Sequence[int],
+    devices: Sequence[torch.device],
+    local: Sequence[bool] | None = None,
 ) -> list[nn.Sequential]:
     """Split ``module`` into ``len(balance)`` partitions and move each to its device.
 
     Layers keep their names, so ``partitions[1][0]`` may be the original ``module[3]``.
+    A partition whose layers are on the meta device is made on its device with
+    uninitialized tensors, then each layer's ``reset_parameters()`` initializes it.
+
+    Args:
+        local: which partitions this process keeps (default: all); the others are
+            released (an empty :class:`~torch.nn.Sequential` stands in for each) and
+            their layers are not moved.
 
     Raises:
         ValueError: a parameter is shared by partitions on different devices.
     """
-    partitions = _partitions(module, balance)
+    partitions = layer_groups(module, balance)
     _check_shared(partitions, devices)
-    for partition, device in zip(partitions, devices, strict=False):
-        partition.to(device)
+    for j, (partition, device) in enumerate(zip(partitions, devices, strict=False)):
+        if local is not None and not local[j]:
+            partitions[j] = nn.Sequential()
+        elif any(tensor.is_meta for tensor in (*partition.parameters(), *partition.buffers())):
+            partition.to_empty(device=device)
+            for layer in partition.modules():
+                reset = getattr(layer, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+        else:
+            partition.to(device)
     return partitions

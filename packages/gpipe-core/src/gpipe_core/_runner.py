@@ -53,10 +53,12 @@ class Failure:
 
     def fail(self, j: int, position: int, exc_info: ExcInfo) -> None:
         """Keep stage ``j``'s error, raised in its action at ``position`` (-1: outside
-        any action), and cancel the run."""
+        any action), and end the run (see :meth:`Transport.fail`)."""
         with self.lock:
             self.errors.append((j, position, exc_info))
-        self.cancel()
+        self.cancelled = True
+        action = self.actions[j][position] if position >= 0 else None
+        self.transport.fail(j, action, exc_info[1])
 
     def cancel(self) -> None:
         """Stop every worker after its current action; wake every wait."""
@@ -85,7 +87,7 @@ class Failure:
 
 
 def run(
-    stages: Sequence[Stage],
+    stages: Sequence[Stage | None],
     transport: Transport,
     actions: Sequence[Sequence[Action]],
     inputs: Sequence[Batch],
@@ -96,31 +98,36 @@ def run(
     """Run each stage's ``actions`` and return the last stage's output per micro-batch.
 
     Args:
-        stages: the stages, in pipeline order.
+        stages: the stages, in pipeline order; None for a stage of another process, whose
+            actions that process runs.
         transport: carries messages between them.
         actions: each stage's action list.
         inputs: the micro-batches, on the first stage's device.
         pool: the workers, one per stage.
         state: the caller's thread state, applied in every worker.
-        threaded: run each stage on its worker; otherwise serially in the calling
-            thread (whose state is ``state``).
+        threaded: run each stage of this process on its worker; otherwise in the
+            calling thread (whose state is ``state``): every stage serially, or the one
+            stage of this process.
     """
-    outputs: list[Batch | None] = [None] * len(inputs)
+    outputs: list[Batch | None] = [None] * len({action.microbatch for action in actions[0]})
     failure = Failure(transport, actions)
     executor = _Executor(stages, transport, inputs, outputs, failure)
+    local = [j for j, stage in enumerate(stages) if stage is not None]
     try:
         if threaded:
             pool.run_jobs(
-                [
-                    partial(executor.run, j, stage_actions, state)
-                    for j, stage_actions in enumerate(actions)
-                ],
-                lambda j, exc_info: failure.fail(j, -1, exc_info),  # not raised by an action
+                [partial(executor.run, j, actions[j], state) for j in local],
+                # Not raised by an action.
+                lambda k, exc_info: failure.fail(local[k], -1, exc_info),
                 failure.cancel,
             )
-        else:
+        elif len(local) == len(stages):
             with state.apply():
                 executor.run_serially(actions)
+        else:
+            # The one stage of this process; the others' actions run elsewhere.
+            (j,) = local
+            executor.run(j, actions[j], state)
         failure.raise_first()
     finally:
         transport.reset()
@@ -142,7 +149,7 @@ class _Executor:
 
     def __init__(
         self,
-        stages: Sequence[Stage],
+        stages: Sequence[Stage | None],
         transport: Transport,
         inputs: Sequence[Batch],
         outputs: list[Batch | None],
@@ -155,10 +162,15 @@ class _Executor:
         self.failure = failure
         self.last = len(stages) - 1
 
+    def stage(self, j: int) -> Stage:
+        stage = self.stages[j]
+        assert stage is not None, f"stage {j} runs in another process"
+        return stage
+
     def run(self, j: int, actions: Sequence[Action], state: ThreadState) -> None:
         """Run stage ``j``'s actions in order on its worker, under the caller's ``state``."""
         failure = self.failure
-        with _placed(self.stages[j]), state.apply():
+        with _placed(self.stage(j)), state.apply():
             for position, action in enumerate(actions):
                 if failure.cancelled:
                     return
@@ -177,7 +189,7 @@ class _Executor:
             for j, row in enumerate(rows):
                 action = row[column] if column < len(row) else None
                 if action is not None:
-                    with _placed(self.stages[j]):
+                    with _placed(self.stage(j)):
                         self.act(j, action)
 
     def act(self, j: int, action: Action) -> None:
@@ -196,7 +208,7 @@ class _Executor:
             raise
 
     def forward(self, j: int, i: int) -> None:
-        stage, transport = self.stages[j], self.transport
+        stage, transport = self.stage(j), self.transport
         if j == 0:
             batch = self.inputs[i]
         else:
@@ -224,7 +236,7 @@ class _Executor:
             transport.send(MessageKey("skips", i, j, target), values, needs_grad=needs_grad)
 
     def backward(self, j: int, i: int) -> None:
-        stage, transport = self.stages[j], self.transport
+        stage, transport = self.stage(j), self.transport
         grads: list[Tensor | None] = []
         if j != self.last:
             grads = transport.receive(MessageKey("gradients", i, j + 1, j)).values()

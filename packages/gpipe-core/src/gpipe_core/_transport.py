@@ -30,6 +30,7 @@ from torch import Tensor
 from gpipe_checkpoint import is_differentiable
 from gpipe_microbatch import AbstractStream, Batch, copy, wait
 
+from ._schedule import Action
 from ._tracing import Tracer
 
 __all__ = ["Cancelled", "LocalTransport", "Message", "MessageKey", "MessageKind", "Transport"]
@@ -101,6 +102,12 @@ class Transport(ABC):
         Raises:
             Cancelled: the run was cancelled while waiting.
         """
+
+    def fail(self, stage: int, action: Action | None, error: BaseException) -> None:
+        """Stage ``stage``'s ``action`` raised ``error`` (``action`` is None outside any
+        action): end the run. The default cancels it; a transport across processes tells
+        the other processes too."""
+        self.cancel()
 
     @abstractmethod
     def cancel(self) -> None:

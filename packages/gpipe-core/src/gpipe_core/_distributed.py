@@ -1,0 +1,562 @@
+"""Stages in several processes: the transport on ``torch.distributed``.
+
+With ``GPipe(..., group=group)``, stage ``s`` runs on rank ``s % group.size()`` of the
+process group, and :class:`DistributedTransport` carries the messages between stages of
+different ranks with point-to-point sends of ``torch.distributed`` (gloo).
+
+**Channels.** Between two ranks, every message of a run goes in one ordered channel: a
+fixed-size header (what the message is, its tensors' dtypes and shapes, and small
+tensors inline), then, if needed, the rest of the metadata and one payload (the tensor
+itself, or the tensors packed into one buffer). A receiver thread per peer reads the
+headers in order and files each message under its key (:class:`MessageKey`); a stage
+waits for its key in that mailbox. So the order in which stages send never has to match
+the order in which others receive, shapes may change from one run to the next, and every
+wait is a wait on a condition that a timeout, a cancellation or a failure ends.
+
+**A run** is bracketed on every rank by :meth:`DistributedTransport.begin` and
+:meth:`DistributedTransport.finish`. The last message of a run from each rank to each
+other rank says the run is finished there, and whether it went well (it carries the
+losses, from the last stage's rank). A rank whose action raises tells every other rank at
+once (a ``failed`` message), which cancels their waits; every rank then finishes the run,
+and raises: the failing rank its own error, the others a :class:`RemoteStageError` naming
+the failing rank and its action. Between runs no receive is posted, so an idle pipeline
+never runs into the process group's timeout. A rank that dies closes its connections:
+the others fail at once with an error naming it, and refuse later runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gpipe_checkpoint import is_differentiable
+from gpipe_microbatch import Batch
+
+from ._schedule import Action
+from ._transport import Cancelled, Message, MessageKey, Transport
+
+__all__ = ["DistributedTransport", "RemoteStageError", "check_group", "pipeline_tag"]
+
+#: Bytes of the header that starts every message: its length, the pickled metadata,
+#: and small tensors inline.
+HEADER_BYTES = 4096
+_PREFIX = 8  # the metadata's length (4 bytes, little-endian), then 4 bytes of padding
+_ALIGN = 16
+#: The first point-to-point tag gpipe uses; each pipeline on a group takes the next one.
+TAG_BASE = 0x47500000
+
+_Meta = tuple[Any, ...]
+
+
+_tags: dict[tuple[int, ...], int] = {}
+
+
+def pipeline_tag(group: dist.ProcessGroup) -> int:
+    """The point-to-point tag of the next pipeline made on ``group`` in this process
+    (every rank makes its pipelines in the same order, so they agree)."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    count = _tags.get(ranks, 0)
+    _tags[ranks] = count + 1
+    return TAG_BASE + count
+
+
+def check_group(group: object) -> dist.ProcessGroup:
+    """``group`` as a process group this process belongs to, or a clear error.
+
+    Raises:
+        TypeError: ``group`` is not a process group.
+        RuntimeError: torch.distributed is not initialized.
+        ValueError: this process is not in ``group``, or ``group`` does not use gloo.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "group needs torch.distributed to be initialized first, for example "
+            f"torch.distributed.init_process_group('gloo') (group: {group!r})"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            "group must be a torch.distributed process group, such as "
+            f"torch.distributed.group.WORLD or one made by new_group() (group: {group!r})"
+        )
+    if group.rank() < 0:
+        raise ValueError(
+            f"group must be a process group this process belongs to (rank: {dist.get_rank()})"
+        )
+    backend = str(dist.get_backend(group))
+    if backend != "gloo":
+        raise ValueError(
+            "group must use the gloo backend: stages across processes move tensors with "
+            f"gloo (CUDA tensors through host memory) (backend: {backend!r})"
+        )
+    return group
+
+
+class RemoteStageError(RuntimeError):
+    """Another rank of the pipeline failed: raised on every rank but the failing one.
+
+    Attributes:
+        rank: the failing rank (in the pipeline's group).
+        where: what it was doing (``'backward of micro-batch 2 on partition 1'``).
+        remote_traceback: the failing rank's traceback, as text.
+    """
+
+    def __init__(self, rank: int, where: str, summary: str, remote_traceback: str) -> None:
+        super().__init__(f"rank {rank} of the pipeline failed in {where}: {summary}")
+        self.rank = rank
+        self.where = where
+        self.remote_traceback = remote_traceback
+        add_note = getattr(self, "add_note", None)  # Python 3.11+
+        if add_note is not None and remote_traceback:
+            add_note(f"The traceback on rank {rank}:\n{remote_traceback.rstrip()}")
+
+
+@dataclass
+class _Failure:
+    rank: int
+    where: str
+    summary: str
+    text: str
+
+    def error(self) -> RemoteStageError:
+        return RemoteStageError(self.rank, self.where, self.summary, self.text)
+
+
+def _aligned(offset: int) -> int:
+    return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _bytes(tensor: Tensor) -> Tensor:
+    """``tensor``'s data as a flat uint8 tensor (a view of a contiguous CPU copy)."""
+    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+def _unpack(
+    buffer: Tensor, offset: int, specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]
+) -> list[Tensor]:
+    """Tensors of ``specs``, views of ``buffer`` from ``offset`` on (each aligned)."""
+    tensors = []
+    for dtype, shape in specs:
+        offset = _aligned(offset)
+        size = torch.Size(shape).numel() * dtype.itemsize
+        tensors.append(buffer[offset : offset + size].view(dtype).view(shape))
+        offset += size
+    return tensors
+
+
+class DistributedTransport(Transport):
+    """Messages between stages on the ranks of a gloo process group.
+
+    Args:
+        group: the pipeline's process group.
+        stage_ranks: the rank (in ``group``) of each stage.
+        devices: the device of each stage of this rank (others: unused).
+        timeout: seconds any wait may last before it fails with an error that says who
+            waits for what.
+        tag: the point-to-point tag of this pipeline's messages.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        stage_ranks: Sequence[int],
+        devices: Sequence[torch.device],
+        *,
+        timeout: float,
+        tag: int,
+    ) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.stage_ranks = list(stage_ranks)
+        self.devices = list(devices)
+        self.timeout = timeout
+        self.tag = tag
+        self.peers = [rank for rank in range(group.size()) if rank != self.rank]
+        self.cond = threading.Condition()
+        self.send_locks = {peer: threading.Lock() for peer in self.peers}
+        self.threads: dict[int, threading.Thread] = {}
+        # The state of the current run, under ``cond``.
+        self.run = 0
+        self.active = False
+        self.cancelled = False
+        self.told = False  # whether this rank has told the others of its failure
+        self.mailbox: dict[MessageKey, Message] = {}
+        self.plan: _Meta | None = None
+        self.failures: list[_Failure] = []
+        self.finished: dict[int, Any] = {}  # peer -> its payload
+        self.served = dict.fromkeys(self.peers, 0)  # the last run each receiver served
+        self.dead: dict[int, str] = {}
+        self.closed = False
+        self.sends: list[tuple[dist.Work, Tensor]] = []
+        self.sends_lock = threading.Lock()
+
+    # -- a run ----------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Start a run: receive from every peer until it says the run is finished.
+
+        Raises:
+            RuntimeError: a peer died in an earlier run.
+        """
+        with self.cond:
+            if self.dead:
+                peer, reason = next(iter(self.dead.items()))
+                raise RuntimeError(
+                    f"rank {peer} of the pipeline's group is gone ({reason}); the pipeline "
+                    "cannot run without it: restart every rank"
+                )
+            self.run += 1
+            self.active = True
+            self.cancelled = self.told = False
+            self.mailbox.clear()
+            self.plan = None
+            self.failures = []
+            self.finished = {}
+            self.cond.notify_all()
+        for peer in self.peers:
+            if peer not in self.threads:
+                thread = threading.Thread(
+                    target=self._receive_loop,
+                    args=(peer,),
+                    name=f"gpipe-receive-from-{peer}",
+                    daemon=True,
+                )
+                self.threads[peer] = thread
+                thread.start()
+
+    def finish(self, error: BaseException | None, payload: object = None) -> dict[int, Any]:
+        """End the run on this rank and wait until every peer has ended it too.
+
+        Args:
+            error: what this rank raised in the run, if anything (the others are told,
+                unless they were already).
+            payload: what this rank gives every peer (the losses, from the last stage's
+                rank).
+
+        Returns:
+            Each peer's payload.
+
+        Raises:
+            RemoteStageError: this rank raised nothing, and a peer failed.
+            TimeoutError: a peer did not end the run within the timeout.
+        """
+        if error is not None and not isinstance(error, Cancelled):
+            self.tell(None, error)
+        ok = error is None
+        for peer in self.peers:
+            if peer not in self.dead:
+                self._post(peer, ("finished", ok, payload), [])
+        self._drain_sends()
+        deadline = time.monotonic() + self.timeout
+        with self.cond:
+            while True:
+                waiting = [p for p in self.peers if p not in self.finished and p not in self.dead]
+                if not waiting:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.active = False
+                    self.dead.update(
+                        (p, f"it did not finish run {self.run} within {self.timeout:g} s")
+                        for p in waiting
+                    )
+                    raise TimeoutError(
+                        f"rank {self.rank} waited {self.timeout:g} s for ranks {waiting} to "
+                        "finish the run; is every rank calling the same method with the "
+                        "same arguments?"
+                    )
+                self.cond.wait(remaining)
+            self.active = False
+            self.mailbox.clear()
+            failures = sorted(self.failures, key=lambda failure: failure.rank)
+            payloads = dict(self.finished)
+        if error is None and failures:
+            raise failures[0].error()
+        return payloads
+
+    def send_plan(self, plan: _Meta) -> None:
+        """Give every peer the run's plan (its micro-batches' sizes), from the first
+        stage's rank."""
+        for peer in self.peers:
+            self._post(peer, ("plan", plan), [])
+
+    def receive_plan(self) -> _Meta:
+        """Wait for the run's plan from the first stage's rank.
+
+        Raises:
+            Cancelled: the run was cancelled (a peer failed) while waiting.
+        """
+        with self.cond:
+            self._wait(lambda: self.plan is not None, "the plan of the run", self.stage_ranks[0])
+            assert self.plan is not None
+            return self.plan
+
+    # -- the Transport interface ----------------------------------------------------
+
+    def send(
+        self,
+        key: MessageKey,
+        values: Sequence[Tensor | None],
+        *,
+        atomic: bool = False,
+        needs_grad: bool = False,
+    ) -> None:
+        present = tuple(value is not None for value in values)
+        tensors = [value.detach() for value in values if value is not None]
+        requires_grad = tuple(
+            value.requires_grad or (needs_grad and is_differentiable(value))
+            for value in values
+            if value is not None
+        )
+        target = self.stage_ranks[key.target]
+        if target == self.rank:
+            message = Message(atomic, present, requires_grad, _batch(tensors, atomic))
+            with self.cond:
+                self.mailbox[key] = message
+                self.cond.notify_all()
+            return
+        if self.cancelled:
+            return  # the run is over: nobody waits for it
+        self._post(target, ("data", key, atomic, present, requires_grad), tensors)
+
+    def receive(self, key: MessageKey) -> Message:
+        source = self.stage_ranks[key.source]
+        with self.cond:
+            self._wait(lambda: key in self.mailbox, _describe(key), source)
+            message = self.mailbox.pop(key)
+        device = self.devices[key.target]
+        if device.type != "cpu" and len(message.tensors):
+            moved = [tensor.to(device, non_blocking=True) for tensor in message.tensors]
+            message = message._replace(tensors=_batch(moved, message.atomic))
+        return message
+
+    def tell(self, action: tuple[int, Action] | None, error: BaseException) -> None:
+        """Tell every peer that this rank failed (once per run), and cancel the run."""
+        with self.cond:
+            told, self.told = self.told, True
+            self.cancelled = True
+            self.cond.notify_all()
+        if told:
+            return
+        if action is None:
+            where = "its step, outside the pipeline's actions"
+        else:
+            j, act = action
+            where = f"{act.kind} of micro-batch {act.microbatch} on partition {j}"
+        summary = f"{type(error).__name__}: {error}"
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        for peer in self.peers:
+            if peer not in self.dead:
+                self._post(peer, ("failed", where, summary, text), [])
+
+    def fail(self, stage: int, action: Action | None, error: BaseException) -> None:
+        self.tell((stage, action) if action is not None else None, error)
+
+    def cancel(self) -> None:
+        with self.cond:
+            self.cancelled = True
+            self.cond.notify_all()
+
+    def reset(self) -> None:
+        with self.cond:
+            self.mailbox.clear()
+
+    def close(self) -> None:
+        """Stop the receiver threads that wait for a run (idempotent)."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    # -- waiting -------------------------------------------------------------------------
+
+    def _wait(self, ready: Any, what: str, source: int) -> None:
+        """Wait (holding ``cond``) until ``ready()``; ``what`` comes from rank ``source``."""
+        deadline = time.monotonic() + self.timeout
+        while not ready():
+            if self.cancelled:
+                raise Cancelled
+            if source != self.rank and (source in self.finished or source in self.dead):
+                gone = "died" if source in self.dead else "finished its run"
+                raise RuntimeError(
+                    f"rank {self.rank} waits for {what} from rank {source}, which {gone} "
+                    "without sending it; is every rank calling the same method with the "
+                    "same arguments?"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"rank {self.rank} waited {self.timeout:g} s for {what} from rank {source}"
+                )
+            self.cond.wait(remaining)
+
+    # -- the wire ------------------------------------------------------------------------
+
+    def _post(self, peer: int, meta: _Meta, tensors: Sequence[Tensor]) -> None:
+        """Send a message to ``peer``: its header, then what does not fit in it."""
+        data = [_bytes(tensor) for tensor in tensors]
+        specs = [(tensor.dtype, tuple(tensor.shape)) for tensor in tensors]
+        sizes = [len(chunk) for chunk in data]
+        # How the tensors travel: in the header, as themselves (one), or packed.
+        inline_end = 0
+        layout = "packed"
+        if not data:
+            layout = "none"
+        elif len(data) == 1 and sizes[0] > HEADER_BYTES // 2:
+            layout = "single"
+        encoded = pickle.dumps((self.run, meta, specs, layout), protocol=pickle.HIGHEST_PROTOCOL)
+        room = _PREFIX + len(encoded)
+        if data and layout == "packed":
+            end = room
+            for size in sizes:
+                end = _aligned(end) + size
+            if end <= HEADER_BYTES:
+                layout, inline_end = "inline", end
+                encoded = pickle.dumps(
+                    (self.run, meta, specs, layout), protocol=pickle.HIGHEST_PROTOCOL
+                )
+        raw = bytearray(HEADER_BYTES)
+        header = torch.frombuffer(raw, dtype=torch.uint8)
+        raw[0:4] = len(encoded).to_bytes(4, "little")
+        parts = [header]
+        if _PREFIX + len(encoded) <= HEADER_BYTES:
+            raw[_PREFIX : _PREFIX + len(encoded)] = encoded
+            offset = _PREFIX + len(encoded)
+        else:
+            parts.append(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
+            offset = _PREFIX
+        if layout == "inline":
+            assert inline_end and offset == room
+            for chunk in data:
+                offset = _aligned(offset)
+                header[offset : offset + len(chunk)].copy_(chunk)
+                offset += len(chunk)
+        elif layout == "single":
+            parts.append(data[0])
+        elif layout == "packed":
+            total = 0
+            for size in sizes:
+                total = _aligned(total) + size
+            packed = torch.empty(total, dtype=torch.uint8)
+            offset = 0
+            for chunk in data:
+                offset = _aligned(offset)
+                packed[offset : offset + len(chunk)].copy_(chunk)
+                offset += len(chunk)
+            parts.append(packed)
+        works = []
+        with self.send_locks[peer]:
+            for part in parts:
+                works.append(dist.isend(part, group=self.group, group_dst=peer, tag=self.tag))
+        with self.sends_lock:
+            self.sends.extend(zip(works, parts, strict=True))  # type: ignore[arg-type]
+
+    def _drain_sends(self) -> None:
+        """Wait until this run's sends have been received (or their peer is gone)."""
+        with self.sends_lock:
+            sends, self.sends = self.sends, []
+        for work, _ in sends:
+            # A peer that is gone fails the wait; its receiver thread here says so.
+            with contextlib.suppress(RuntimeError):
+                work.wait()
+
+    def _receive_loop(self, peer: int) -> None:
+        """Receive ``peer``'s messages, run after run, and file them."""
+        while True:
+            with self.cond:
+                while not self.closed and not (self.active and self.run > self.served[peer]):
+                    self.cond.wait()
+                if self.closed:
+                    return
+                run = self.served[peer] = self.run
+            try:
+                while self._receive_one(peer, run):
+                    pass
+            except Exception as error:  # the connection is gone: the peer died or left
+                with self.cond:
+                    self.dead[peer] = f"{type(error).__name__}: {error}"
+                    if self.active:
+                        self.failures.append(
+                            _Failure(
+                                peer, "its run", f"the process died or left the group ({error})", ""
+                            )
+                        )
+                        self.cancelled = True
+                    self.cond.notify_all()
+                return
+
+    def _receive_one(self, peer: int, run: int) -> bool:
+        """Receive one message from ``peer``; False once it said the run is finished."""
+        raw = bytearray(HEADER_BYTES)
+        header = torch.frombuffer(raw, dtype=torch.uint8)
+        self._recv(header, peer)
+        length = int.from_bytes(raw[0:4], "little")
+        if _PREFIX + length <= HEADER_BYTES:
+            encoded = bytes(raw[_PREFIX : _PREFIX + length])
+            offset = _PREFIX + length
+        else:
+            extra = bytearray(length)
+            self._recv(torch.frombuffer(extra, dtype=torch.uint8), peer)
+            encoded, offset = bytes(extra), _PREFIX
+        sent_run, meta, specs, layout = pickle.loads(encoded)
+        if sent_run != run:
+            raise RuntimeError(f"rank {peer} sent a message of run {sent_run} during run {run}")
+        tensors: list[Tensor] = []
+        if layout == "inline":
+            tensors = _unpack(header, offset, specs)
+        elif layout == "single":
+            dtype, shape = specs[0]
+            tensor = torch.empty(shape, dtype=dtype)
+            self._recv(tensor.reshape(-1).view(torch.uint8), peer)
+            tensors = [tensor]
+        elif layout == "packed":
+            total = 0
+            for dtype, shape in specs:
+                total = _aligned(total) + torch.Size(shape).numel() * dtype.itemsize
+            packed = torch.empty(total, dtype=torch.uint8)
+            self._recv(packed, peer)
+            tensors = _unpack(packed, 0, specs)
+        kind = meta[0]
+        with self.cond:
+            if kind == "finished":
+                self.finished[peer] = meta[2]
+                self.cond.notify_all()
+                return False
+            if kind == "failed":
+                self.failures.append(_Failure(peer, meta[1], meta[2], meta[3]))
+                self.cancelled = True
+            elif kind == "plan":
+                self.plan = meta[1]
+            elif not self.cancelled:
+                _, key, atomic, present, requires_grad = meta
+                self.mailbox[key] = Message(atomic, present, requires_grad, _batch(tensors, atomic))
+            self.cond.notify_all()
+        return True
+
+    def _recv(self, tensor: Tensor, peer: int) -> None:
+        dist.recv(tensor, group=self.group, group_src=peer, tag=self.tag)
+
+
+def _batch(tensors: Sequence[Tensor], atomic: bool) -> Batch:
+    return Batch(tensors[0] if atomic else tuple(tensors))
+
+
+def _describe(key: MessageKey) -> str:
+    what = {
+        "activations": "the activations",
+        "gradients": "the gradients",
+        "skips": "the skips",
+        "skip-gradients": "the skips' gradients",
+    }[key.kind]
+    return (
+        f"{what} of micro-batch {key.microbatch} from partition {key.source} to partition "
+        f"{key.target}"
+    )

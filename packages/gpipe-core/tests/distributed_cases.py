@@ -1,0 +1,357 @@
+"""What the ranks of the distributed tests run, and the models they share with the tests.
+
+Run as a script, this is one rank of a test cluster (see ``Cluster`` in conftest.py): it
+joins a gloo process group, then runs the cases the test sends on its stdin, one at a
+time, and writes each case's result (or error) on its stdout. The tests load this file by
+path to build the same models and inputs as the ranks, and compare with the plain model.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import struct
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpipe_checkpoint import is_recomputing
+from gpipe_core import GPipe
+from gpipe_skip import pop, skippable, stash
+
+WIDTH = 4
+
+
+# -- framing on the pipes between a test and its ranks -------------------------------------
+
+
+def write_frame(stream: BinaryIO, value: object) -> None:
+    data = pickle.dumps(value)
+    stream.write(struct.pack("<Q", len(data)) + data)
+    stream.flush()
+
+
+def read_frame(stream: BinaryIO) -> Any:
+    head = stream.read(8)
+    if len(head) < 8:
+        raise EOFError
+    (size,) = struct.unpack("<Q", head)
+    return pickle.loads(stream.read(size))
+
+
+# -- models --------------------------------------------------------------------------------
+
+
+class Fail(Exception):
+    """Raised by a :class:`Trap` on purpose."""
+
+
+class Trap(nn.Module):
+    """The identity, which raises :class:`Fail` when armed for a phase.
+
+    Phases: ``forward`` (the first forward pass of micro-batch ``when``: micro-batches go
+    forward in order), ``recompute`` (the first recomputation), ``backward`` (the backward
+    pass of the first graph it is part of).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed: tuple[str, int] | None = None
+        self.calls = 0
+        self.graphs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed is None:
+            return x
+        phase, when = self.armed
+        if is_recomputing():
+            if phase == "recompute":
+                raise Fail("recompute")
+        else:
+            self.calls += 1
+            if phase == "forward" and self.calls == when + 1:
+                raise Fail(f"forward of micro-batch {when}")
+        if phase == "backward" and torch.is_grad_enabled():
+            self.graphs += 1
+            if self.graphs == 1:
+                return _RaiseInBackward.apply(x)  # type: ignore[no-any-return]
+        return x
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> None:
+        raise Fail("backward")
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        yield stash("skip", x)
+        return x  # type: ignore[no-any-return]
+
+
+@skippable(pop=["skip"])
+class Pop(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = yield pop("skip")
+        return x + skip  # type: ignore[no-any-return]
+
+
+class Split(nn.Module):
+    """A tuple with an integer tensor between partitions."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, (x.detach() > 0).long()
+
+
+class Join(nn.Module):
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, mask = pair
+        return x * mask.to(x.dtype) + x
+
+
+def build(layers: tuple[str, ...], seed: int) -> nn.Sequential:
+    """A float64 model of ``layers`` kinds, the same for a seed on every process."""
+    torch.manual_seed(seed)
+    made: list[nn.Module] = []
+    for kind in layers:
+        if kind == "linear":
+            made.append(nn.Linear(WIDTH, WIDTH))
+        elif kind == "tanh":
+            made.append(nn.Tanh())
+        elif kind == "relu":
+            made.append(nn.ReLU())
+        elif kind == "bn":
+            made.append(nn.BatchNorm1d(WIDTH))
+        elif kind == "stash":
+            made.append(Stash())
+        elif kind == "pop":
+            made.append(Pop())
+        elif kind == "split":
+            made.append(Split())
+        elif kind == "join":
+            made.append(Join())
+        elif kind == "trap":
+            made.append(Trap())
+        else:
+            raise ValueError(f"unknown layer kind: {kind}")
+    return nn.Sequential(*made).double()
+
+
+def data(seed: int, batch: int, outputs: int = WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
+    """An input and a target of ``batch`` samples."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, WIDTH, generator=generator, dtype=torch.float64)
+    y = torch.randn(batch, outputs, generator=generator, dtype=torch.float64)
+    return x, y
+
+
+def local_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+# -- cases ---------------------------------------------------------------------------------
+
+
+def case_step(
+    rank: int,
+    *,
+    layers: tuple[str, ...],
+    balance: list[int],
+    seed: int,
+    batches: list[int],
+    chunks: int,
+    checkpoint: str = "except_last",
+    schedule: str = "gpipe",
+    deferred_batch_norm: bool = False,
+    give_all: bool = False,
+) -> dict[str, Any]:
+    """Steps of a pipeline across the group; each rank's losses, gradients and buffers."""
+    model = build(layers, seed)
+    pipe = GPipe(
+        model,
+        balance,
+        chunks=chunks,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+        deferred_batch_norm=deferred_batch_norm,
+        group=dist.group.WORLD,
+        timeout=60,
+    )
+    first, last = pipe.stage_ranks[0] == rank, pipe.stage_ranks[-1] == rank
+    results = []
+    for k, batch in enumerate(batches):
+        x, y = data(seed + k, batch)
+        x.requires_grad_(True)
+        losses = pipe.step(
+            x if first or give_all else None,
+            y if last or give_all else None,
+            nn.MSELoss(),
+            schedule=schedule,
+        )
+        results.append(
+            {
+                "losses": [loss.item() for loss in losses],
+                "reduced": losses.reduced().item(),
+                "grads": {
+                    k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()
+                },
+                "input_grad": x.grad.clone() if x.grad is not None else None,
+            }
+        )
+        for p in pipe.parameters():
+            p.grad = None
+    return {"steps": results, "buffers": dict(pipe.state_dict())}
+
+
+def case_forward(
+    rank: int, *, layers: tuple[str, ...], balance: list[int], seed: int, batch: int, chunks: int
+) -> torch.Tensor | None:
+    """Inference across the group: the output on the last stage's rank."""
+    pipe = GPipe(build(layers, seed), balance, chunks=chunks, group=dist.group.WORLD, timeout=60)
+    pipe.eval()
+    x, _ = data(seed, batch)
+    output = pipe(x if pipe.stage_ranks[0] == rank else None)
+    return output
+
+
+def case_forward_in_training(rank: int) -> str:
+    pipe = GPipe(build(("linear", "linear"), 0), [1, 1], group=dist.group.WORLD, timeout=60)
+    try:
+        pipe(torch.randn(2, WIDTH, dtype=torch.float64))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def case_failure(
+    rank: int,
+    *,
+    layers: tuple[str, ...],
+    balance: list[int],
+    seed: int,
+    chunks: int,
+    trap_rank: int,
+    phase: str,
+    microbatch: int,
+    checkpoint: str = "always",
+    schedule: str = "gpipe",
+) -> dict[str, Any]:
+    """A step that fails on ``trap_rank``, then a step that must run normally."""
+    pipe = GPipe(
+        build(layers, seed),
+        balance,
+        chunks=chunks,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+        group=dist.group.WORLD,
+        timeout=30,
+    )
+    traps = [m for m in pipe.modules() if isinstance(m, Trap)]
+    if rank == trap_rank:
+        for trap in traps:
+            trap.armed = (phase, microbatch)
+    x, y = data(seed, 2 * chunks)
+    error: dict[str, Any] = {}
+    calls = []
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        calls.append(len(calls))
+        if phase == "loss" and rank == trap_rank and len(calls) == microbatch + 1:
+            raise Fail(f"loss of micro-batch {microbatch}")
+        return nn.functional.mse_loss(output, target)
+
+    loss_fn.reduction = "mean"  # type: ignore[attr-defined]
+    try:
+        pipe.step(x, y, loss_fn, schedule=schedule)
+    except Exception as caught:
+        error = {
+            "type": type(caught).__name__,
+            "message": str(caught),
+            "rank": getattr(caught, "rank", None),
+            "where": getattr(caught, "where", None),
+            "notes": getattr(caught, "__notes__", []),
+        }
+    for trap in traps:
+        trap.armed = None
+    for p in pipe.parameters():
+        p.grad = None
+    x, y = data(seed + 1, 2 * chunks)
+    losses = pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+    return {
+        "error": error,
+        "reduced": losses.reduced().item(),
+        "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
+    }
+
+
+def case_die(rank: int, *, dying_rank: int) -> dict[str, Any]:
+    """``dying_rank`` exits in the middle of a step; the others must fail, not hang."""
+    pipe = GPipe(
+        build(("linear", "tanh", "linear"), 0), [2, 1], chunks=4, group=dist.group.WORLD, timeout=30
+    )
+    if rank == dying_rank:
+
+        def die(*_: object) -> None:
+            os._exit(3)
+
+        pipe[0].register_forward_hook(die)  # type: ignore[arg-type]
+    x, y = data(0, 8)
+    try:
+        pipe.step(x, y, nn.MSELoss())
+    except Exception as caught:
+        first = {"type": type(caught).__name__, "message": str(caught)}
+    else:
+        first = {}
+    try:
+        pipe.step(x, y, nn.MSELoss())
+    except Exception as caught:
+        second = {"type": type(caught).__name__, "message": str(caught)}
+    else:
+        second = {}
+    return {"first": first, "second": second}
+
+
+CASES: dict[str, Callable[..., Any]] = {
+    name[len("case_") :]: value for name, value in globals().items() if name.startswith("case_")
+}
+
+
+def main() -> None:
+    rank, world, port = (int(arg) for arg in sys.argv[1:4])
+    torch.set_num_threads(1)
+    requests, replies = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # prints must not mix with the replies
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        while True:
+            try:
+                name, kwargs = read_frame(requests)
+            except EOFError:
+                break
+            try:
+                reply: tuple[Any, ...] = ("ok", CASES[name](rank, **kwargs))
+            except BaseException as error:
+                reply = ("error", f"{type(error).__name__}: {error}", traceback.format_exc())
+            write_frame(replies, reply)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""GPipe across processes (``group=``): the plain model's numbers, and no hang.
+
+Each test runs its cases on ranks started by the ``cluster2``/``new_cluster`` fixtures
+(subprocesses in one gloo group on 127.0.0.1, one intra-op thread each; see
+``distributed_cases.py``). The ranks' losses, gradients and buffers are compared with the
+plain ``nn.Sequential`` computed here.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+SCHEDULES = ("gpipe", "1f1b")
+MODES = ("always", "except_last", "never")
+
+
+@pytest.fixture(scope="module")
+def cases(load_cases: Callable[[], ModuleType]) -> ModuleType:
+    return load_cases()
+
+
+def plain_name(name: str) -> str:
+    """``partitions.J.<layer>.<rest>`` as the plain module's ``<layer>.<rest>``."""
+    return name.split(".", 2)[2]
+
+
+def expected_steps(
+    cases: ModuleType,
+    layers: tuple[str, ...],
+    seed: int,
+    batches: list[int],
+    chunks: int,
+) -> tuple[list[dict[str, Any]], nn.Module]:
+    """The plain model's losses and gradients per step (each micro-batch's loss scaled by
+    its share of the batch, as a step does), and the model whose running statistics saw
+    each whole batch."""
+    per_micro = cases.build(layers, seed)
+    whole = copy.deepcopy(per_micro)
+    steps = []
+    for k, batch in enumerate(batches):
+        x, y = cases.data(seed + k, batch)
+        x.requires_grad_(True)
+        for p in per_micro.parameters():
+            p.grad = None
+        losses = []
+        for xi, yi in zip(x.chunk(chunks), y.chunk(chunks), strict=True):
+            loss = nn.MSELoss()(per_micro(xi), yi)
+            (loss * len(xi) / batch).backward()
+            losses.append(loss.item())
+        with torch.no_grad():
+            whole(x)
+        steps.append(
+            {
+                "losses": losses,
+                "grads": {name: p.grad.clone() for name, p in per_micro.named_parameters()},
+                "input_grad": x.grad.clone(),
+                "whole_loss": nn.MSELoss()(whole.eval()(x), y).item()
+                if "bn" not in layers
+                else None,
+            }
+        )
+        whole.train()
+    return steps, whole
+
+
+def check_steps(cases: ModuleType, results: list[dict[str, Any]], **spec: Any) -> None:
+    """Every rank's losses, the gradients of each rank's parameters and the first rank's
+    input gradient equal the plain model's."""
+    layers, seed, batches, chunks = spec["layers"], spec["seed"], spec["batches"], spec["chunks"]
+    expected, whole = expected_steps(cases, layers, seed, batches, chunks)
+    for k, want in enumerate(expected):
+        grads: dict[str, torch.Tensor | None] = {}
+        for rank, result in enumerate(results):
+            got = result["steps"][k]
+            torch.testing.assert_close(got["losses"], want["losses"], msg=f"rank {rank}")
+            if want["whole_loss"] is not None:
+                torch.testing.assert_close(got["reduced"], want["whole_loss"])
+            for name, grad in got["grads"].items():
+                assert plain_name(name) not in grads, f"{name} on two ranks"
+                grads[plain_name(name)] = grad
+        assert grads.keys() == want["grads"].keys()
+        for name, grad in want["grads"].items():
+            assert grads[name] is not None, name
+            torch.testing.assert_close(grads[name], grad, msg=name)
+        torch.testing.assert_close(results[0]["steps"][k]["input_grad"], want["input_grad"])
+    # Buffers (running statistics) of each rank's layers, under the plain keys.
+    state = whole.state_dict()
+    for result in results:
+        for key, value in result["buffers"].items():
+            if "running" in key or "num_batches" in key:
+                torch.testing.assert_close(value, state[key], msg=key)
+
+
+# -- equivalence -----------------------------------------------------------------------------
+
+SKIPS_AND_TUPLES = ("linear", "stash", "tanh", "split", "join", "linear", "pop", "linear")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_step_matches_plain(
+    cluster2: Any, cases: ModuleType, schedule: str, checkpoint: str
+) -> None:
+    """Skips from one rank to the other, a tuple with an integer tensor between ranks, an
+    uneven last micro-batch and a batch size that changes between steps."""
+    spec = {"layers": SKIPS_AND_TUPLES, "seed": 3, "batches": [8, 5, 6], "chunks": 4}
+    results = cluster2.results(
+        "step", balance=[3, 5], checkpoint=checkpoint, schedule=schedule, **spec
+    )
+    check_steps(cases, results, **spec)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_looped_stages_and_deferred_batch_norm(
+    cluster2: Any, cases: ModuleType, schedule: str
+) -> None:
+    """Four partitions on two ranks (each rank runs two, on two workers); a skip from the
+    first to the last partition; deferred batch norm; ranks without the input or target."""
+    layers = ("stash", "linear", "bn", "tanh", "linear", "relu", "linear", "pop")
+    spec = {"layers": layers, "seed": 5, "batches": [8, 8], "chunks": 4}
+    results = cluster2.results(
+        "step", balance=[2, 2, 2, 2], schedule=schedule, deferred_batch_norm=True, **spec
+    )
+    check_steps(cases, results, **spec)
+
+
+def test_every_rank_may_give_every_argument(cluster2: Any, cases: ModuleType) -> None:
+    spec = {"layers": ("linear", "tanh", "linear"), "seed": 9, "batches": [6], "chunks": 3}
+    results = cluster2.results("step", balance=[2, 1], give_all=True, **spec)
+    check_steps(cases, results, **spec)
+
+
+KINDS = ("linear", "tanh", "relu", "bn")
+
+
+@st.composite
+def random_specs(draw: st.DrawFn) -> dict[str, Any]:
+    kinds = draw(st.lists(st.sampled_from(KINDS), min_size=1, max_size=5))
+    if kinds.count("bn") > 1:
+        # The running statistics of a batch norm after another one see the first one's
+        # micro-batch normalization: one batch norm is comparable with the whole batch.
+        kinds = [kind for kind in kinds if kind != "bn"] + ["bn"]
+    layers = (*kinds, "linear")
+    parts = draw(st.sampled_from([2, 4] if len(layers) >= 4 else [2]))
+    cuts = sorted(
+        draw(st.sets(st.integers(1, len(layers) - 1), min_size=parts - 1, max_size=parts - 1))
+    )
+    bounds = [0, *cuts, len(layers)]
+    return {
+        "layers": layers,
+        "balance": [b - a for a, b in itertools.pairwise(bounds)],
+        "seed": draw(st.integers(0, 2**16)),
+        "batches": [draw(st.integers(1, 9)) for _ in range(2)],
+        "chunks": draw(st.integers(1, 4)),
+        "checkpoint": draw(st.sampled_from(MODES)),
+        "schedule": draw(st.sampled_from(SCHEDULES)),
+    }
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(spec=random_specs())
+def test_random_models_match_plain(cluster2: Any, cases: ModuleType, spec: dict[str, Any]) -> None:
+    if "bn" in spec["layers"]:
+        spec["deferred_batch_norm"] = True
+        if min(spec["batches"]) < 2 * spec["chunks"]:
+            spec["batches"] = [2 * spec["chunks"]] * 2  # batch norm needs 2 samples a chunk
+    results = cluster2.results("step", **spec)
+    check_steps(
+        cases,
+        results,
+        **{key: spec[key] for key in ("layers", "seed", "batches", "chunks")},
+    )
+
+
+def test_inference_returns_the_output_on_the_last_rank(cluster2: Any, cases: ModuleType) -> None:
+    layers = ("linear", "stash", "tanh", "linear", "pop", "linear")
+    outputs = cluster2.results("forward", layers=layers, balance=[2, 4], seed=2, batch=7, chunks=3)
+    plain = cases.build(layers, 2).eval()
+    x, _ = cases.data(2, 7)
+    assert outputs[0] is None
+    torch.testing.assert_close(outputs[1], plain(x))
+
+
+def test_forward_in_training_points_to_step(cluster2: Any) -> None:
+    messages = cluster2.results("forward_in_training")
+    for message in messages:
+        assert "step(input, target, loss_fn)" in message and "inference only" in message
+
+
+# -- failures --------------------------------------------------------------------------------
+
+TRAPPED = ("linear", "trap", "tanh", "linear", "trap", "linear")
+
+
+@pytest.mark.parametrize(
+    ("trap_rank", "phase", "schedule"),
+    [
+        (0, "forward", "gpipe"),
+        (1, "forward", "1f1b"),
+        (0, "recompute", "1f1b"),
+        (1, "recompute", "gpipe"),
+        (0, "backward", "gpipe"),
+        (1, "backward", "1f1b"),
+        (1, "loss", "gpipe"),
+    ],
+)
+def test_a_failing_rank_fails_every_rank_then_the_next_step_runs(
+    cluster2: Any, cases: ModuleType, trap_rank: int, phase: str, schedule: str
+) -> None:
+    results = cluster2.results(
+        "failure",
+        layers=TRAPPED,
+        balance=[3, 3],
+        seed=4,
+        chunks=3,
+        trap_rank=trap_rank,
+        phase=phase,
+        microbatch=1,
+        schedule=schedule,
+        timeout=60,
+    )
+    for rank, result in enumerate(results):
+        error = result["error"]
+        if rank == trap_rank:
+            # The failing rank raises its own error, with where it happened.
+            assert error["type"] == "Fail", error
+            number = "micro-batch 1" if phase == "forward" else "micro-batch"
+            assert (
+                any(
+                    f"{phase if phase != 'recompute' else 'backward'} of {number}" in note
+                    for note in error["notes"]
+                )
+                or phase == "loss"
+            ), error
+        else:
+            assert error["type"] == "RemoteStageError", error
+            assert error["rank"] == trap_rank
+            assert "micro-batch" in error["where"], error
+            assert "Fail" in error["message"]
+    # The next step on the same pipeline: the plain model's numbers.
+    model = cases.build(TRAPPED, 4)
+    x, y = cases.data(5, 6)
+    nn.MSELoss()(model(x), y).backward()
+    grads = {}
+    for result in results:
+        torch.testing.assert_close(result["reduced"], nn.MSELoss()(model(x), y).item())
+        grads.update({plain_name(k): v for k, v in result["grads"].items()})
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+def test_a_dying_rank_fails_the_others_and_later_steps(new_cluster: Callable[[int], Any]) -> None:
+    cluster = new_cluster(2)
+    replies = cluster.run("die", dying_rank=1, timeout=90)
+    assert replies[1][0] == "gone"
+    status, result = replies[0][0], replies[0][1]
+    assert status == "ok", replies[0]
+    assert result["first"]["type"] == "RemoteStageError", result
+    assert "rank 1" in result["first"]["message"] and "died" in result["first"]["message"]
+    assert result["second"]["type"] == "RuntimeError", result
+    assert "rank 1 of the pipeline's group is gone" in result["second"]["message"]
