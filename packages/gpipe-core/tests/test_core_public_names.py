@@ -22,6 +22,7 @@ PUBLIC_NAMES = [
     "OneFOneBSchedule",
     "PartitionSummary",
     "Phase",
+    "RemoteStageError",
     "Schedule",
     "ScheduleError",
     "TaskEvent",

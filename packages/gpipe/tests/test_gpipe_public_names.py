@@ -21,6 +21,7 @@ import gpipe_skip
 NAMES = [
     "BalanceError",
     "GPipe",
+    "RemoteStageError",
     "__version__",
     "balance",
     "bn",

@@ -12,6 +12,7 @@ Example:
 from gpipe_microbatch import BalanceError
 
 from .__about__ import __version__
+from ._distributed import RemoteStageError
 from ._gpipe import CheckpointMode, GPipe
 from ._losses import Losses
 from ._schedule import (
@@ -46,6 +47,7 @@ __all__ = [
     "OneFOneBSchedule",
     "PartitionSummary",
     "Phase",
+    "RemoteStageError",
     "Schedule",
     "ScheduleError",
     "TaskEvent",

@@ -70,8 +70,9 @@ def pipeline_tag(group: dist.ProcessGroup) -> int:
     return TAG_BASE + count
 
 
-def check_group(group: object) -> dist.ProcessGroup:
-    """``group`` as a process group this process belongs to, or a clear error.
+def check_group(group: object, name: str = "group") -> dist.ProcessGroup:
+    """``group`` (the argument ``name``) as a process group this process belongs to, or a
+    clear error.
 
     Raises:
         TypeError: ``group`` is not a process group.
@@ -80,23 +81,23 @@ def check_group(group: object) -> dist.ProcessGroup:
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
-            "group needs torch.distributed to be initialized first, for example "
-            f"torch.distributed.init_process_group('gloo') (group: {group!r})"
+            f"{name} needs torch.distributed to be initialized first, for example "
+            f"torch.distributed.init_process_group('gloo') ({name}: {group!r})"
         )
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
-            "group must be a torch.distributed process group, such as "
-            f"torch.distributed.group.WORLD or one made by new_group() (group: {group!r})"
+            f"{name} must be a torch.distributed process group, such as "
+            f"torch.distributed.group.WORLD or one made by new_group() ({name}: {group!r})"
         )
     if group.rank() < 0:
         raise ValueError(
-            f"group must be a process group this process belongs to (rank: {dist.get_rank()})"
+            f"{name} must be a process group this process belongs to (rank: {dist.get_rank()})"
         )
     backend = str(dist.get_backend(group))
     if backend != "gloo":
         raise ValueError(
-            "group must use the gloo backend: stages across processes move tensors with "
-            f"gloo (CUDA tensors through host memory) (backend: {backend!r})"
+            f"{name} must use the gloo backend: gpipe moves tensors between processes with "
+            f"gloo (CUDA tensors through host memory) ({name} backend: {backend!r})"
         )
     return group
 

@@ -218,8 +218,13 @@ class GPipe(nn.Module):
             ``devices`` lists the devices of this rank's partitions (default: the CUDA
             device ``LOCAL_RANK`` when CUDA is available, else the CPU), and the other
             ranks' partitions show as ``meta`` in :attr:`devices`.
-        timeout: with ``group``, the seconds any wait for another rank may last
-            (default: 1800) before the run fails with an error saying who waits for what.
+        data_group: a ``torch.distributed`` process group (gloo) of this pipeline's
+            replicas, which train on other data: after each :meth:`step`, the gradients
+            of this process's parameters are averaged over it, once (see
+            :doc:`/distributed`).
+        timeout: with ``group`` or ``data_group``, the seconds any wait for another rank
+            may last (default: 1800) before the run fails with an error saying who waits
+            for what.
 
     Raises:
         TypeError: ``module`` is not an :class:`~torch.nn.Sequential`, or its skippable
@@ -253,6 +258,7 @@ class GPipe(nn.Module):
         checkpoint: CheckpointMode = "except_last",
         deferred_batch_norm: bool = False,
         group: dist.ProcessGroup | None = None,
+        data_group: dist.ProcessGroup | None = None,
         timeout: float | datetime.timedelta | None = None,
     ) -> None:
         super().__init__()
@@ -266,10 +272,13 @@ class GPipe(nn.Module):
         self.chunks = check_chunks(chunks)
         self.checkpoint = _check_checkpoint(checkpoint)
         self._group = group
-        self._timeout = _check_timeout(timeout, group)
-        if group is not None:
+        self._data_group = data_group
+        self._timeout = _check_timeout(timeout, group if group is not None else data_group)
+        if group is not None or data_group is not None:
             from ._distributed import check_group, pipeline_tag
-
+        if data_group is not None:
+            check_group(data_group, "data_group")
+        if group is not None:
             check_group(group)
             if balance is None:
                 raise TypeError(
@@ -725,6 +734,31 @@ class GPipe(nn.Module):
             >>> model[0].weight.grad.shape
             torch.Size([8, 4])
         """
+        if self._data_group is None:
+            return self._pipeline_step(input, target, loss_fn, schedule, reduction)
+        try:
+            losses = self._pipeline_step(input, target, loss_fn, schedule, reduction)
+        except BaseException as error:
+            # The replicas learn that this one failed, and fail too.
+            try:
+                self._average_gradients(failed=True)
+            except Exception as also:
+                add_note = getattr(error, "add_note", None)
+                if add_note is not None:
+                    add_note(f"(telling the data-parallel replicas failed too: {also})")
+            raise
+        self._average_gradients(failed=False)
+        return losses
+
+    def _pipeline_step(
+        self,
+        input: TensorOrTensors,
+        target: TensorOrTensors,
+        loss_fn: LossFunction,
+        schedule: str | Schedule,
+        reduction: Reduction | None,
+    ) -> Losses:
+        """:meth:`step` in this pipeline: in this process, or across the group's ranks."""
         if self._group is None:
             return cast(Losses, self._step(input, target, loss_fn, schedule, reduction))
         with self._session() as session:
@@ -736,6 +770,64 @@ class GPipe(nn.Module):
         # Every rank returns the losses of the last partition's rank.
         values, sizes, reduction = session.payloads[self.stage_ranks[-1]]
         return Losses(values, sizes, reduction)
+
+    def _average_gradients(self, *, failed: bool) -> None:
+        """Average this rank's gradients over the data-parallel group, once per step: one
+        ``all_reduce`` per dtype, whose first buffer also counts the replicas that failed
+        (then no gradient changes, and every replica raises)."""
+        import torch.distributed as dist
+
+        group = self._data_group
+        assert group is not None
+        parameters = [p for p in self.parameters() if p.requires_grad]
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in parameters:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        if not by_dtype:
+            by_dtype[torch.float32] = []
+        flats: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
+        for dtype, group_parameters in sorted(by_dtype.items(), key=lambda item: str(item[0])):
+            grads = [
+                torch.zeros_like(p) if failed or p.grad is None else p.grad
+                for p in group_parameters
+            ]
+            flat = torch.cat(
+                [grad.reshape(-1) for grad in grads]
+                + [torch.zeros(1, dtype=dtype, device=grads[0].device if grads else "cpu")]
+            )
+            if not flats:
+                flat[-1] = 1.0 if failed else 0.0
+            flats.append((flat, group_parameters))
+        timeout = datetime.timedelta(seconds=self._timeout)
+        works = [dist.all_reduce(flat, group=group, async_op=True) for flat, _ in flats]
+        for work in works:
+            assert work is not None
+            try:
+                work.wait(timeout)
+            except RuntimeError as error:
+                raise TimeoutError(
+                    "the data-parallel replicas did not all end the step within "
+                    f"{self._timeout:g} s, or one is gone ({error})"
+                ) from error
+        failures = int(flats[0][0][-1].item())
+        if failures:
+            if failed:
+                return  # this replica raises its own error
+            raise RuntimeError(
+                f"{failures} data-parallel replica(s) failed in this step; the gradients were "
+                "not averaged (zero them before the next step)"
+            )
+        size = group.size()
+        for flat, group_parameters in flats:
+            offset = 0
+            for p in group_parameters:
+                count = p.numel()
+                averaged = flat[offset : offset + count].view_as(p) / size
+                if p.grad is None:
+                    p.grad = averaged
+                else:
+                    p.grad.copy_(averaged)
+                offset += count
 
     def _step(
         self,
@@ -870,14 +962,17 @@ def _plain_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, _: o
 
 def _partition_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: object) -> None:
     """Load pre-hook: plain keys (``<layer>.<rest>``) go to their partition; the keys of
-    earlier versions (``partitions.J.<layer>.<rest>``) are taken as they are."""
+    earlier versions (``partitions.J.<layer>.<rest>``) are taken as they are. Across
+    processes, the keys of the layers other ranks run are left to them (dropped here)."""
+    pipe = cast(GPipe, module)
     owner = {
-        name: j
-        for j, partition in enumerate(cast(GPipe, module)._partition_list())
-        for name in partition._modules
+        name: j for j, partition in enumerate(pipe._partition_list()) for name in partition._modules
     }
     for key in [key for key in state_dict if key.startswith(prefix)]:
         rest = key[len(prefix) :]
-        j = owner.get(rest.partition(".")[0])
+        layer = rest.partition(".")[0]
+        j = owner.get(layer)
         if j is not None and not rest.startswith("partitions."):
             state_dict[f"{prefix}partitions.{j}.{rest}"] = state_dict.pop(key)
+        elif layer in pipe._remote_layers:
+            del state_dict[key]
