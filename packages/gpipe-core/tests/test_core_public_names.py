@@ -27,6 +27,7 @@ PUBLIC_NAMES = [
     "TaskEvent",
     "Timeline",
     "TimelineSummary",
+    "WithDevice",
     "__version__",
     "check_actions",
     "clock_cycles",

@@ -14,6 +14,7 @@ from gpipe_microbatch import BalanceError
 from .__about__ import __version__
 from ._gpipe import CheckpointMode, GPipe
 from ._losses import Losses
+from ._partition import WithDevice
 from ._schedule import (
     Action,
     GPipeSchedule,
@@ -51,6 +52,7 @@ __all__ = [
     "TaskEvent",
     "Timeline",
     "TimelineSummary",
+    "WithDevice",
     "__version__",
     "check_actions",
     "clock_cycles",
