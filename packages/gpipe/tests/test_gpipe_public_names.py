@@ -21,6 +21,7 @@ import gpipe_skip
 NAMES = [
     "BalanceError",
     "GPipe",
+    "WithDevice",
     "__version__",
     "balance",
     "bn",
