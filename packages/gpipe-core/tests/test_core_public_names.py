@@ -28,6 +28,7 @@ PUBLIC_NAMES = [
     "TaskEvent",
     "Timeline",
     "TimelineSummary",
+    "WithDevice",
     "__version__",
     "check_actions",
     "clock_cycles",

@@ -22,6 +22,7 @@ NAMES = [
     "BalanceError",
     "GPipe",
     "RemoteStageError",
+    "WithDevice",
     "__version__",
     "balance",
     "bn",

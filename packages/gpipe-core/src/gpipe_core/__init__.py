@@ -15,6 +15,7 @@ from .__about__ import __version__
 from ._distributed import RemoteStageError
 from ._gpipe import CheckpointMode, GPipe
 from ._losses import Losses
+from ._partition import WithDevice
 from ._schedule import (
     Action,
     GPipeSchedule,
@@ -53,6 +54,7 @@ __all__ = [
     "TaskEvent",
     "Timeline",
     "TimelineSummary",
+    "WithDevice",
     "__version__",
     "check_actions",
     "clock_cycles",

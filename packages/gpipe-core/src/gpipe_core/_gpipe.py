@@ -38,6 +38,7 @@ from ._partition import (
     check_balance,
     check_split,
     layer_groups,
+    placed_layers,
     resolve_devices,
     split_module,
 )
@@ -198,7 +199,9 @@ class GPipe(nn.Module):
         balance: the number of layers in each partition. Without it (and without
             ``devices``), partitions follow where the layers already are: the runs of
             consecutive layers on one device (refused, with a hint to measure a balance,
-            when every layer is on one device).
+            when every layer is on one device). :class:`~gpipe_core.WithDevice` places a
+            layer without parameters; with ``balance`` given, each such layer must fall in
+            a partition on its device.
 
     Keyword Args:
         devices: the device of each partition (default: every CUDA device in order, or
@@ -227,11 +230,13 @@ class GPipe(nn.Module):
             for what.
 
     Raises:
-        TypeError: ``module`` is not an :class:`~torch.nn.Sequential`, or its skippable
-            layers do not pair up (see :func:`gpipe_skip.verify_skippables`).
+        TypeError: ``module`` is not an :class:`~torch.nn.Sequential`, its skippable
+            layers do not pair up (see :func:`gpipe_skip.verify_skippables`), or a
+            :class:`~gpipe_core.WithDevice` is nested in a layer.
         BalanceError: ``balance`` does not split ``module`` into non-empty partitions.
-        ValueError: too few devices, bad ``chunks`` or ``checkpoint``, or a parameter
-            shared by partitions on different devices.
+        ValueError: too few devices, bad ``chunks`` or ``checkpoint``, a parameter
+            shared by partitions on different devices, or a
+            :class:`~gpipe_core.WithDevice` layer in a partition on another device.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
@@ -268,7 +273,8 @@ class GPipe(nn.Module):
                 f"deferred_batch_norm must be True or False (deferred_batch_norm: "
                 f"{deferred_batch_norm!r})"
             )
-        verify_skippables(module)
+        # The skippable layers as the partitions will hold them: without WithDevice wrappers.
+        verify_skippables(placed_layers(module))
         self.chunks = check_chunks(chunks)
         self.checkpoint = _check_checkpoint(checkpoint)
         self._group = group
@@ -386,7 +392,8 @@ class GPipe(nn.Module):
     def unwrap(self) -> nn.Sequential:
         """The layers as one :class:`~torch.nn.Sequential`, in order, under their names.
 
-        The same layer objects, trained, wherever they are: a copy
+        The same layer objects, trained, wherever they are (a
+        :class:`~gpipe_core.WithDevice` layer gives the layer it wraps): a copy
         (``copy.deepcopy``) is the plain model without the pipeline, to move, save or
         serve alone. Its :meth:`~torch.nn.Module.state_dict` has the same keys as this
         module's.

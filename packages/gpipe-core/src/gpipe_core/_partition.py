@@ -1,9 +1,10 @@
-"""Checking the wrapped module and splitting it into partitions on devices."""
+"""Checking the wrapped module, placing its layers and splitting it into partitions on devices."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -12,29 +13,214 @@ from gpipe_microbatch import Device, normalize_device
 from gpipe_microbatch import check_balance as check_counts
 
 __all__ = [
+    "WithDevice",
+    "balance_from_placement",
     "check_balance",
     "check_split",
     "layer_groups",
+    "placed_layers",
     "resolve_devices",
     "split_module",
 ]
 
 
+class WithDevice(nn.Module):
+    """A layer placed on ``device``: where :class:`~gpipe_core.GPipe` puts it and its partition.
+
+    Without ``balance``, :class:`~gpipe_core.GPipe` makes partitions of the runs of
+    consecutive layers on one device, and reads a layer's device from its parameters. A
+    layer without parameters (dropout, an activation) has none to read, so it joins the
+    layer before it; wrapped, it is on ``device`` instead. A wrapped layer with parameters
+    is on ``device`` too, wherever its parameters are now: GPipe moves it there.
+
+    The wrapper itself moves nothing, and is transparent: its forward pass is the wrapped
+    layer's, wherever the layer is, and its :meth:`~torch.nn.Module.state_dict` has the
+    wrapped layer's keys (``weight``, not ``module.weight``), so a model with wrappers and
+    the same model without them share their checkpoints. GPipe keeps the wrapped layer
+    under the wrapper's name and drops the wrapper: :meth:`GPipe.unwrap()
+    <gpipe_core.GPipe.unwrap>`, indexing and :meth:`~torch.nn.Module.state_dict` give the
+    layer itself.
+
+    With ``balance`` given, every wrapped layer must fall in a partition on its device
+    (refused otherwise); a wrapper that is not a layer of the :class:`~torch.nn.Sequential`
+    itself, but nested deeper, is refused by GPipe, as it could not place anything.
+
+    Args:
+        module: the layer to place.
+        device: where it runs: a :class:`torch.device`, a device name (``'cuda:1'``) or a
+            CUDA index. Whether the device exists is checked when GPipe places the layer,
+            so a model with wrappers can still be built and run on a machine without it.
+
+    Raises:
+        TypeError: ``module`` is not an :class:`~torch.nn.Module` (or is a
+            :class:`WithDevice` already), or ``device`` is not a device, a device name or
+            an index.
+        ValueError: ``device`` is not a device name, is a negative index, or is ``meta``.
+
+    Example:
+        The dropout and the last layer run on the second device (on a machine without two
+        GPUs, ``'cpu:0'`` stands for it: GPipe takes it for another device than ``'cpu'``):
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from gpipe_core import GPipe, WithDevice
+        >>> second = "cuda:1" if torch.cuda.device_count() > 1 else "cpu:0"
+        >>> model = nn.Sequential(
+        ...     nn.Linear(8, 8),
+        ...     WithDevice(nn.Dropout(0.1), second),  # unwrapped, it would join the layer before
+        ...     WithDevice(nn.Linear(8, 2), second),  # GPipe moves it to the second device
+        ... )
+        >>> pipe = GPipe(model, chunks=2)
+        >>> pipe.balance, pipe.devices[1] == torch.device(second)
+        ([1, 2], True)
+        >>> pipe[1]  # the layer itself, without its wrapper
+        Dropout(p=0.1, inplace=False)
+        >>> pipe(torch.randn(4, 8)).shape
+        torch.Size([4, 2])
+
+        The keys of a wrapped layer are the layer's own:
+
+        >>> list(nn.Sequential(WithDevice(nn.Linear(2, 2), "cpu")).state_dict())
+        ['0.weight', '0.bias']
+    """
+
+    module: nn.Module
+
+    def __init__(self, module: nn.Module, device: Device) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module (module: {module!r})")
+        if isinstance(module, WithDevice):
+            raise TypeError(
+                "module is a WithDevice already: wrap the layer once "
+                f"(module: WithDevice({type(module.module).__name__}) on {module.device})"
+            )
+        self._device = _parse_device(device, "device", f"device: {device!r}")
+        self.module = module
+        # The wrapper adds nothing to the keys: they are the wrapped layer's.
+        self.register_state_dict_post_hook(_layer_keys)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(_wrapper_keys)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_post_hook(_reported_keys)  # type: ignore[no-untyped-call]
+        self._loading: list[tuple[str, int, int]] = []  # (prefix, reported keys) per load
+
+    @property
+    def device(self) -> torch.device:
+        """Where the layer runs."""
+        return self._device
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped layer's forward pass."""
+        return self.module(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"device={self._device}"
+
+
+def _layer_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, _: object) -> None:
+    """State dict hook: ``<prefix>module.<rest>`` becomes ``<prefix><rest>``, the layer's key."""
+    head = prefix + "module."
+    for key in [key for key in state_dict if key.startswith(head)]:
+        state_dict[prefix + key[len(head) :]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        # The layer's own entry takes the wrapper's place, as in the module without wrappers.
+        for key in [key for key in metadata if key == head[:-1] or key.startswith(head)]:
+            value = metadata.pop(key)
+            metadata[prefix + key[len(head) :] if key != head[:-1] else prefix[:-1]] = value
+
+
+def _wrapper_keys(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: object,
+    strict: object,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: object,
+) -> None:
+    """Load pre-hook: the layer's keys (``<prefix><rest>``) go to ``<prefix>module.<rest>``.
+
+    The wrapper has no parameters or buffers of its own, so every key under ``prefix`` is
+    the wrapped layer's (a key the layer lacks is then reported as unexpected by it).
+    """
+    for key in [key for key in state_dict if key.startswith(prefix)]:
+        state_dict[f"{prefix}module.{key[len(prefix) :]}"] = state_dict.pop(key)
+    # Where the keys the layer reports begin: _reported_keys names them as the layer's.
+    cast(WithDevice, module)._loading.append((prefix, len(missing_keys), len(unexpected_keys)))
+
+
+def _reported_keys(module: nn.Module, incompatible: Any) -> None:
+    """Load post-hook: the missing and unexpected keys that the wrapped layer reported
+    (``<prefix>module.<rest>``) are named as the layer's (``<prefix><rest>``)."""
+    prefix, missing, unexpected = cast(WithDevice, module)._loading.pop()
+    head = prefix + "module."
+    for keys, start in (
+        (incompatible.missing_keys, missing),
+        (incompatible.unexpected_keys, unexpected),
+    ):
+        for i in range(start, len(keys)):
+            if keys[i].startswith(head):
+                keys[i] = prefix + keys[i][len(head) :]
+
+
+def _placed(layer: nn.Module | None) -> nn.Module | None:
+    """The layer that goes into a partition: the wrapped one for a :class:`WithDevice`."""
+    return layer.module if isinstance(layer, WithDevice) else layer
+
+
+def _describe(index: int, layer: WithDevice) -> str:
+    return f"layer {index}: WithDevice({type(layer.module).__name__}) on {layer.device}"
+
+
+def _check_wrappers(module: nn.Sequential) -> None:
+    """Refuse a :class:`WithDevice` nested in a layer: only layers are placed."""
+    layers: list[nn.Module | None] = list(module._modules.values())  # None: an empty slot
+    for index, layer in enumerate(layers):
+        inner = _placed(layer)
+        for path, nested in inner.named_modules() if inner is not None else ():
+            if isinstance(nested, WithDevice) and path:
+                raise TypeError(
+                    "WithDevice must be a layer of the sequential module itself, where it "
+                    f"places the layer (layer {index} ({type(layer).__name__}) has one at "
+                    f"{path!r})"
+                )
+
+
+def placed_layers(module: nn.Sequential) -> nn.Sequential:
+    """``module``'s layers under their names, each :class:`WithDevice` replaced by its layer.
+
+    Raises:
+        TypeError: a :class:`WithDevice` is nested in a layer rather than a layer itself.
+    """
+    _check_wrappers(module)
+    layers: list[tuple[str, nn.Module | None]] = list(module._modules.items())
+    placed = OrderedDict((name, _placed(layer)) for name, layer in layers)
+    return nn.Sequential(cast("OrderedDict[str, nn.Module]", placed))
+
+
 def balance_from_placement(module: nn.Sequential) -> tuple[list[int], list[torch.device]]:
     """The balance and devices that follow where ``module``'s layers are.
 
-    Partitions are the runs of consecutive layers on one device; a layer without
-    parameters or buffers belongs with the layer before it (the first such layers, with
-    the first layer that has a device). An empty module has no partitions.
+    Partitions are the runs of consecutive layers on one device: a :class:`WithDevice`
+    layer's device, else the device of the layer's first parameter or buffer. A layer with
+    neither belongs with the layer before it (the first such layers, with the first layer
+    that has a device). An empty module has no partitions.
 
     Raises:
         TypeError: every layer is on one device: where to split cannot be read from the
             module (the message shows how to measure a balance).
+        ValueError: a :class:`WithDevice` names a device that cannot hold a partition here
+            (CUDA not available, a CUDA index out of range).
     """
     if len(module) == 0:
         return [], []
     placed: list[torch.device | None] = []
-    for layer in module:
+    for index, layer in enumerate(module):
+        if isinstance(layer, WithDevice):
+            _check_available(layer.device, "a WithDevice", _describe(index, layer))
+            placed.append(layer.device)
+            continue
         tensor: torch.Tensor | None = None
         if layer is not None:
             tensor = next(iter(layer.parameters()), None)
@@ -43,7 +229,7 @@ def balance_from_placement(module: nn.Sequential) -> tuple[list[int], list[torch
         placed.append(tensor.device if tensor is not None else None)
     known = [device for device in placed if device is not None]
     if len(set(known)) < 2:
-        where = str(known[0]) if known else "no device: no layer has parameters"
+        where = str(known[0]) if known else "no device: no layer has parameters or a WithDevice"
         raise TypeError(
             f"balance must be given when every layer is on one device (layers: {len(module)}, "
             f"device: {where}): pass the number of layers in each partition, or measure it, "
@@ -107,28 +293,49 @@ def resolve_devices(devices: Iterable[Device] | None, partitions: int) -> list[t
 def _device(device: object, k: int, devices: object) -> torch.device:
     """``devices[k]`` as a device that can hold a partition, or a clear error."""
     where = f"devices[{k}]: {device!r}, devices: {devices!r}"
+    resolved = _parse_device(device, "devices", where)
+    _check_available(resolved, "devices", where)
+    return resolved
+
+
+def _parse_device(device: object, name: str, where: str) -> torch.device:
+    """``device``, an entry of the argument ``name``, as a device that could hold layers.
+
+    ``name`` is ``'devices'`` for an entry of a list, ``'device'`` for one device. Whether
+    the device exists here is :func:`_check_available`'s question.
+    """
+    one = name != "devices"
+    expected = (
+        "be a device, a device name or an index" if one else "hold devices, device names or indices"
+    )
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-        raise TypeError(f"devices must hold devices, device names or indices ({where})")
+        raise TypeError(f"{name} must {expected} ({where})")
     if isinstance(device, int) and device < 0:
         raise ValueError(f"a device index cannot be negative ({where})")
     try:
         resolved = normalize_device(device)
     except (RuntimeError, ValueError) as error:
-        raise ValueError(f"devices has an entry that is not a device ({where})") from error
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"devices names a CUDA device but CUDA is not available ({where})")
-        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            raise ValueError(
-                "devices names a CUDA device that does not exist "
-                f"(cuda devices: {torch.cuda.device_count()}, {where})"
-            )
-    elif resolved.type in ("meta",):
+        what = f"{name} must {expected}" if one else f"{name} has an entry that is not a device"
+        raise ValueError(f"{what} ({where})") from error
+    if resolved.type in ("meta",):
+        what = "a device that holds" if one else "devices that hold"
         raise ValueError(
-            f"devices must be devices that hold tensors' data; moving layers to meta would "
+            f"{name} must be {what} tensors' data; moving layers to meta would "
             f"lose their weights ({where})"
         )
     return resolved
+
+
+def _check_available(device: torch.device, name: str, where: str) -> None:
+    """Refuse a CUDA ``device`` (from the argument ``name``) that this process cannot use."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name} names a CUDA device but CUDA is not available ({where})")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"{name} names a CUDA device that does not exist "
+                f"(cuda devices: {torch.cuda.device_count()}, {where})"
+            )
 
 
 def _check_shared(partitions: Sequence[nn.Sequential], devices: Sequence[torch.device]) -> None:
@@ -146,9 +353,9 @@ def _check_shared(partitions: Sequence[nn.Sequential], devices: Sequence[torch.d
 
 
 def layer_groups(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
-    """``module``'s layers in ``len(balance)`` sequentials, where they are, under their
-    names."""
-    layers = list(module._modules.items())
+    """``module``'s layers in ``balance`` runs, where they are, under their names, without
+    their :class:`WithDevice` wrappers."""
+    layers = list(placed_layers(module)._modules.items())
     partitions: list[nn.Sequential] = []
     start = 0
     for count in balance:
@@ -157,14 +364,38 @@ def layer_groups(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Seque
     return partitions
 
 
+def _check_placement(
+    module: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device]
+) -> None:
+    """Refuse a :class:`WithDevice` layer that ``balance`` puts in a partition on another
+    device than its own."""
+    owner = [j for j, count in enumerate(balance) for _ in range(count)]
+    for index, layer in enumerate(module._modules.values()):
+        j = owner[index]
+        # A partition of another process (meta here) is placed there.
+        if (
+            isinstance(layer, WithDevice)
+            and devices[j].type != "meta"
+            and layer.device != devices[j]
+        ):
+            raise ValueError(
+                "a WithDevice layer must be in a partition on its device "
+                f"({_describe(index, layer)}, partition {j} on {devices[j]}, "
+                f"balance: {list(balance)}, devices: {[str(d) for d in devices]})"
+            )
+
+
 def check_split(
     module: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device]
 ) -> None:
     """Check that ``module`` can be split as :func:`split_module` would, changing nothing.
 
     Raises:
-        ValueError: a parameter is shared by partitions on different devices.
+        TypeError: a :class:`WithDevice` is nested in a layer.
+        ValueError: a :class:`WithDevice` layer is in a partition on another device, or a
+            parameter is shared by partitions on different devices.
     """
+    _check_placement(module, balance, devices)
     _check_shared(layer_groups(module, balance), devices)
 
 
@@ -176,9 +407,11 @@ def split_module(
 ) -> list[nn.Sequential]:
     """Split ``module`` into ``len(balance)`` partitions and move each to its device.
 
-    Layers keep their names, so ``partitions[1][0]`` may be the original ``module[3]``.
-    A partition whose layers are on the meta device is made on its device with
-    uninitialized tensors, then each layer's ``reset_parameters()`` initializes it.
+    Layers keep their names, so ``partitions[1][0]`` may be the original ``module[3]``; a
+    :class:`WithDevice` layer is replaced by the layer it wraps. ``module`` itself keeps
+    its layers and wrappers. A partition whose layers are on the meta device is made on
+    its device with uninitialized tensors, then each layer's ``reset_parameters()``
+    initializes it.
 
     Args:
         local: which partitions this process keeps (default: all); the others are
@@ -186,9 +419,12 @@ def split_module(
             their layers are not moved.
 
     Raises:
-        ValueError: a parameter is shared by partitions on different devices.
+        TypeError: a :class:`WithDevice` is nested in a layer.
+        ValueError: a :class:`WithDevice` layer is in a partition on another device, or a
+            parameter is shared by partitions on different devices.
     """
     partitions = layer_groups(module, balance)
+    _check_placement(module, balance, devices)
     _check_shared(partitions, devices)
     for j, (partition, device) in enumerate(zip(partitions, devices, strict=False)):
         if local is not None and not local[j]:
