@@ -240,9 +240,7 @@ def cluster2_fixture() -> Iterator[Cluster]:
         cluster.close()
 
 
-@pytest.fixture(name="new_cluster")
-def new_cluster_fixture() -> Iterator[Callable[[int], Cluster]]:
-    """Make clusters of a given size for one test; they are closed after it."""
+def _clusters() -> Iterator[Callable[[int], Cluster]]:
     made: list[Cluster] = []
 
     def make(world: int) -> Cluster:
@@ -254,3 +252,15 @@ def new_cluster_fixture() -> Iterator[Callable[[int], Cluster]]:
     finally:
         for cluster in made:
             cluster.close()
+
+
+@pytest.fixture(name="new_cluster")
+def new_cluster_fixture() -> Iterator[Callable[[int], Cluster]]:
+    """Make clusters of a given size for one test; they are closed after it."""
+    yield from _clusters()
+
+
+@pytest.fixture(scope="module", name="new_cluster_module")
+def new_cluster_module_fixture() -> Iterator[Callable[[int], Cluster]]:
+    """Make clusters of a given size for a test module; they are closed after it."""
+    yield from _clusters()

@@ -321,6 +321,84 @@ def case_die(rank: int, *, dying_rank: int) -> dict[str, Any]:
     return {"first": first, "second": second}
 
 
+def case_data_parallel(
+    rank: int, *, layers: tuple[str, ...], balance: list[int], seed: int, batch: int, chunks: int
+) -> dict[str, Any]:
+    """Two stages x two replicas on four ranks: pipelines {0, 1} and {2, 3}, replicas of
+    each stage {0, 2} and {1, 3}. Each replica trains on its half of the batch."""
+    pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pipe = GPipe(
+        build(layers, seed),
+        balance,
+        chunks=chunks,
+        group=pipelines[rank // 2],
+        data_group=replicas[rank % 2],
+        timeout=60,
+    )
+    x, y = data(seed, batch)
+    half = batch // 2
+    part = slice((rank // 2) * half, (rank // 2 + 1) * half)
+    reduces = []
+    all_reduce = dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        reduces.append(1)
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted  # type: ignore[assignment]
+    try:
+        losses = pipe.step(x[part], y[part], nn.MSELoss())
+    finally:
+        dist.all_reduce = all_reduce
+    return {
+        "reduced": losses.reduced().item(),
+        "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
+        "all_reduces": len(reduces),
+    }
+
+
+def case_save(
+    rank: int, *, layers: tuple[str, ...], balance: list[int], seed: int, path: str
+) -> dict[str, torch.Tensor]:
+    """Train a step, save the pipeline with torch.distributed.checkpoint; each rank's
+    state under the plain keys."""
+    import torch.distributed.checkpoint as dcp
+
+    pipe = GPipe(build(layers, seed), balance, chunks=2, group=dist.group.WORLD, timeout=60)
+    x, y = data(seed, 4)
+    pipe.step(x, y, nn.MSELoss())
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p -= 0.1 * p.grad  # type: ignore[operator]
+    state = pipe.state_dict()
+    dcp.save(state, checkpoint_id=path)
+    return {key: value.clone() for key, value in state.items()}
+
+
+def case_load(
+    rank: int, *, layers: tuple[str, ...], balance: list[int], path: str, batch: int
+) -> dict[str, Any]:
+    """Build the model on the meta device, keep this rank's layers, load the checkpoint;
+    the state and the inference output."""
+    import torch.distributed.checkpoint as dcp
+
+    with torch.device("meta"):
+        module = build(layers, 0)
+    pipe = GPipe(module, balance, chunks=2, group=dist.group.WORLD, timeout=60)
+    state = pipe.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    pipe.load_state_dict(state)
+    pipe.eval()
+    x, _ = data(1, batch)
+    output = pipe(x if pipe.stage_ranks[0] == rank else None)
+    return {
+        "state": {key: value.clone() for key, value in pipe.state_dict().items()},
+        "output": output,
+        "devices": [str(device) for device in pipe.devices],
+    }
+
+
 CASES: dict[str, Callable[..., Any]] = {
     name[len("case_") :]: value for name, value in globals().items() if name.startswith("case_")
 }

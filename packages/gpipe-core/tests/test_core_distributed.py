@@ -269,3 +269,72 @@ def test_a_dying_rank_fails_the_others_and_later_steps(new_cluster: Callable[[in
     assert "rank 1" in result["first"]["message"] and "died" in result["first"]["message"]
     assert result["second"]["type"] == "RuntimeError", result
     assert "rank 1 of the pipeline's group is gone" in result["second"]["message"]
+
+
+# -- four ranks: pipeline x data parallel, checkpoints -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster4(new_cluster_module: Callable[[int], Any]) -> Any:
+    return new_cluster_module(4)
+
+
+def test_four_stages_match_plain(cluster4: Any, cases: ModuleType) -> None:
+    spec = {"layers": SKIPS_AND_TUPLES, "seed": 11, "batches": [8, 7], "chunks": 4}
+    results = cluster4.results("step", balance=[2, 2, 2, 2], schedule="1f1b", **spec)
+    check_steps(cases, results, **spec)
+
+
+def test_pipeline_times_data_parallel(cluster4: Any, cases: ModuleType) -> None:
+    """2 stages x 2 replicas: the gradients of the whole batch's mean loss, averaged over
+    the replicas by one all_reduce per step."""
+    layers = ("linear", "tanh", "linear", "relu", "linear")
+    results = cluster4.results(
+        "data_parallel", layers=layers, balance=[3, 2], seed=6, batch=8, chunks=2
+    )
+    model = cases.build(layers, 6)
+    x, y = cases.data(6, 8)
+    nn.MSELoss()(model(x), y).backward()
+    grads: dict[str, torch.Tensor] = {}
+    for rank, result in enumerate(results):
+        assert result["all_reduces"] == 1, result
+        for name, grad in result["grads"].items():
+            name = plain_name(name)
+            if name in grads:  # the other replica's stage: the same averaged gradient
+                torch.testing.assert_close(grad, grads[name])
+            grads[name] = grad
+        half = slice((rank // 2) * 4, (rank // 2 + 1) * 4)
+        torch.testing.assert_close(result["reduced"], nn.MSELoss()(model(x[half]), y[half]).item())
+    assert grads.keys() == dict(model.named_parameters()).keys()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_checkpoint_from_two_ranks_loads_into_four_and_into_plain(
+    cluster2: Any, cluster4: Any, cases: ModuleType, tmp_path: Any
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    layers = ("linear", "bn", "tanh", "linear", "relu", "linear", "linear")
+    path = str(tmp_path / "checkpoint")
+    saved = cluster2.results("save", layers=layers, balance=[3, 4], seed=8, path=path)
+    assert not set(saved[0]) & set(saved[1])  # each rank saves its own layers
+    whole = {**saved[0], **saved[1]}
+    # Into the plain model, in this process (no process group).
+    plain = cases.build(layers, 99)
+    assert whole.keys() == plain.state_dict().keys()
+    state = plain.state_dict()
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    plain.load_state_dict(state)
+    for key, value in whole.items():
+        torch.testing.assert_close(plain.state_dict()[key], value, msg=key)
+    # Into four ranks, built on the meta device.
+    loaded = cluster4.results("load", layers=layers, balance=[2, 2, 2, 1], path=path, batch=6)
+    for rank, result in enumerate(loaded):
+        for key, value in result["state"].items():
+            torch.testing.assert_close(value, whole[key], msg=key)
+        assert result["devices"][rank] == "cpu"
+    x, _ = cases.data(1, 6)
+    torch.testing.assert_close(loaded[3]["output"], plain.eval()(x))
+    assert all(result["output"] is None for result in loaded[:3])
