@@ -80,7 +80,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"torch(\..*)?"),
     (r"py:.*", r"(typing|typing_extensions|collections|collections\.abc|contextlib)\..*"),
     (r"py:.*", r"(_thread|types|threading|queue|enum|abc|dataclasses|functools|argparse)\..*"),
-    (r"py:.*", r"(os|pathlib|matplotlib)(\..*)?"),
+    (r"py:.*", r"(os|pathlib|matplotlib|datetime)(\..*)?"),
     (r"py:.*", r"(Tensor|Module|Sequential|Stream|device|dtype|Generator)"),
     (
         r"py:.*",

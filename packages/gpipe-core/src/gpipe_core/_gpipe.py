@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gpipe_bn import DeferredBatchNorm, convert_deferred_batch_norm, mini_batch
@@ -58,8 +59,6 @@ from ._transport import Cancelled, LocalTransport, Transport
 from ._worker import WorkerPool
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
-
     from ._distributed import DistributedTransport
 
 __all__ = ["GPipe"]
@@ -220,7 +219,7 @@ class GPipe(nn.Module):
             which keeps only its own partitions' layers (see :doc:`/distributed`). Then
             ``devices`` lists the devices of this rank's partitions (default: the CUDA
             device ``LOCAL_RANK`` when CUDA is available, else the CPU), and the other
-            ranks' partitions show as ``meta`` in :attr:`devices`.
+            ranks' partitions show as ``meta`` in ``devices``.
         data_group: a ``torch.distributed`` process group (gloo) of this pipeline's
             replicas, which train on other data: after each :meth:`step`, the gradients
             of this process's parameters are averaged over it, once (see
@@ -324,9 +323,9 @@ class GPipe(nn.Module):
         # Deferred batch norms, converted here or by hand, see each forward call as one
         # mini-batch; models without them skip the walk over their modules in forward.
         self._deferred_batch_norm = any(isinstance(m, DeferredBatchNorm) for m in module.modules())
-        # Which skip connections cross which partitions (see :mod:`gpipe_skip`): from
-        # every partition, before a rank releases the others'.
-        self.skip_layout: SkipLayout = inspect_skip_layout(layer_groups(module, self.balance))
+        # From every partition, before a rank releases the others'.
+        #: Which skip connections cross which partitions (see :mod:`gpipe_skip`).
+        self.skip_layout = inspect_skip_layout(layer_groups(module, self.balance))
         #: The names of the layers other ranks run.
         self._remote_layers = {
             name
@@ -782,8 +781,6 @@ class GPipe(nn.Module):
         """Average this rank's gradients over the data-parallel group, once per step: one
         ``all_reduce`` per dtype, whose first buffer also counts the replicas that failed
         (then no gradient changes, and every replica raises)."""
-        import torch.distributed as dist
-
         group = self._data_group
         assert group is not None
         parameters = [p for p in self.parameters() if p.requires_grad]
