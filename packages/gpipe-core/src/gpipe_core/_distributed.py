@@ -26,7 +26,7 @@ the others fail at once with an error naming it, and refuse later runs.
 
 from __future__ import annotations
 
-import contextlib
+import datetime
 import pickle
 import threading
 import time
@@ -197,7 +197,7 @@ class DistributedTransport(Transport):
         self.served = dict.fromkeys(self.peers, 0)  # the last run each receiver served
         self.dead: dict[int, str] = {}
         self.closed = False
-        self.sends: list[tuple[dist.Work, Tensor]] = []
+        self.sends: list[tuple[int, dist.Work, Tensor]] = []
         self.sends_lock = threading.Lock()
 
     # -- a run ----------------------------------------------------------------------
@@ -256,8 +256,8 @@ class DistributedTransport(Transport):
         for peer in self.peers:
             if peer not in self.dead:
                 self._post(peer, ("finished", ok, payload), [])
-        self._drain_sends()
         deadline = time.monotonic() + self.timeout
+        self._drain_sends(deadline)
         with self.cond:
             while True:
                 waiting = [p for p in self.peers if p not in self.finished and p not in self.dead]
@@ -453,21 +453,32 @@ class DistributedTransport(Transport):
                 packed[offset : offset + len(chunk)].copy_(chunk)
                 offset += len(chunk)
             parts.append(packed)
-        works = []
+        works: list[dist.Work] = []
         with self.send_locks[peer]:
             for part in parts:
-                works.append(dist.isend(part, group=self.group, group_dst=peer, tag=self.tag))
+                work = dist.isend(part, group=self.group, group_dst=peer, tag=self.tag)
+                assert work is not None  # this process is in the group
+                works.append(work)
         with self.sends_lock:
-            self.sends.extend(zip(works, parts, strict=True))  # type: ignore[arg-type]
+            self.sends.extend((peer, work, part) for work, part in zip(works, parts, strict=True))
 
-    def _drain_sends(self) -> None:
-        """Wait until this run's sends have been received (or their peer is gone)."""
+    def _drain_sends(self, deadline: float) -> None:
+        """Wait until this run's sends have been received, their peer is gone, or
+        ``deadline`` has passed (then the peer counts as gone: gloo closes a connection
+        whose wait timed out)."""
         with self.sends_lock:
             sends, self.sends = self.sends, []
-        for work, _ in sends:
-            # A peer that is gone fails the wait; its receiver thread here says so.
-            with contextlib.suppress(RuntimeError):
-                work.wait()
+        for peer, work, _ in sends:
+            if peer in self.dead:
+                continue
+            remaining = max(deadline - time.monotonic(), 0.001)
+            try:
+                work.wait(datetime.timedelta(seconds=remaining))
+            except RuntimeError as error:
+                with self.cond:
+                    # The receiver thread may have said so already (the peer died).
+                    self.dead.setdefault(peer, f"{type(error).__name__}: {error}")
+                    self.cond.notify_all()
 
     def _receive_loop(self, peer: int) -> None:
         """Receive ``peer``'s messages, run after run, and file them."""

@@ -581,7 +581,7 @@ class GPipe(nn.Module):
             yield session
         except Cancelled:
             transport.finish(None)  # raises the failing rank's error
-            raise
+            raise RuntimeError("the run was cancelled on this rank") from None
         except BaseException as error:
             try:
                 transport.finish(error)
