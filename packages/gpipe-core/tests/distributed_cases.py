@@ -13,6 +13,7 @@ import os
 import pickle
 import struct
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, BinaryIO
@@ -396,6 +397,63 @@ def case_load(
         "state": {key: value.clone() for key, value in pipe.state_dict().items()},
         "output": output,
         "devices": [str(device) for device in pipe.devices],
+    }
+
+
+def _error(caught: BaseException) -> dict[str, Any]:
+    return {"type": type(caught).__name__, "message": str(caught)}
+
+
+def case_mismatch(rank: int) -> dict[str, Any]:
+    """Rank 0 calls step(), rank 1 runs inference: neither waits forever; then both step."""
+    pipe = GPipe(
+        build(("linear", "linear"), 0), [1, 1], chunks=2, group=dist.group.WORLD, timeout=60
+    )
+    x, y = data(0, 4)
+    outcome: dict[str, Any] = {}
+    try:
+        if rank == 0:
+            pipe.step(x, y, nn.MSELoss())
+        else:
+            with torch.no_grad():
+                pipe(None)  # type: ignore[arg-type]
+    except Exception as caught:
+        outcome = _error(caught)
+    losses = pipe.step(x, y, nn.MSELoss())
+    return {"error": outcome, "reduced": losses.reduced().item()}
+
+
+def case_stall(rank: int, *, late_rank: int, seconds: float) -> dict[str, Any]:
+    """``late_rank`` starts its step after the others' timeout (``seconds``): they say
+    who waits for what."""
+    pipe = GPipe(
+        build(("linear", "linear"), 0), [1, 1], chunks=2, group=dist.group.WORLD, timeout=seconds
+    )
+    x, y = data(0, 4)
+    if rank == late_rank:
+        time.sleep(3 * seconds)
+    try:
+        pipe.step(x, y, nn.MSELoss())
+    except Exception as caught:
+        return _error(caught)
+    return {}
+
+
+def case_cuda(
+    rank: int, *, layers: tuple[str, ...], balance: list[int], seed: int
+) -> dict[str, Any]:
+    """A step with the partitions on CUDA (gloo carries the tensors through host memory)."""
+    pipe = GPipe(build(layers, seed), balance, chunks=2, group=dist.group.WORLD, timeout=60)
+    x, y = data(seed, 4)
+    losses = pipe.step(
+        x.to(pipe.devices[0]) if pipe.stage_ranks[0] == rank else None,
+        y.to("cuda") if pipe.stage_ranks[-1] == rank else None,
+        nn.MSELoss(),
+    )
+    return {
+        "reduced": losses.reduced().item(),
+        "devices": [str(d) for d in pipe.devices],
+        "grads": {k: v.cpu() if v is not None else None for k, v in local_grads(pipe).items()},
     }
 
 

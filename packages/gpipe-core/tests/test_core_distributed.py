@@ -338,3 +338,35 @@ def test_checkpoint_from_two_ranks_loads_into_four_and_into_plain(
     x, _ = cases.data(1, 6)
     torch.testing.assert_close(loaded[3]["output"], plain.eval()(x))
     assert all(result["output"] is None for result in loaded[:3])
+
+
+def test_ranks_calling_different_methods_fail_instead_of_hanging(cluster2: Any) -> None:
+    results = cluster2.results("mismatch")
+    assert results[0]["error"]["type"] == "RuntimeError"
+    assert "finished its run without sending it" in results[0]["error"]["message"]
+    assert "the gradients of micro-batch" in results[0]["error"]["message"]
+    assert results[1]["error"]["type"] == "RemoteStageError"
+    assert results[0]["reduced"] == results[1]["reduced"]  # the next step runs
+
+
+def test_a_stalled_step_says_who_waits_for_what(new_cluster: Callable[[int], Any]) -> None:
+    results = new_cluster(2).results("stall", late_rank=0, seconds=1.0)
+    assert results[1]["type"] == "TimeoutError", results
+    assert results[1]["message"] == "rank 1 waited 1 s for the plan of the run from rank 0"
+    assert results[0], "the late rank cannot run with a rank that gave up"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_partitions_on_cuda(new_cluster: Callable[[int], Any], cases: ModuleType) -> None:
+    layers = ("linear", "tanh", "linear")
+    results = new_cluster(2).results("cuda", layers=layers, balance=[2, 1], seed=1)
+    model = cases.build(layers, 1)
+    x, y = cases.data(1, 4)
+    loss = nn.MSELoss()(model(x), y)
+    loss.backward()
+    for result in results:
+        assert result["devices"].count("cuda:0") == 1
+        torch.testing.assert_close(result["reduced"], loss.item())
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(grad, model.get_parameter(plain_name(name)).grad)
