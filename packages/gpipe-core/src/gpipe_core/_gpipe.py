@@ -18,9 +18,8 @@ from gpipe_microbatch import (
     AbstractStream,
     Batch,
     Device,
-    TensorOrTensors,
+    NoChunk,
     ThreadState,
-    check,
     check_chunks,
     check_module,
     current_stream,
@@ -47,6 +46,7 @@ from ._schedule import (
     check_actions,
     get_schedule,
 )
+from ._sequential import PipeSequential
 from ._stage import LossSpec, Stage, nested
 from ._timeline import Timeline
 from ._tracing import record, tracer_for
@@ -108,27 +108,73 @@ def _actions(plan: Schedule, m: int, n: int, backward: bool) -> Sequence[Sequenc
 
 
 def _to(batch: Batch, device: torch.device) -> Batch:
-    moved = tuple(tensor.to(device) for tensor in batch)
-    return Batch(moved[0] if batch.atomic else moved)
+    return batch.with_tensors(tensor.to(device) for tensor in batch)
+
+
+def _items(value: object) -> tuple[object, ...]:
+    """The values of a mini-batch: the elements of a tuple, or the value itself."""
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _tensor_of(item: object) -> torch.Tensor | None:
+    """The tensor an element of a mini-batch passes to the layers (NoChunk unwrapped)."""
+    if isinstance(item, NoChunk):
+        return item.tensor
+    return item if isinstance(item, torch.Tensor) else None
+
+
+def _sizes(value: object, batches: Sequence[Batch]) -> list[int]:
+    """The number of samples in each micro-batch of ``value`` (the length of the first
+    tensor that :func:`~gpipe_microbatch.scatter` split)."""
+    index = 0
+    for item in _items(value):
+        if isinstance(item, torch.Tensor):
+            break
+        index += isinstance(item, NoChunk)
+    return [len(batch[index]) for batch in batches]
+
+
+def _positional(inputs: tuple[Any, ...]) -> tuple[object, bool, str]:
+    """``forward(*inputs)``'s mini-batch: the value, whether its tuple is the first layer's
+    positional arguments, and how error messages name it."""
+    if not inputs:
+        raise TypeError(
+            "GPipe needs an input: the first layer's positional arguments, at least one of "
+            "them holding a tensor to split into micro-batches (inputs: ())"
+        )
+    if len(inputs) == 1:
+        return inputs[0], False, "input"
+    return inputs, True, "inputs"
 
 
 class _Leaves:
     """A step's input (or target) cut from the caller's graph, and its gradient passed back.
 
     Each micro-batch's backward pass accumulates the gradient of its slice into one leaf
-    per tensor; :meth:`backward` then hands the whole gradient to the caller's graph at
-    once, as one backward pass over the mini-batch would.
+    per tensor (a NoChunk tensor's leaf gets every micro-batch's gradient); :meth:`backward`
+    then hands the whole gradient to the caller's graph at once, as one backward pass over
+    the mini-batch would. Values that are not tensors are kept as they are.
     """
 
-    def __init__(self, value: TensorOrTensors, backward: bool) -> None:
-        tensors = (value,) if isinstance(value, torch.Tensor) else tuple(value)
+    def __init__(self, value: object, backward: bool) -> None:
+        items = _items(value)
+        tensors = tuple(t for t in map(_tensor_of, items) if t is not None)
         self.originals: tuple[torch.Tensor, ...] = ()
         self.leaves: tuple[torch.Tensor, ...] = ()
         self.value = value
         if backward and any(tensor.requires_grad for tensor in tensors):
             self.originals = tensors
             self.leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
-            self.value = self.leaves[0] if isinstance(value, torch.Tensor) else self.leaves
+            leaves = iter(self.leaves)
+            cut = tuple(
+                NoChunk(next(leaves))
+                if isinstance(item, NoChunk)
+                else next(leaves)
+                if isinstance(item, torch.Tensor)
+                else item
+                for item in items
+            )
+            self.value = cut if isinstance(value, tuple) else cut[0]
 
     def backward(self) -> None:
         pairs = [
@@ -229,7 +275,12 @@ class GPipe(nn.Module):
         # Deferred batch norms, converted here or by hand, see each forward call as one
         # mini-batch; models without them skip the walk over their modules in forward.
         self._deferred_batch_norm = any(isinstance(m, DeferredBatchNorm) for m in module.modules())
-        self.partitions = nn.ModuleList(split_module(module, self.balance, self.devices))
+        partitions = split_module(module, self.balance, self.devices)
+        # A PipeSequential's partitions keep its calling convention (tuples unpacked).
+        self._unpacks = isinstance(module, PipeSequential)
+        if self._unpacks:
+            partitions = [PipeSequential(OrderedDict(p._modules)) for p in partitions]
+        self.partitions = nn.ModuleList(partitions)
         #: Which skip connections cross which partitions (see :mod:`gpipe_skip`).
         self.skip_layout = inspect_skip_layout(self._partition_list())
         self._init_runtime()
@@ -270,7 +321,7 @@ class GPipe(nn.Module):
         The same layer objects, trained, wherever they are: a copy
         (``copy.deepcopy``) is the plain model without the pipeline, to move, save or
         serve alone. Its :meth:`~torch.nn.Module.state_dict` has the same keys as this
-        module's.
+        module's. A wrapped :class:`~gpipe_core.PipeSequential` comes back as one.
 
         Example:
             >>> import copy
@@ -280,7 +331,8 @@ class GPipe(nn.Module):
             >>> torch.equal(plain(x), pipe(x)), list(plain.state_dict()) == list(pipe.state_dict())
             (True, True)
         """
-        return nn.Sequential(
+        kind = PipeSequential if self._unpacks else nn.Sequential
+        return kind(
             OrderedDict(
                 (name, layer)
                 for partition in self._partition_list()
@@ -351,41 +403,69 @@ class GPipe(nn.Module):
                 streams.append(new_stream(device))
         return self._copy_streams
 
-    def _check_input_device(self, input: TensorOrTensors) -> None:
+    def _check_input_device(self, value: object, what: str) -> None:
         if not self.devices:
             return  # an empty pipeline takes its input where it is
-        tensors = (input,) if isinstance(input, torch.Tensor) else input
         expected = self.devices[0]
-        for index, tensor in enumerate(tensors):
-            if tensor.device != expected:
-                where = "input" if isinstance(input, torch.Tensor) else f"input[{index}]"
+        for index, item in enumerate(_items(value)):
+            tensor = _tensor_of(item)
+            if tensor is not None and tensor.device != expected:
+                where = f"{what}[{index}]" if isinstance(value, tuple) else what
                 raise ValueError(
                     f"{where} must be on the first partition's device "
                     f"(devices[0]: {expected}, {where}: {tensor.device})"
                 )
 
-    def forward(self, input: TensorOrTensors) -> TensorOrTensors:
-        """Run ``input`` through the pipeline.
+    def forward(self, *inputs: Any) -> Any:
+        """Run a mini-batch through the pipeline, as the wrapped module would run it.
+
+        ``model(input)`` passes ``input`` to the first layer, a tuple as one value, as
+        :class:`~torch.nn.Sequential` does; ``model(a, b, ...)`` calls the first layer with
+        several positional arguments, ``layer(a, b, ...)``. From there on each layer gets
+        the previous layer's output (a :class:`~gpipe_core.PipeSequential` unpacks tuples
+        into positional arguments, across partitions too).
+
+        The input's tensors are split into micro-batches along dimension 0. A tensor
+        wrapped in :class:`~gpipe_microbatch.NoChunk`, and every value that is not a tensor
+        (a number, a string, ``None``, a small container), is passed whole to every
+        micro-batch. Partitions may return values that are not tensors too, beside at
+        least one tensor.
 
         Args:
-            input: a tensor or a tuple of tensors on ``devices[0]``, split along dimension 0.
+            inputs: one value (a tensor, or a tuple passed as one value), or several
+                positional arguments for the first layer. At least one tensor to split;
+                every tensor on ``devices[0]``.
 
         Returns:
-            The output of the last layer, on ``devices[-1]``.
+            The output of the last layer, on ``devices[-1]``: its tensors concatenated over
+            the micro-batches, and each value that is not a tensor as a list with one entry
+            per micro-batch.
 
         Raises:
-            TypeError: ``input`` or a partition's output is not a tensor or a tuple of
-                tensors.
-            ValueError: ``input`` is not on ``devices[0]``, or the last partition's output
-                has no batch dimension to gather.
+            TypeError: no input, an input without a tensor to split, a tensor inside
+                another value (a list of tensors: pass the tensors themselves), or a
+                partition output that holds no tensor.
+            ValueError: a tensor is not on ``devices[0]``, the tensors to split have
+                different batch sizes, or the last partition's output has a tensor without
+                a batch dimension to gather.
             RuntimeError: the module is called from inside its own run (a layer or hook
                 calling it again).
+
+        Example:
+            >>> class Masked(nn.Module):
+            ...     def forward(self, x, mask, scale):
+            ...         return x * mask * scale
+            >>> model = GPipe(nn.Sequential(Masked(), nn.Linear(3, 2)), [1, 1], chunks=2)
+            >>> x, mask = torch.randn(4, 3), torch.tensor([1.0, 0.0, 1.0])
+            >>> model(x, NoChunk(mask), 0.5).shape  # the mask is not split, nor the scale
+            torch.Size([4, 2])
         """
-        value = check(input, "input")
+        value, unpack, what = _positional(inputs)
+        self._check_input_device(value, what)
+        batches = scatter(value, self.chunks, what=what)
         if not self.partitions:
-            return value  # an empty nn.Sequential is the identity
-        self._check_input_device(value)
-        batches = scatter(value, self.chunks)
+            # An empty nn.Sequential is the identity (on what the first layer would see).
+            return scatter(value, 1, what=what)[0].value
         m, n = len(batches), len(self.partitions)
         actions = _builtin_actions(GPipeSchedule, m, n, False)
         # In eval mode the output still has a graph (when grad mode is on); nothing is
@@ -393,8 +473,12 @@ class GPipe(nn.Module):
         grad = torch.is_grad_enabled()
         checkpoint_stop = self._checkpoint_stop(m) if self.training and grad else 0
         outputs = cast(
-            list[Batch], self._run(batches, actions, grad, checkpoint_stop, autograd_backward=True)
-        )
+            list[Batch],
+            self._run(
+                batches, actions, grad, checkpoint_stop, autograd_backward=True,
+                unpack_input=unpack,
+            ),
+        )  # fmt: skip
         for i, output in enumerate(outputs):
             for tensor in output:
                 if tensor.dim() == 0:
@@ -418,6 +502,7 @@ class GPipe(nn.Module):
         autograd_backward: bool,
         loss: LossSpec | None = None,
         state: ThreadState | None = None,
+        unpack_input: bool = False,
     ) -> list[Batch | None]:
         """Run ``actions`` over the partitions' stages (see :mod:`gpipe_core._runner`).
 
@@ -440,6 +525,7 @@ class GPipe(nn.Module):
                 autograd_backward=autograd_backward,
                 grad=grad,
                 skip_layout=self.skip_layout,
+                unpack=unpack_input if j == 0 else self._unpacks,
                 loss=loss if j == n - 1 else None,
                 tracer=tracer,
             )
@@ -462,12 +548,13 @@ class GPipe(nn.Module):
 
     def step(
         self,
-        input: TensorOrTensors,
-        target: TensorOrTensors,
+        input: Any,
+        target: Any,
         loss_fn: LossFunction,
         *,
         schedule: str | Schedule = "gpipe",
         reduction: Reduction | None = None,
+        unpack_input: bool = False,
     ) -> Losses:
         """Run a training step: forward, loss and backward of every micro-batch.
 
@@ -498,11 +585,17 @@ class GPipe(nn.Module):
         step); deferred batch norms drop the step's statistics. The model is ready for
         the next step.
 
+        ``input`` is what ``model(input)`` takes: one value, a tuple passed as one value;
+        with ``unpack_input=True`` a tuple is the first layer's positional arguments, as
+        in ``model(*input)``. Its tensors are split into micro-batches, and a
+        :class:`~gpipe_microbatch.NoChunk` tensor or a value that is not a tensor is passed
+        whole to every micro-batch, as in :meth:`forward`; ``target`` is split alike.
+
         Args:
-            input: a tensor or a tuple of tensors on ``devices[0]``, split along
-                dimension 0.
-            target: a tensor or a tuple of tensors with the input's batch size, split
-                alike (moved to ``devices[-1]`` if it is elsewhere).
+            input: the mini-batch: a tensor, or a tuple holding at least one tensor to
+                split along dimension 0; every tensor on ``devices[0]``.
+            target: a tensor or a tuple with the input's batch size, split alike (moved to
+                ``devices[-1]`` if it is elsewhere).
             loss_fn: called as ``loss_fn(output, target)`` on each micro-batch's output
                 and target (a tensor, or a tuple for a tuple); returns a scalar tensor.
 
@@ -514,14 +607,17 @@ class GPipe(nn.Module):
                 ``'mean'`` or ``'sum'`` (default: ``loss_fn.reduction`` when it has one,
                 as the losses of :mod:`torch.nn` do, else ``'mean'``). When
                 ``loss_fn`` has a ``reduction``, this must match it.
+            unpack_input: ``input`` is a tuple of the first layer's positional
+                arguments (``model(*input)``), rather than one value (``model(input)``).
 
         Returns:
             The loss of each micro-batch; :meth:`Losses.reduced() <gpipe_core.Losses.reduced>`
             is the loss of the mini-batch.
 
         Raises:
-            TypeError: ``input`` or ``target`` is not a tensor or a tuple of tensors, or
-                ``loss_fn`` is not callable.
+            TypeError: ``input`` or ``target`` holds no tensor to split or holds a tensor
+                inside another value, ``loss_fn`` is not callable, or ``unpack_input`` is
+                not a bool or is True for an ``input`` that is not a tuple.
             ValueError: ``input`` is not on ``devices[0]``, ``target``'s batch size
                 differs from ``input``'s, ``loss_fn`` returns a non-scalar, an unknown
                 ``schedule`` or ``reduction``, or a ``reduction`` that contradicts
@@ -540,10 +636,29 @@ class GPipe(nn.Module):
             (4, torch.Size([]))
             >>> model[0].weight.grad.shape
             torch.Size([8, 4])
+
+            Several positional inputs for the first layer:
+
+            >>> class Masked(nn.Module):
+            ...     def forward(self, x, mask):
+            ...         return x * mask
+            >>> model = GPipe(nn.Sequential(Masked(), nn.Linear(4, 1)), [1, 1], chunks=4)
+            >>> mask = torch.tensor([1.0, 1.0, 0.0, 1.0])
+            >>> losses = model.step((x, NoChunk(mask)), y, nn.MSELoss(), unpack_input=True)
+            >>> len(losses)
+            4
         """
-        value = check(input, "input")
-        self._check_input_device(value)
-        target_value = check(target, "target")
+        if not isinstance(unpack_input, bool):
+            raise TypeError(f"unpack_input must be True or False (unpack_input: {unpack_input!r})")
+        if unpack_input and not isinstance(input, tuple):
+            raise TypeError(
+                "unpack_input=True takes a tuple of the first layer's positional arguments "
+                f"(input: {type(input).__name__})"
+            )
+        value: object = input
+        self._check_input_device(value, "input")
+        batches = scatter(value, self.chunks)
+        targets = scatter(target, self.chunks, what="target")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (loss_fn: {type(loss_fn).__name__})")
         reduction = _check_reduction(loss_fn, reduction)
@@ -553,18 +668,20 @@ class GPipe(nn.Module):
                 "GPipe.step cannot run inside a checkpointed or recomputed function "
                 f"(checkpointing: {is_checkpointing()}, recomputing: {is_recomputing()})"
             )
-        backward = self.training and torch.is_grad_enabled()
-        input_leaves = _Leaves(value, backward)
-        target_leaves = _Leaves(target_value, backward)
-        batches = scatter(input_leaves.value, self.chunks)
-        targets = scatter(target_leaves.value, self.chunks)
-        sizes = [len(batch[0]) for batch in batches]
-        target_sizes = [len(batch[0]) for batch in targets]
+        sizes = _sizes(value, batches)
+        target_sizes = _sizes(target, targets)
         if sizes != target_sizes:
             raise ValueError(
                 "target must have the input's batch size "
                 f"(input: {sum(sizes)}, target: {sum(target_sizes)})"
             )
+        backward = self.training and torch.is_grad_enabled()
+        input_leaves = _Leaves(value, backward)
+        target_leaves = _Leaves(target, backward)
+        if input_leaves.value is not value:
+            batches = scatter(input_leaves.value, self.chunks)
+        if target_leaves.value is not target:
+            targets = scatter(target_leaves.value, self.chunks, what="target")
         if self.devices:
             last = self.devices[-1]
             targets = [
@@ -591,7 +708,7 @@ class GPipe(nn.Module):
         checkpoint_stop = self._checkpoint_stop(m) if backward else 0
         self._run(
             batches, actions, backward, checkpoint_stop,
-            autograd_backward=False, loss=losses, state=state,
+            autograd_backward=False, loss=losses, state=state, unpack_input=unpack_input,
         )  # fmt: skip
         input_leaves.backward()
         target_leaves.backward()
