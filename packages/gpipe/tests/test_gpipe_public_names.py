@@ -21,6 +21,8 @@ import gpipe_skip
 NAMES = [
     "BalanceError",
     "GPipe",
+    "NoChunk",
+    "PipeSequential",
     "__version__",
     "balance",
     "bn",

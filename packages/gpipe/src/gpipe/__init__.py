@@ -1,10 +1,10 @@
 """GPipe pipeline parallelism for PyTorch.
 
 This is the facade over the gpipe distributions: everything a user needs, under one name.
-``gpipe.GPipe``, ``gpipe.BalanceError``, ``gpipe.is_checkpointing`` and
-``gpipe.is_recomputing`` are here; ``gpipe.skip``, ``gpipe.bn``, ``gpipe.balance``,
-``gpipe.timeline`` and ``gpipe.schedule`` re-export the rest, and ``python -m gpipe demo``
-runs the demo.
+``gpipe.GPipe``, ``gpipe.NoChunk``, ``gpipe.PipeSequential``, ``gpipe.BalanceError``,
+``gpipe.is_checkpointing`` and ``gpipe.is_recomputing`` are here; ``gpipe.skip``,
+``gpipe.bn``, ``gpipe.balance``, ``gpipe.timeline`` and ``gpipe.schedule`` re-export the
+rest, and ``python -m gpipe demo`` runs the demo.
 
 Example:
     >>> import torch
@@ -18,7 +18,7 @@ Example:
 
 from gpipe_balance import BalanceError
 from gpipe_checkpoint import is_checkpointing, is_recomputing
-from gpipe_core import GPipe
+from gpipe_core import GPipe, NoChunk, PipeSequential
 
 from . import balance, bn, schedule, skip, timeline  # the facade modules gpipe.<name>
 from .__about__ import __version__
@@ -26,6 +26,8 @@ from .__about__ import __version__
 __all__ = [
     "BalanceError",
     "GPipe",
+    "NoChunk",
+    "PipeSequential",
     "__version__",
     "balance",
     "bn",
