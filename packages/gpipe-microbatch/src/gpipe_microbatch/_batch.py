@@ -324,7 +324,7 @@ class Batch:
 
     @property
     def value(self) -> object:
-        """The batch as the user sees it: the value, or the tuple of values."""
+        """The batch as the user sees it (the value, or the tuple of values)."""
         values = self.values
         return values[0] if self.atomic else values
 
