@@ -196,6 +196,11 @@ class GPipe(nn.Module):
     thread per partition, so partitions work on different micro-batches at once (on
     several devices, or on one CPU). Outputs and gradients are those of ``module``.
 
+    The module is called as the wrapped one would be: ``model(input)`` or
+    ``model(a, b, ...)``, whose tensors are split into micro-batches (see :meth:`forward`);
+    a :class:`~gpipe_core.PipeSequential` keeps its convention of unpacking tuples into the
+    next layer's arguments, across partitions too.
+
     Args:
         module: the model to pipeline; its layers are what ``balance`` counts. An empty
             :class:`~torch.nn.Sequential` is the identity.
