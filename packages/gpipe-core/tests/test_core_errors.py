@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import gpipe_core._partition as gpipe_partition
-from gpipe_core import BalanceError, GPipe
+from gpipe_core import BalanceError, GPipe, NoChunk
 from gpipe_core._partition import check_split
 
 
@@ -204,22 +204,73 @@ def test_input_on_the_wrong_device() -> None:
         pipe((torch.zeros(4, 2), x))
 
 
+NO_TENSOR = "must hold a tensor to split into micro-batches"
+NESTED = "holds a tensor inside another value"
+
+
 @pytest.mark.parametrize(
-    ("value", "seen"),
+    ("value", "message", "seen"),
     [
-        ([torch.zeros(2, 2)], "input: list"),
-        (None, "input: NoneType"),
-        (3.0, "input: float"),
-        ({"x": torch.zeros(2, 2)}, "input: dict"),
-        ((torch.zeros(2, 2), 1), "input[1]: int"),
-        ((), "input: empty tuple"),
+        ([torch.zeros(2, 2)], NESTED, "input: list holding a tensor"),
+        (None, NO_TENSOR, "input: NoneType"),
+        (3.0, NO_TENSOR, "input: float"),
+        ({"x": torch.zeros(2, 2)}, NESTED, "input: dict holding a tensor"),
+        ((torch.zeros(2, 2), [1, torch.zeros(2)]), NESTED, "input[1]: list holding a tensor"),
+        ((torch.zeros(2, 2), {"a": (torch.zeros(2),)}), NESTED, "input[1]: dict holding a tensor"),
+        ((), NO_TENSOR, "input: empty tuple"),
+        ((1, "a"), NO_TENSOR, "input[0]: int, input[1]: str"),
+        ((NoChunk(torch.zeros(2, 2)), None), NO_TENSOR, "input[0]: NoChunk, input[1]: NoneType"),
+        (NoChunk(torch.zeros(2, 2)), NO_TENSOR, "input: NoChunk"),
     ],
 )
-def test_input_must_be_a_tensor_or_tuple(value: object, seen: str) -> None:
+def test_input_must_hold_a_tensor_to_split(value: object, message: str, seen: str) -> None:
     pipe = GPipe(three_layers(), [2, 1], chunks=2)
-    message = f"input must be a tensor or a tuple of tensors ({seen})"
+    for run in (lambda: pipe(value), lambda: pipe.step(value, torch.zeros(2, 2), nn.MSELoss())):
+        with pytest.raises(TypeError, match=re.escape(message) + ".*" + re.escape(f"({seen})")):
+            run()
+
+
+def test_several_inputs_are_named_by_position() -> None:
+    pipe = GPipe(three_layers(), [2, 1], chunks=2)
+    seen = "(inputs[0]: NoChunk, inputs[1]: int)"
+    with pytest.raises(TypeError, match=re.escape(NO_TENSOR) + ".*" + re.escape(seen)):
+        pipe(NoChunk(torch.zeros(2, 2)), 1)
+    with pytest.raises(TypeError, match=re.escape("(inputs[1]: list holding a tensor)")):
+        pipe(torch.zeros(2, 2), [torch.zeros(2)])
+    with pytest.raises(ValueError, match=re.escape("(batch sizes: [2, 3])")):
+        pipe(torch.zeros(2, 2), torch.zeros(3, 2))
+    with pytest.raises(TypeError, match=re.escape("GPipe needs an input") + ".*(inputs: ())"):
+        pipe()
+    # Still usable, with a valid input.
+    assert pipe(torch.zeros(2, 2)).shape == (2, 2)
+
+
+def test_target_must_hold_a_tensor_to_split() -> None:
+    pipe = GPipe(three_layers(), [2, 1], chunks=2)
+    seen = "(target[0]: int, target[1]: NoChunk)"
+    with pytest.raises(TypeError, match=re.escape(NO_TENSOR) + ".*" + re.escape(seen)):
+        pipe.step(torch.zeros(2, 2), (1, NoChunk(torch.zeros(2))), nn.MSELoss())
+
+
+def test_nochunk_wraps_a_tensor() -> None:
+    with pytest.raises(TypeError, match=re.escape("NoChunk wraps a tensor (tensor: list)")):
+        NoChunk([torch.zeros(2)])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_unpack_input_must_be_a_bool(bad: object) -> None:
+    pipe = GPipe(three_layers(), [2, 1], chunks=2)
+    message = f"unpack_input must be True or False (unpack_input: {bad!r})"
     with pytest.raises(TypeError, match=re.escape(message)):
-        pipe(value)  # type: ignore[arg-type]
+        pipe.step((torch.zeros(2, 2),), torch.zeros(2, 2), nn.MSELoss(), unpack_input=bad)  # type: ignore[arg-type]
+
+
+def test_unpack_input_takes_a_tuple() -> None:
+    pipe = GPipe(three_layers(), [2, 1], chunks=2)
+    message = "unpack_input=True takes a tuple of the first layer's positional arguments "
+    with pytest.raises(TypeError, match=re.escape(message + "(input: Tensor)")):
+        pipe.step(torch.zeros(2, 2), torch.zeros(2, 2), nn.MSELoss(), unpack_input=True)
+    assert all(p.grad is None for p in pipe.parameters())
 
 
 def test_input_batch_sizes_must_agree() -> None:
@@ -240,28 +291,51 @@ class ReturnsNone(nn.Module):
         return None
 
 
+class ReturnsInts(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[int, int]:
+        return 1, 2
+
+
+class ReturnsNoChunk(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, NoChunk]:
+        return x, NoChunk(x)
+
+
+class ReturnsNested(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return x, {"x": x}
+
+
+MUST_HOLD = "must be a tensor or a tuple holding at least one tensor"
+
+
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 @pytest.mark.parametrize(
-    ("layer", "j", "balance", "seen"),
+    ("layer", "j", "balance", "message", "seen"),
     [
-        (ReturnsList, 0, [1, 1, 1], "list"),
-        (ReturnsList, 1, [1, 1, 1], "list"),
-        (ReturnsNone, 2, [1, 1, 1], "NoneType"),
-        (ReturnsList, 2, [3], "list"),
+        (ReturnsList, 0, [1, 1, 1], MUST_HOLD, "{what}: list holding a tensor"),
+        (ReturnsList, 1, [1, 1, 1], MUST_HOLD, "{what}: list holding a tensor"),
+        (ReturnsNone, 2, [1, 1, 1], MUST_HOLD, "{what}: NoneType"),
+        (ReturnsList, 2, [3], MUST_HOLD, "{what}: list holding a tensor"),
+        (ReturnsInts, 1, [1, 1, 1], MUST_HOLD, "{what}[0]: int, {what}[1]: int"),
+        (ReturnsNoChunk, 0, [1, 1, 1], "holds a NoChunk, which marks inputs", "{what}[1]: NoChunk"),
+        (ReturnsNested, 2, [2, 1], NESTED, "{what}[1]: dict holding a tensor"),
     ],
 )
-def test_partition_output_must_be_a_tensor_or_tuple(
-    layer: type[nn.Module], j: int, balance: list[int], seen: str, checkpoint: str
+def test_partition_output_must_hold_a_tensor(
+    layer: type[nn.Module], j: int, balance: list[int], message: str, seen: str, checkpoint: str
 ) -> None:
     layers: list[nn.Module] = [nn.Linear(2, 2) for _ in range(3)]
     layers[j] = layer()
-    # The bad partition is the one holding layer j; with one partition it is partition 0.
-    partition = 0 if len(balance) == 1 else j
+    # The bad partition is the one holding layer j.
+    partition = next(k for k in range(len(balance)) if j < sum(balance[: k + 1]))
     pipe = GPipe(nn.Sequential(*layers), balance, chunks=2, checkpoint=checkpoint)
     what = f"output of partition {partition}"
-    message = f"{what} must be a tensor or a tuple of tensors ({what}: {seen})"
-    with pytest.raises(TypeError, match=re.escape(message)):
+    pattern = re.escape(f"{what} {message}") + ".*" + re.escape("(" + seen.format(what=what) + ")")
+    with pytest.raises(TypeError, match=pattern):
         pipe(torch.randn(4, 2))
+    with pytest.raises(TypeError, match=pattern):
+        pipe.step(torch.randn(4, 2), torch.randn(4, 2), nn.MSELoss())
 
 
 # -- moving the module -----------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_core import GPipe
+from gpipe_core import GPipe, NoChunk
 
 
 def test_balance_omitted_on_one_device_says_how_to_measure_one() -> None:
@@ -44,8 +44,12 @@ def test_an_empty_sequential_is_the_identity() -> None:
     assert pipe(x) is x
     pair = (torch.randn(2, 3), torch.randn(2, 1))
     assert pipe(pair) == pair
-    with pytest.raises(TypeError, match=r"input must be a tensor or a tuple of tensors"):
-        pipe("not a tensor")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"input must hold a tensor to split.*\(input: str\)"):
+        pipe("not a tensor")
+    # Several inputs come back as the tuple of them; NoChunk tensors as the tensors.
+    mask = torch.ones(3)
+    out = pipe(x, NoChunk(mask), 2)
+    assert isinstance(out, tuple) and out[0] is x and out[1] is mask and out[2] == 2
     assert GPipe(nn.Sequential(), []).balance == []
 
 

@@ -19,9 +19,11 @@ PUBLIC_NAMES = [
     "GPipe",
     "GPipeSchedule",
     "Losses",
+    "NoChunk",
     "OneFOneBSchedule",
     "PartitionSummary",
     "Phase",
+    "PipeSequential",
     "RemoteStageError",
     "Schedule",
     "ScheduleError",
@@ -40,7 +42,7 @@ PUBLIC_NAMES = [
 ]
 
 # Names that are the very objects of a sibling distribution, re-exported.
-REEXPORTED = {"BalanceError"}
+REEXPORTED = {"BalanceError", "NoChunk"}
 
 
 def _classes_and_functions() -> list[tuple[str, object]]:

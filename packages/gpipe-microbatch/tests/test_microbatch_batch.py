@@ -128,8 +128,10 @@ def test_scatter_non_int_chunks(chunks: object, shown: str) -> None:
 
 
 def test_scatter_checks_input_type() -> None:
-    with pytest.raises(TypeError, match=r"\(input: list\)"):
+    with pytest.raises(TypeError, match=r"\(input: list holding a tensor\)"):
         scatter([torch.zeros(2)], 2)
+    with pytest.raises(TypeError, match=r"must hold a tensor to split.*\(input: list\)"):
+        scatter([1], 2)
 
 
 def test_scatter_zero_dim_tensor() -> None:
@@ -214,7 +216,7 @@ def test_gather_no_batches() -> None:
 
 
 def test_gather_mixed_atomic() -> None:
-    with pytest.raises(TypeError, match="mix tensors and tuples"):
+    with pytest.raises(TypeError, match="mix single values and tuples"):
         gather([Batch(torch.zeros(1)), Batch((torch.zeros(1),))])
     with pytest.raises(TypeError):
         gather([Batch((torch.zeros(1),)), Batch(torch.zeros(1))])
@@ -284,7 +286,10 @@ def test_batch_call_passes_value_and_wraps() -> None:
 def test_batch_call_checks_output() -> None:
     with pytest.raises(TypeError) as info:
         Batch(torch.zeros(1)).call(lambda x: [x])
-    assert str(info.value) == "output must be a tensor or a tuple of tensors (output: list)"
+    assert str(info.value) == (
+        "output must be a tensor or a tuple holding at least one tensor "
+        "(output: list holding a tensor)"
+    )
     with pytest.raises(TypeError, match=r"\(result: int\)"):
         Batch(torch.zeros(1)).call(lambda x: 1, "result")
 

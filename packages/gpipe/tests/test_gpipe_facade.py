@@ -36,6 +36,8 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 def test_reexports_are_the_same_objects() -> None:
     assert gpipe.GPipe is gpipe_core.GPipe
     assert gpipe.WithDevice is gpipe_core.WithDevice
+    assert gpipe.NoChunk is gpipe_core.NoChunk
+    assert gpipe.PipeSequential is gpipe_core.PipeSequential
     assert gpipe.BalanceError is gpipe_core.BalanceError
     assert gpipe.is_checkpointing is gpipe_checkpoint.is_checkpointing
     assert gpipe.is_recomputing is gpipe_checkpoint.is_recomputing

@@ -21,6 +21,8 @@ import gpipe_skip
 NAMES = [
     "BalanceError",
     "GPipe",
+    "NoChunk",
+    "PipeSequential",
     "RemoteStageError",
     "WithDevice",
     "__version__",

@@ -31,27 +31,34 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-from gpipe_microbatch import Batch, TensorOrTensors, ThreadState, check, get_phony
+from gpipe_microbatch import Batch, TensorOrTensors, ThreadState, check, check_output, get_phony
 
 from ._phase import enable_checkpointing, enable_recomputing
 from ._rng import RNGStates, replay_rng_states, save_rng_states
 
 __all__ = ["Checkpoint", "Checkpointing", "checkpoint", "is_differentiable", "run_backward"]
 
-Function = Callable[[TensorOrTensors], TensorOrTensors]
+#: What :class:`Checkpointing` checkpoints: it takes what a batch holds (its value) and
+#: returns a value :func:`~gpipe_microbatch.check_output` accepts.
+Function = Callable[[Any], object]
 
 # What the checkpoint phase leaves for the recompute phase: generator states and the
 # thread state the first pass ran under.
 _Saved = tuple[RNGStates, ThreadState]
 
+# The values of an output that are not tensors, and where they go: (atomic, present,
+# others), kept without the output's tensors.
+_Layout = tuple[bool, tuple[bool, ...], tuple[object, ...]]
 
-def _call(function: Function, atomic: bool, tensors: tuple[Tensor, ...]) -> TensorOrTensors:
-    return check(function(tensors[0] if atomic else tensors), "output")
+
+def _call(function: Function, batch: Batch, tensors: tuple[Tensor, ...]) -> Batch:
+    """``function`` on ``batch``'s values with ``tensors`` in place of its tensors."""
+    return Batch(check_output(function(batch.with_tensors(tensors).value), "output"))
 
 
 def is_differentiable(tensor: Tensor) -> bool:
@@ -68,9 +75,11 @@ class Checkpointing:
     """The checkpoint and recompute phases of ``function`` applied to ``batch``.
 
     Args:
-        function: takes what the batch holds (a tensor or a tuple of tensors) and returns
-            a tensor or a tuple of tensors.
-        batch: the input.
+        function: takes what the batch holds (:attr:`Batch.value
+            <gpipe_microbatch.Batch.value>`) and returns a tensor, or a tuple holding at
+            least one tensor (see :func:`~gpipe_microbatch.check_output`). Values that are
+            not tensors, in the input or the output, are passed as they are.
+        batch: the input; it holds at least one tensor.
         copy_input: give ``function`` copies of the input in both phases, so that it may
             modify its input in place (``nn.ReLU(inplace=True)`` as its first layer).
             Without copies such a function cannot be recomputed, and the checkpoint phase
@@ -137,7 +146,7 @@ class Checkpointing:
         # checkpoint phase returns next to the outputs.
         self.armed = False
         self.phony: Tensor | None = None
-        self.output_atomic = True
+        self.output_layout: _Layout = (True, (True,), ())
         # Kept by the checkpoint phase for every recomputation (a graph may be
         # differentiated more than once with retain_graph=True).
         self.saved: _Saved | None = None
@@ -151,7 +160,7 @@ class Checkpointing:
         arguments = _copies(input) if self.copy_input else input
         versions = [tensor._version for tensor in arguments]
         with torch.no_grad(), enable_checkpointing():
-            output = _call(self.function, self.batch.atomic, arguments)
+            output = _call(self.function, self.batch, arguments)
         self.input_modified = any(
             tensor._version != version for tensor, version in zip(arguments, versions, strict=False)
         )
@@ -163,10 +172,15 @@ class Checkpointing:
                 "of a checkpointed block); pass copy_input=True, make that layer "
                 "out-of-place, or turn checkpointing off for this block"
             )
-        self.output_atomic = isinstance(output, Tensor)
-        return (output,) if isinstance(output, Tensor) else output
+        self.output_layout = (output.atomic, output.present, output.others)
+        return output.tensors
 
-    def _run_recompute_phase(self, input: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    def _output(self, tensors: Iterable[Tensor]) -> Batch:
+        """The checkpoint phase's output with ``tensors`` as its tensors."""
+        atomic, present, others = self.output_layout
+        return Batch.from_parts(atomic, present, tensors, others)
+
+    def _run_recompute_phase(self, input: tuple[Tensor, ...]) -> Batch:
         """Run the function again on ``input``, with autograd, as the checkpoint phase ran."""
         assert self.saved is not None, "the checkpoint phase has not run"
         rng_states, thread_state = self.saved
@@ -178,8 +192,7 @@ class Checkpointing:
         ):
             # Copies are differentiable, so the gradient still reaches the input.
             arguments = _copies(input) if self.input_modified else input
-            output = _call(self.function, self.batch.atomic, arguments)
-        return (output,) if isinstance(output, Tensor) else output
+            return _call(self.function, self.batch, arguments)
 
     # -- placed by autograd ----------------------------------------------------------
 
@@ -200,8 +213,7 @@ class Checkpointing:
             The output batch.
         """
         if detached:
-            tensors = self._run_checkpoint_phase(self.batch.tensors)
-            return Batch(tensors[0] if self.output_atomic else tensors)
+            return self._output(self._run_checkpoint_phase(self.batch.tensors))
         # The phony requires grad, so the output joins the graph even where the input
         # does not require grad: the parameters inside ``function`` need gradients.
         phony = join
@@ -210,7 +222,7 @@ class Checkpointing:
         *output, self.phony = Checkpoint.apply(  # type: ignore[no-untyped-call]
             phony, self, *self.batch, *(self.parameters or ())
         )
-        return Batch(output[0] if self.output_atomic else tuple(output))
+        return self._output(output)
 
     def recompute_in_backward(self, batch: Batch) -> Tensor:
         """Arm the recompute phase on ``batch``, the output of :meth:`checkpoint`.
@@ -240,8 +252,7 @@ class Checkpointing:
             The output batch, with the autograd graph of the recomputation: it reaches
             the input batch's tensors and the function's parameters.
         """
-        tensors = self._run_recompute_phase(self.batch.tensors)
-        return Batch(tensors[0] if self.output_atomic else tensors)
+        return self._run_recompute_phase(self.batch.tensors)
 
 
 # The engine call behind torch.autograd.backward (torch >= 2.3), if this torch has it.
@@ -347,7 +358,7 @@ class Checkpoint(torch.autograd.Function):
         input_leaf = tuple(
             tensor.detach().requires_grad_(tensor.requires_grad) for tensor in ctx.saved_tensors
         )
-        tensors = chk._run_recompute_phase(input_leaf)
+        tensors = chk._run_recompute_phase(input_leaf).tensors
         pairs = [
             (tensor, grad)
             for tensor, grad in zip(tensors, grad_output[:-1], strict=False)
@@ -408,15 +419,19 @@ def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
         torch.Size([4, 8])
     """
     batch = Batch(check(input, "input"))
+
+    def tensors_only(value: Any) -> TensorOrTensors:
+        return check(function(value), "output")
+
     if not torch.is_grad_enabled():
-        return batch.call(function).value
+        return tensors_only(batch.value)
     # A module without trainable parameters needs no gradient unless its input does; any
     # other function may close over tensors that do.
     requires_grad = not isinstance(function, torch.nn.Module) or any(
         parameter.requires_grad for parameter in function.parameters()
     )
     parameters = function.parameters() if isinstance(function, torch.nn.Module) else None
-    chk = Checkpointing(function, batch, requires_grad=requires_grad, parameters=parameters)
+    chk = Checkpointing(tensors_only, batch, requires_grad=requires_grad, parameters=parameters)
     output = chk.checkpoint()
     chk.recompute_in_backward(output)
-    return output.value
+    return cast(TensorOrTensors, output.value)

@@ -9,7 +9,7 @@ Example:
     torch.Size([6, 4])
 """
 
-from gpipe_microbatch import BalanceError
+from gpipe_microbatch import BalanceError, NoChunk
 
 from .__about__ import __version__
 from ._distributed import RemoteStageError
@@ -28,6 +28,7 @@ from ._schedule import (
     schedules,
     simulate,
 )
+from ._sequential import PipeSequential
 from ._timeline import (
     PartitionSummary,
     Phase,
@@ -45,9 +46,11 @@ __all__ = [
     "GPipe",
     "GPipeSchedule",
     "Losses",
+    "NoChunk",
     "OneFOneBSchedule",
     "PartitionSummary",
     "Phase",
+    "PipeSequential",
     "RemoteStageError",
     "Schedule",
     "ScheduleError",

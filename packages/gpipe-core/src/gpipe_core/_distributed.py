@@ -39,11 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gpipe_checkpoint import is_differentiable
-from gpipe_microbatch import Batch
-
 from ._schedule import Action
-from ._transport import Cancelled, Message, MessageKey, Transport
+from ._transport import Cancelled, Message, MessageKey, Transport, carried, outgoing
 
 __all__ = ["DistributedTransport", "RemoteStageError", "check_group", "pipeline_tag"]
 
@@ -306,28 +303,22 @@ class DistributedTransport(Transport):
     def send(
         self,
         key: MessageKey,
-        values: Sequence[Tensor | None],
+        values: Sequence[object],
         *,
         atomic: bool = False,
         needs_grad: bool = False,
     ) -> None:
-        present = tuple(value is not None for value in values)
-        tensors = [value.detach() for value in values if value is not None]
-        requires_grad = tuple(
-            value.requires_grad or (needs_grad and is_differentiable(value))
-            for value in values
-            if value is not None
-        )
+        message = outgoing(values, atomic, needs_grad, detach=True)
         target = self.stage_ranks[key.target]
         if target == self.rank:
-            message = Message(atomic, present, requires_grad, _batch(tensors, atomic))
             with self.cond:
                 self.mailbox[key] = message
                 self.cond.notify_all()
             return
         if self.cancelled:
             return  # the run is over: nobody waits for it
-        self._post(target, ("data", key, atomic, present, requires_grad), tensors)
+        meta = ("data", key, atomic, message.present, message.requires_grad, message.others)
+        self._post(target, meta, message.tensors.tensors)
 
     def receive(self, key: MessageKey) -> Message:
         source = self.stage_ranks[key.source]
@@ -337,7 +328,7 @@ class DistributedTransport(Transport):
         device = self.devices[key.target]
         if device.type != "cpu" and len(message.tensors):
             moved = [tensor.to(device, non_blocking=True) for tensor in message.tensors]
-            message = message._replace(tensors=_batch(moved, message.atomic))
+            message = message._replace(tensors=carried(moved, message.atomic))
         return message
 
     def tell(self, action: tuple[int, Action] | None, error: BaseException) -> None:
@@ -548,17 +539,14 @@ class DistributedTransport(Transport):
             elif kind == "plan":
                 self.plan = meta[1]
             elif not self.cancelled:
-                _, key, atomic, present, requires_grad = meta
-                self.mailbox[key] = Message(atomic, present, requires_grad, _batch(tensors, atomic))
+                _, key, atomic, present, requires_grad, others = meta
+                batch = carried(tensors, atomic)
+                self.mailbox[key] = Message(atomic, present, requires_grad, batch, others)
             self.cond.notify_all()
         return True
 
     def _recv(self, tensor: Tensor, peer: int) -> None:
         dist.recv(tensor, group=self.group, group_src=peer, tag=self.tag)
-
-
-def _batch(tensors: Sequence[Tensor], atomic: bool) -> Batch:
-    return Batch(tensors[0] if atomic else tuple(tensors))
 
 
 def _describe(key: MessageKey) -> str:

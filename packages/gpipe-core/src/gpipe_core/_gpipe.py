@@ -21,9 +21,8 @@ from gpipe_microbatch import (
     AbstractStream,
     Batch,
     Device,
-    TensorOrTensors,
+    NoChunk,
     ThreadState,
-    check,
     check_chunks,
     check_module,
     current_stream,
@@ -52,6 +51,7 @@ from ._schedule import (
     check_actions,
     get_schedule,
 )
+from ._sequential import PipeSequential
 from ._stage import LossSpec, Stage, nested
 from ._timeline import Timeline
 from ._tracing import record, tracer_for
@@ -150,27 +150,73 @@ def _stage_devices(devices: Iterable[Device] | None, local: Sequence[bool]) -> l
 
 
 def _to(batch: Batch, device: torch.device) -> Batch:
-    moved = tuple(tensor.to(device) for tensor in batch)
-    return Batch(moved[0] if batch.atomic else moved)
+    return batch.with_tensors(tensor.to(device) for tensor in batch)
+
+
+def _items(value: object) -> tuple[object, ...]:
+    """The values of a mini-batch: the elements of a tuple, or the value itself."""
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _tensor_of(item: object) -> torch.Tensor | None:
+    """The tensor an element of a mini-batch passes to the layers (NoChunk unwrapped)."""
+    if isinstance(item, NoChunk):
+        return item.tensor
+    return item if isinstance(item, torch.Tensor) else None
+
+
+def _sizes(value: object, batches: Sequence[Batch]) -> list[int]:
+    """The number of samples in each micro-batch of ``value`` (the length of the first
+    tensor that :func:`~gpipe_microbatch.scatter` split)."""
+    index = 0
+    for item in _items(value):
+        if isinstance(item, torch.Tensor):
+            break
+        index += isinstance(item, NoChunk)
+    return [len(batch[index]) for batch in batches]
+
+
+def _positional(inputs: tuple[Any, ...]) -> tuple[object, bool, str]:
+    """``forward(*inputs)``'s mini-batch: the value, whether its tuple is the first layer's
+    positional arguments, and how error messages name it."""
+    if not inputs:
+        raise TypeError(
+            "GPipe needs an input: the first layer's positional arguments, at least one of "
+            "them holding a tensor to split into micro-batches (inputs: ())"
+        )
+    if len(inputs) == 1:
+        return inputs[0], False, "input"
+    return inputs, True, "inputs"
 
 
 class _Leaves:
     """A step's input (or target) cut from the caller's graph, and its gradient passed back.
 
     Each micro-batch's backward pass accumulates the gradient of its slice into one leaf
-    per tensor; :meth:`backward` then hands the whole gradient to the caller's graph at
-    once, as one backward pass over the mini-batch would.
+    per tensor (a NoChunk tensor's leaf gets every micro-batch's gradient); :meth:`backward`
+    then hands the whole gradient to the caller's graph at once, as one backward pass over
+    the mini-batch would. Values that are not tensors are kept as they are.
     """
 
-    def __init__(self, value: TensorOrTensors, backward: bool) -> None:
-        tensors = (value,) if isinstance(value, torch.Tensor) else tuple(value)
+    def __init__(self, value: object, backward: bool) -> None:
+        items = _items(value)
+        tensors = tuple(t for t in map(_tensor_of, items) if t is not None)
         self.originals: tuple[torch.Tensor, ...] = ()
         self.leaves: tuple[torch.Tensor, ...] = ()
         self.value = value
         if backward and any(tensor.requires_grad for tensor in tensors):
             self.originals = tensors
             self.leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
-            self.value = self.leaves[0] if isinstance(value, torch.Tensor) else self.leaves
+            leaves = iter(self.leaves)
+            cut = tuple(
+                NoChunk(next(leaves))
+                if isinstance(item, NoChunk)
+                else next(leaves)
+                if isinstance(item, torch.Tensor)
+                else item
+                for item in items
+            )
+            self.value = cut if isinstance(value, tuple) else cut[0]
 
     def backward(self) -> None:
         pairs = [
@@ -191,6 +237,11 @@ class GPipe(nn.Module):
     micro-batches that flow through the partitions in the fill-drain schedule, one worker
     thread per partition, so partitions work on different micro-batches at once (on
     several devices, or on one CPU). Outputs and gradients are those of ``module``.
+
+    The module is called as the wrapped one would be: ``model(input)`` or
+    ``model(a, b, ...)``, whose tensors are split into micro-batches (see :meth:`forward`);
+    a :class:`~gpipe_core.PipeSequential` keeps its convention of unpacking tuples into the
+    next layer's arguments, across partitions too.
 
     Args:
         module: the model to pipeline; its layers are what ``balance`` counts. An empty
@@ -323,6 +374,8 @@ class GPipe(nn.Module):
         # Deferred batch norms, converted here or by hand, see each forward call as one
         # mini-batch; models without them skip the walk over their modules in forward.
         self._deferred_batch_norm = any(isinstance(m, DeferredBatchNorm) for m in module.modules())
+        # A PipeSequential's partitions keep its calling convention (tuples unpacked).
+        self._unpacks = isinstance(module, PipeSequential)
         # From every partition, before a rank releases the others'.
         #: Which skip connections cross which partitions (see :mod:`gpipe_skip`).
         self.skip_layout = inspect_skip_layout(layer_groups(module, self.balance))
@@ -333,9 +386,12 @@ class GPipe(nn.Module):
             if not local[j]
             for name in layers._modules
         }
-        self.partitions = nn.ModuleList(
-            split_module(module, self.balance, self.devices, None if group is None else local)
+        partitions = split_module(
+            module, self.balance, self.devices, None if group is None else local
         )
+        if self._unpacks:
+            partitions = [PipeSequential(OrderedDict(p._modules)) for p in partitions]
+        self.partitions = nn.ModuleList(partitions)
         self._init_runtime()
         # Checkpoints use the plain module's keys, whatever the balance.
         self.register_state_dict_post_hook(_plain_keys)  # type: ignore[no-untyped-call]
@@ -395,7 +451,7 @@ class GPipe(nn.Module):
         :class:`~gpipe_core.WithDevice` layer gives the layer it wraps): a copy
         (``copy.deepcopy``) is the plain model without the pipeline, to move, save or
         serve alone. Its :meth:`~torch.nn.Module.state_dict` has the same keys as this
-        module's.
+        module's. A wrapped :class:`~gpipe_core.PipeSequential` comes back as one.
 
         Example:
             >>> import copy
@@ -405,7 +461,8 @@ class GPipe(nn.Module):
             >>> torch.equal(plain(x), pipe(x)), list(plain.state_dict()) == list(pipe.state_dict())
             (True, True)
         """
-        return nn.Sequential(
+        kind = PipeSequential if self._unpacks else nn.Sequential
+        return kind(
             OrderedDict(
                 (name, layer)
                 for partition in self._partition_list()
@@ -476,44 +533,71 @@ class GPipe(nn.Module):
                 streams.append(new_stream(device))
         return self._copy_streams
 
-    def _check_input_device(self, input: TensorOrTensors) -> None:
+    def _check_input_device(self, value: object, what: str) -> None:
         if not self.devices:
             return  # an empty pipeline takes its input where it is
-        tensors = (input,) if isinstance(input, torch.Tensor) else input
         expected = self.devices[0]
-        for index, tensor in enumerate(tensors):
-            if tensor.device != expected:
-                where = "input" if isinstance(input, torch.Tensor) else f"input[{index}]"
+        for index, item in enumerate(_items(value)):
+            tensor = _tensor_of(item)
+            if tensor is not None and tensor.device != expected:
+                where = f"{what}[{index}]" if isinstance(value, tuple) else what
                 raise ValueError(
                     f"{where} must be on the first partition's device "
                     f"(devices[0]: {expected}, {where}: {tensor.device})"
                 )
 
-    def forward(self, input: TensorOrTensors) -> TensorOrTensors:
-        """Run ``input`` through the pipeline.
+    def forward(self, *inputs: Any) -> Any:
+        """Run a mini-batch through the pipeline, as the wrapped module would run it.
+
+        ``model(input)`` passes ``input`` to the first layer, a tuple as one value, as
+        :class:`~torch.nn.Sequential` does; ``model(a, b, ...)`` calls the first layer with
+        several positional arguments, ``layer(a, b, ...)``. From there on each layer gets
+        the previous layer's output (a :class:`~gpipe_core.PipeSequential` unpacks tuples
+        into positional arguments, across partitions too).
+
+        The input's tensors are split into micro-batches along dimension 0. A tensor
+        wrapped in :class:`~gpipe_microbatch.NoChunk`, and every value that is not a tensor
+        (a number, a string, ``None``, a small container), is passed whole to every
+        micro-batch. Partitions may return values that are not tensors too, beside at
+        least one tensor.
 
         Args:
-            input: a tensor or a tuple of tensors on ``devices[0]``, split along dimension 0.
+            inputs: one value (a tensor, or a tuple passed as one value), or several
+                positional arguments for the first layer. At least one tensor to split;
+                every tensor on ``devices[0]``.
 
         Returns:
-            The output of the last layer, on ``devices[-1]``.
+            The output of the last layer, on ``devices[-1]``: its tensors concatenated over
+            the micro-batches, and each value that is not a tensor as a list with one entry
+            per micro-batch.
 
         Raises:
-            TypeError: ``input`` or a partition's output is not a tensor or a tuple of
-                tensors.
-            ValueError: ``input`` is not on ``devices[0]``, or the last partition's output
-                has no batch dimension to gather.
+            TypeError: no input, an input without a tensor to split, a tensor inside
+                another value (a list of tensors: pass the tensors themselves), or a
+                partition output that holds no tensor.
+            ValueError: a tensor is not on ``devices[0]``, the tensors to split have
+                different batch sizes, or the last partition's output has a tensor without
+                a batch dimension to gather.
             RuntimeError: the module is called from inside its own run (a layer or hook
                 calling it again); or, across processes, in training with grad enabled
                 (use :meth:`step`).
 
         With ``group`` (across processes), every rank calls it; the first partition's rank
-        takes ``input`` (``None`` elsewhere), and the last partition's rank returns the
-        output (``None`` elsewhere). Only inference runs so: autograd cannot reach across
-        processes.
+        takes the inputs (``model()`` or ``model(None)`` elsewhere), and the last
+        partition's rank returns the output (``None`` elsewhere). Only inference runs so:
+        autograd cannot reach across processes.
+
+        Example:
+            >>> class Masked(nn.Module):
+            ...     def forward(self, x, mask, scale):
+            ...         return x * mask * scale
+            >>> model = GPipe(nn.Sequential(Masked(), nn.Linear(3, 2)), [1, 1], chunks=2)
+            >>> x, mask = torch.randn(4, 3), torch.tensor([1.0, 0.0, 1.0])
+            >>> model(x, NoChunk(mask), 0.5).shape  # the mask is not split, nor the scale
+            torch.Size([4, 2])
         """
         if self._group is None:
-            return self._forward(input)
+            return self._forward(inputs)
         if self.training and torch.is_grad_enabled():
             raise RuntimeError(
                 "GPipe across processes runs forward() for inference only (eval mode or "
@@ -522,17 +606,20 @@ class GPipe(nn.Module):
                 f"(training: {self.training}, grad enabled: {torch.is_grad_enabled()})"
             )
         with self._session():
-            return self._forward(input)
+            return self._forward(inputs)
 
-    def _forward(self, input: TensorOrTensors) -> TensorOrTensors:
+    def _forward(self, inputs: tuple[Any, ...]) -> Any:
         n = len(self.partitions)
-        value: TensorOrTensors | None = None
+        value: object = None
+        unpack, what = False, "input"
         if self._local(0):
-            value = check(input, "input")
+            value, unpack, what = _positional(inputs)
+            self._check_input_device(value, what)
             if not n:
-                return value  # an empty nn.Sequential is the identity
-            self._check_input_device(value)
-        batches, sizes = self._microbatches(value)
+                scatter(value, self.chunks, what=what)  # the same checks
+                # An empty nn.Sequential is the identity (on what the first layer would see).
+                return scatter(value, 1, what=what)[0].value
+        batches, sizes = self._microbatches(value, what)
         m = len(sizes)
         actions = _builtin_actions(GPipeSchedule, m, n, False)
         # In eval mode the output still has a graph (when grad mode is on); nothing is
@@ -540,10 +627,14 @@ class GPipe(nn.Module):
         grad = torch.is_grad_enabled()
         checkpoint_stop = self._checkpoint_stop(m) if self.training and grad else 0
         outputs = cast(
-            list[Batch], self._run(batches, actions, grad, checkpoint_stop, autograd_backward=True)
-        )
+            list[Batch],
+            self._run(
+                batches, actions, grad, checkpoint_stop, autograd_backward=True,
+                unpack_input=unpack,
+            ),
+        )  # fmt: skip
         if not self._local(n - 1):
-            return cast(TensorOrTensors, None)  # the output is on the last stage's rank
+            return None  # the output is on the last partition's rank
         for i, output in enumerate(outputs):
             for tensor in output:
                 if tensor.dim() == 0:
@@ -553,13 +644,13 @@ class GPipe(nn.Module):
                     )
         return gather(outputs)
 
-    def _microbatches(self, value: TensorOrTensors | None) -> tuple[list[Batch], list[int]]:
-        """The micro-batches of ``value`` and their sizes, on the first partition's rank;
-        on other ranks, no micro-batches, and their sizes from that rank."""
+    def _microbatches(self, value: object, what: str) -> tuple[list[Batch], list[int]]:
+        """The micro-batches of ``value`` (named ``what`` in errors) and their sizes, on
+        the first partition's rank; on other ranks, no micro-batches, and their sizes from
+        that rank."""
         if self._local(0):
-            assert value is not None
-            batches = scatter(value, self.chunks)
-            sizes = [len(batch[0]) for batch in batches]
+            batches = scatter(value, self.chunks, what=what)
+            sizes = _sizes(value, batches)
             if self._group is not None:
                 self._distributed().send_plan((sizes,))
             return batches, sizes
@@ -606,6 +697,7 @@ class GPipe(nn.Module):
         autograd_backward: bool,
         loss: LossSpec | None = None,
         state: ThreadState | None = None,
+        unpack_input: bool = False,
     ) -> list[Batch | None]:
         """Run ``actions`` over the partitions' stages (see :mod:`gpipe_core._runner`).
 
@@ -630,6 +722,7 @@ class GPipe(nn.Module):
                 autograd_backward=autograd_backward,
                 grad=grad,
                 skip_layout=self.skip_layout,
+                unpack=unpack_input if j == 0 else self._unpacks,
                 loss=loss if j == n - 1 else None,
                 tracer=tracer,
             )
@@ -661,12 +754,13 @@ class GPipe(nn.Module):
 
     def step(
         self,
-        input: TensorOrTensors,
-        target: TensorOrTensors,
+        input: Any,
+        target: Any,
         loss_fn: LossFunction,
         *,
         schedule: str | Schedule = "gpipe",
         reduction: Reduction | None = None,
+        unpack_input: bool = False,
     ) -> Losses:
         """Run a training step: forward, loss and backward of every micro-batch.
 
@@ -697,11 +791,17 @@ class GPipe(nn.Module):
         step); deferred batch norms drop the step's statistics. The model is ready for
         the next step.
 
+        ``input`` is what ``model(input)`` takes: one value, a tuple passed as one value;
+        with ``unpack_input=True`` a tuple is the first layer's positional arguments, as
+        in ``model(*input)``. Its tensors are split into micro-batches, and a
+        :class:`~gpipe_microbatch.NoChunk` tensor or a value that is not a tensor is passed
+        whole to every micro-batch, as in :meth:`forward`; ``target`` is split alike.
+
         Args:
-            input: a tensor or a tuple of tensors on ``devices[0]``, split along
-                dimension 0.
-            target: a tensor or a tuple of tensors with the input's batch size, split
-                alike (moved to ``devices[-1]`` if it is elsewhere).
+            input: the mini-batch: a tensor, or a tuple holding at least one tensor to
+                split along dimension 0; every tensor on ``devices[0]``.
+            target: a tensor or a tuple with the input's batch size, split alike (moved to
+                ``devices[-1]`` if it is elsewhere).
             loss_fn: called as ``loss_fn(output, target)`` on each micro-batch's output
                 and target (a tensor, or a tuple for a tuple); returns a scalar tensor.
 
@@ -713,14 +813,17 @@ class GPipe(nn.Module):
                 ``'mean'`` or ``'sum'`` (default: ``loss_fn.reduction`` when it has one,
                 as the losses of :mod:`torch.nn` do, else ``'mean'``). When
                 ``loss_fn`` has a ``reduction``, this must match it.
+            unpack_input: ``input`` is a tuple of the first layer's positional
+                arguments (``model(*input)``), rather than one value (``model(input)``).
 
         Returns:
             The loss of each micro-batch; :meth:`Losses.reduced() <gpipe_core.Losses.reduced>`
             is the loss of the mini-batch.
 
         Raises:
-            TypeError: ``input`` or ``target`` is not a tensor or a tuple of tensors, or
-                ``loss_fn`` is not callable.
+            TypeError: ``input`` or ``target`` holds no tensor to split or holds a tensor
+                inside another value, ``loss_fn`` is not callable, or ``unpack_input`` is
+                not a bool or is True for an ``input`` that is not a tuple.
             ValueError: ``input`` is not on ``devices[0]``, ``target``'s batch size
                 differs from ``input``'s, ``loss_fn`` returns a non-scalar, an unknown
                 ``schedule`` or ``reduction``, or a ``reduction`` that contradicts
@@ -739,11 +842,23 @@ class GPipe(nn.Module):
             (4, torch.Size([]))
             >>> model[0].weight.grad.shape
             torch.Size([8, 4])
+
+            Several positional inputs for the first layer:
+
+            >>> class Masked(nn.Module):
+            ...     def forward(self, x, mask):
+            ...         return x * mask
+            >>> model = GPipe(nn.Sequential(Masked(), nn.Linear(4, 1)), [1, 1], chunks=4)
+            >>> mask = torch.tensor([1.0, 1.0, 0.0, 1.0])
+            >>> losses = model.step((x, NoChunk(mask)), y, nn.MSELoss(), unpack_input=True)
+            >>> len(losses)
+            4
         """
+        args = (input, target, loss_fn, schedule, reduction, unpack_input)
         if self._data_group is None:
-            return self._pipeline_step(input, target, loss_fn, schedule, reduction)
+            return self._pipeline_step(*args)
         try:
-            losses = self._pipeline_step(input, target, loss_fn, schedule, reduction)
+            losses = self._pipeline_step(*args)
         except BaseException as error:
             # The replicas learn that this one failed, and fail too.
             try:
@@ -758,17 +873,19 @@ class GPipe(nn.Module):
 
     def _pipeline_step(
         self,
-        input: TensorOrTensors,
-        target: TensorOrTensors,
+        input: Any,
+        target: Any,
         loss_fn: LossFunction,
         schedule: str | Schedule,
         reduction: Reduction | None,
+        unpack_input: bool,
     ) -> Losses:
         """:meth:`step` in this pipeline: in this process, or across the group's ranks."""
+        args = (input, target, loss_fn, schedule, reduction, unpack_input)
         if self._group is None:
-            return cast(Losses, self._step(input, target, loss_fn, schedule, reduction))
+            return cast(Losses, self._step(*args))
         with self._session() as session:
-            losses = self._step(input, target, loss_fn, schedule, reduction)
+            losses = self._step(*args)
             if losses is not None:
                 session.payload = ([loss.cpu() for loss in losses], losses.sizes, losses.reduction)
         if losses is not None:
@@ -835,21 +952,26 @@ class GPipe(nn.Module):
 
     def _step(
         self,
-        input: TensorOrTensors,
-        target: TensorOrTensors,
+        input: Any,
+        target: Any,
         loss_fn: LossFunction,
         schedule: str | Schedule,
         reduction: Reduction | None,
+        unpack_input: bool,
     ) -> Losses | None:
         """:meth:`step`'s work on this process: the losses on the last partition's rank,
         None elsewhere."""
         n = len(self.partitions)
         first, last = self._local(0), n == 0 or self._local(n - 1)
-        value: TensorOrTensors | None = None
+        if not isinstance(unpack_input, bool):
+            raise TypeError(f"unpack_input must be True or False (unpack_input: {unpack_input!r})")
+        if first and unpack_input and not isinstance(input, tuple):
+            raise TypeError(
+                "unpack_input=True takes a tuple of the first layer's positional arguments "
+                f"(input: {type(input).__name__})"
+            )
         if first:
-            value = check(input, "input")
-            self._check_input_device(value)
-        target_value = check(target, "target") if last else None
+            self._check_input_device(input, "input")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (loss_fn: {type(loss_fn).__name__})")
         reduction = _check_reduction(loss_fn, reduction)
@@ -860,15 +982,14 @@ class GPipe(nn.Module):
                 f"(checkpointing: {is_checkpointing()}, recomputing: {is_recomputing()})"
             )
         backward = self.training and torch.is_grad_enabled()
-        input_leaves = _Leaves(value, backward) if value is not None else None
-        batches, sizes = self._microbatches(input_leaves.value if input_leaves else None)
+        input_leaves = _Leaves(input, backward) if first else None
+        batches, sizes = self._microbatches(input_leaves.value if input_leaves else None, "input")
         losses: LossSpec | None = None
         target_leaves: _Leaves | None = None
         if last:
-            assert target_value is not None
-            target_leaves = _Leaves(target_value, backward)
-            targets = scatter(target_leaves.value, self.chunks)
-            target_sizes = [len(batch[0]) for batch in targets]
+            target_leaves = _Leaves(target, backward)
+            targets = scatter(target_leaves.value, self.chunks, what="target")
+            target_sizes = _sizes(target_leaves.value, targets)
             if sizes != target_sizes:
                 raise ValueError(
                     "target must have the input's batch size "
@@ -899,7 +1020,7 @@ class GPipe(nn.Module):
             checkpoint_stop = self._checkpoint_stop(m) if backward else 0
             self._run(
                 batches, actions, backward, checkpoint_stop,
-                autograd_backward=False, loss=losses, state=state,
+                autograd_backward=False, loss=losses, state=state, unpack_input=unpack_input,
             )  # fmt: skip
         if input_leaves is not None:
             input_leaves.backward()

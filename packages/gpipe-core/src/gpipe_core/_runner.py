@@ -214,20 +214,19 @@ class _Executor:
         else:
             message = transport.receive(MessageKey("activations", i, j - 1, j))
             values = stage.accept(message.values(), message.requires_grad)
-            tensors = cast(list[Tensor], values)
-            batch = Batch(tensors[0] if message.atomic else tuple(tensors))
+            batch = Batch(values[0] if message.atomic else tuple(values))
         skips: dict[SkipKey, Tensor | None] = {}
         for source, keys in stage.pops.items():
             message = transport.receive(MessageKey("skips", i, source, j))
             values = stage.accept(message.values(), message.requires_grad)
-            skips.update(zip(keys, values, strict=True))
+            skips.update(zip(keys, cast(list[Tensor | None], values), strict=True))
         output, stashed, needs_grad = stage.forward(i, batch, skips)
         if j == self.last:
             self.outputs[i] = output
         else:
             transport.send(
                 MessageKey("activations", i, j, j + 1),
-                output.tensors,
+                output.values,
                 atomic=output.atomic,
                 needs_grad=needs_grad,
             )
@@ -239,11 +238,12 @@ class _Executor:
         stage, transport = self.stage(j), self.transport
         grads: list[Tensor | None] = []
         if j != self.last:
-            grads = transport.receive(MessageKey("gradients", i, j + 1, j)).values()
+            message = transport.receive(MessageKey("gradients", i, j + 1, j))
+            grads = cast(list[Tensor | None], message.values())
         skip_grads: dict[SkipKey, Tensor | None] = {}
         for target, keys in stage.stashes.items():
             message = transport.receive(MessageKey("skip-gradients", i, target, j))
-            skip_grads.update(zip(keys, message.values(), strict=True))
+            skip_grads.update(zip(keys, cast(list[Tensor | None], message.values()), strict=True))
         input_grads, popped = stage.backward(i, grads, skip_grads)
         if j != 0:
             transport.send(MessageKey("gradients", i, j, j - 1), input_grads)

@@ -3,7 +3,7 @@
 A stage with skippable layers runs as a function of its input and the skips it pops
 from earlier stages, returning its output and the skips it stashes for later stages
 (as :func:`gpipe_skip.run_partition` runs it). Both sides travel in one flat batch: the stage's
-tensors first, then the skip tensors. Under checkpointing the checkpointed function is
+values first, then the skip tensors. Under checkpointing the checkpointed function is
 that flat function, so the recomputation stashes again for its own backward, and the
 gradient of every skip tensor flows like any other.
 
@@ -18,21 +18,23 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
-from gpipe_microbatch import Batch, TensorOrTensors, check
+from gpipe_microbatch import Batch, check_output
 from gpipe_skip import SkipKey, SkipTracker, use_skip_tracker
+
+from ._sequential import call_partition
 
 __all__ = ["SkipCall"]
 
-# How a partition's flat output splits: whether its output is one tensor, how many tensors
-# it has, and which outgoing skips are tensors (the others are None).
-_Structure = tuple[bool, int, tuple[SkipKey, ...]]
+# How a partition's flat output splits: whether its output is one value, which of its
+# values are tensors, and which outgoing skips are tensors (the others are None).
+_Structure = tuple[bool, tuple[bool, ...], tuple[SkipKey, ...]]
 
 
 class SkipCall:
-    """Partition ``j`` on micro-batch ``i`` as a function of one flat tuple of tensors.
+    """Partition ``j`` on micro-batch ``i`` as a function of one flat tuple of values.
 
-    The flat input is the partition's input tensors followed by the incoming skips that
-    are tensors; the flat output is the partition's output tensors followed by the
+    The flat input is the partition's input values followed by the incoming skips that
+    are tensors; the flat output is the partition's output values followed by the
     outgoing skips that are tensors. ``None`` skips are known to the call, not carried.
     """
 
@@ -43,10 +45,14 @@ class SkipCall:
         batch: Batch,
         skips_in: dict[SkipKey, Tensor | None],
         provides: Sequence[SkipKey],
+        unpack: bool = False,
     ) -> None:
         self.partition = partition
         self.what = what
+        self.unpack = unpack
         self.atomic = batch.atomic
+        #: How many values the partition's input has, and how many of them are tensors.
+        self.values = len(batch.present)
         self.inputs = len(batch)
         self.in_keys = tuple(key for key, value in skips_in.items() if value is not None)
         self.none_in = tuple(key for key, value in skips_in.items() if value is None)
@@ -58,26 +64,27 @@ class SkipCall:
     def flat_input(self, batch: Batch, skips_in: dict[SkipKey, Tensor | None]) -> Batch:
         """The flat batch this call takes."""
         skips = (value for value in skips_in.values() if value is not None)
-        return Batch((*batch, *skips))
+        return Batch((*batch.values, *skips))
 
-    def __call__(self, flat: TensorOrTensors) -> tuple[Tensor, ...]:
-        tensors = (flat,) if isinstance(flat, Tensor) else flat
-        input = tensors[0] if self.atomic else tuple(tensors[: self.inputs])
+    def __call__(self, flat: object) -> tuple[object, ...]:
+        values = flat if isinstance(flat, tuple) else (flat,)
+        input = values[0] if self.atomic else tuple(values[: self.values])
         skips: dict[SkipKey, Tensor | None] = dict(
-            zip(self.in_keys, tensors[self.inputs :], strict=True)
+            zip(self.in_keys, values[self.values :], strict=True)
         )
         skips.update(dict.fromkeys(self.none_in))
         tracker = SkipTracker(skips, history=True)
         with use_skip_tracker(tracker):
-            output = check(self.partition(input), self.what)
+            output = check_output(call_partition(self.partition, input, self.unpack), self.what)
         stashed = tracker.stashed()
         history = tuple(tracker.history or ())
-        outputs = (output,) if isinstance(output, Tensor) else output
-        values = [stashed[key] for key in self.provides]
+        outputs = output if isinstance(output, tuple) else (output,)
+        skip_values = [stashed[key] for key in self.provides]
         present = tuple(
-            key for key, value in zip(self.provides, values, strict=True) if value is not None
+            key for key, value in zip(self.provides, skip_values, strict=True) if value is not None
         )
-        structure = (isinstance(output, Tensor), len(outputs), present)
+        kinds = tuple(isinstance(value, Tensor) for value in outputs)
+        structure = (not isinstance(output, tuple), kinds, present)
         if self.structure is None:
             self.structure, self.history = structure, history
         elif structure != self.structure or history != self.history:
@@ -89,16 +96,17 @@ class SkipCall:
                 f"changed shape (first run stashed: {_names(self.history)}, "
                 f"recomputation stashed: {_names(history)})"
             )
-        return (*outputs, *(value for value in values if value is not None))
+        return (*outputs, *(value for value in skip_values if value is not None))
 
     def split(self, flat: Batch) -> tuple[Batch, dict[SkipKey, Tensor | None]]:
         """Split a flat output into the partition's output and its outgoing skips."""
         assert self.structure is not None, "the partition has not run"
-        atomic, count, present = self.structure
-        tensors = flat.tensors
-        output = Batch(tensors[0] if atomic else tensors[:count])
+        atomic, kinds, present = self.structure
+        values = flat.values
+        count = len(kinds)
+        output = Batch(values[0] if atomic else values[:count])
         skips: dict[SkipKey, Tensor | None] = dict.fromkeys(self.provides)
-        skips.update(zip(present, tensors[count:], strict=True))
+        skips.update(zip(present, values[count:], strict=True))  # type: ignore[arg-type]
         return output, skips
 
 

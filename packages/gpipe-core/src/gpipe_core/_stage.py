@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from functools import cached_property
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -44,10 +44,11 @@ from gpipe_checkpoint import (
     run_backward,
     save_rng_states,
 )
-from gpipe_microbatch import AbstractStream, Batch, TensorOrTensors, check, fork, join
+from gpipe_microbatch import AbstractStream, Batch, check_output, fork, join
 from gpipe_skip import SkipKey, SkipLayout
 
 from ._losses import LossFunction
+from ._sequential import call_partition
 from ._skips import SkipCall
 from ._timeline import Phase
 from ._tracing import Tracer
@@ -55,7 +56,7 @@ from ._tracing import Tracer
 __all__ = ["LossSpec", "Stage", "clone", "nested"]
 
 _T = TypeVar("_T")
-_Function = Callable[[TensorOrTensors], TensorOrTensors]
+_Function = Callable[[Any], object]
 
 
 class _LockDepth(threading.local):
@@ -75,7 +76,7 @@ def nested() -> bool:
 
 def clone(batch: Batch) -> Batch:
     """A batch of copies of ``batch``'s tensors (for a stage that modifies its input)."""
-    return Batch(batch.tensor.clone() if batch.atomic else tuple(t.clone() for t in batch))
+    return batch.with_tensors(tensor.clone() for tensor in batch)
 
 
 def _same_states(a: RNGStates, b: RNGStates) -> bool:
@@ -161,6 +162,8 @@ class Stage:
             (``GPipe.step``).
         grad: whether the run records autograd history (training with grad enabled).
         skip_layout: the skip connections of the pipeline (None without any).
+        unpack: a tuple input is the positional arguments of the partition's first layer
+            (see :func:`~gpipe_core._sequential.call_partition`), not one value.
         loss: the losses, on the last stage of a step.
         tracer: labels and times the stage's tasks, if the run is traced.
     """
@@ -177,10 +180,12 @@ class Stage:
         autograd_backward: bool,
         grad: bool,
         skip_layout: SkipLayout | None = None,
+        unpack: bool = False,
         loss: LossSpec | None = None,
         tracer: Tracer | None = None,
     ) -> None:
         self.index = index
+        self.unpack = unpack
         self.partition = partition
         self.device = device
         self.stream = stream
@@ -289,18 +294,17 @@ class Stage:
 
     # -- forward -------------------------------------------------------------------------
 
-    def accept(
-        self, values: Sequence[Tensor | None], requires_grad: Sequence[bool]
-    ) -> list[Tensor | None]:
+    def accept(self, values: Sequence[object], requires_grad: Sequence[bool]) -> list[object]:
         """What the stage computes from: received ``values`` (with a ``requires_grad``
-        flag per tensor), cut into leaves when the stage drives its own backward pass."""
+        flag per tensor), their tensors cut into leaves when the stage drives its own
+        backward pass; values that are not tensors (None included) as they are."""
         if self.autograd_backward:
             return list(values)
         flags = iter(requires_grad)
-        leaves: list[Tensor | None] = []
+        leaves: list[object] = []
         for value in values:
-            if value is None:
-                leaves.append(None)
+            if not isinstance(value, Tensor):
+                leaves.append(value)
                 continue
             needs = next(flags) and self.grad and is_differentiable(value)
             leaves.append(value.detach().requires_grad_(needs))
@@ -322,13 +326,11 @@ class Stage:
             history yet).
         """
         call: SkipCall | None = None
-        layers: _Function = self.partition
         if self.skippable:
             assert self.layout is not None
             provides = [route.key for route in self.layout.provides(self.index)]
-            call = SkipCall(self.partition, self.what, batch, skips, provides)
+            call = SkipCall(self.partition, self.what, batch, skips, provides, self.unpack)
             batch = call.flat_input(batch, skips)
-            layers = call
         checkpointed = i < self.checkpoint_stop
         tracer = self.tracer
         if self.autograd_backward and self.grad:
@@ -338,10 +340,14 @@ class Stage:
                 batch.replace(index, join(batch[index], self.phony))
             if tracer is not None:
                 tracer.input(batch, i, self.index, self.device, self.stream, self.trainable)
-        what = self.what
+        function: _Function
+        if call is not None:
+            function = call  # it checks the partition's output itself
+        else:
+            partition, what, unpack = self.partition, self.what, self.unpack
 
-        def function(input: TensorOrTensors) -> TensorOrTensors:
-            return check(layers(input), what)
+            def function(input: Any) -> object:
+                return check_output(call_partition(partition, input, unpack), what)
 
         chk: Checkpointing | None = None
         compute: Callable[[], Batch]

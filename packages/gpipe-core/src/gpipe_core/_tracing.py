@@ -31,7 +31,7 @@ from torch._C._autograd import _profiler_enabled
 from torch.profiler import record_function
 
 from gpipe_checkpoint import is_checkpointing, is_differentiable, is_recomputing
-from gpipe_microbatch import AbstractStream, Batch, TensorOrTensors, copy, get_phony
+from gpipe_microbatch import AbstractStream, Batch, copy, get_phony
 
 from ._timeline import Phase, TaskEvent, Timeline, task_label
 
@@ -273,15 +273,15 @@ class Tracer:
 
     def recomputed(
         self,
-        function: Callable[[TensorOrTensors], TensorOrTensors],
+        function: Callable[[Any], object],
         i: int,
         j: int,
         device: torch.device,
         stream: AbstractStream,
-    ) -> Callable[[TensorOrTensors], TensorOrTensors]:
+    ) -> Callable[[Any], object]:
         """Wrap a checkpointed function so that its recomputation is recorded."""
 
-        def traced(input: TensorOrTensors) -> TensorOrTensors:
+        def traced(input: Any) -> object:
             # A checkpoint phase inside an outer recomputation (a nested GPipe) is not one.
             if not is_recomputing() or is_checkpointing():
                 return function(input)

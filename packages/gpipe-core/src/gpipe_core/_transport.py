@@ -5,8 +5,10 @@ through a :class:`Transport` and receives each stage's inputs from it, keyed by 
 are (:class:`MessageKey`): the activations of micro-batch ``i`` from stage ``j`` to stage
 ``j + 1``, their gradients back, and the skip tensors and their gradients between the
 stage that stashes and the stage that pops. A message carries its tensors and what the
-receiver needs to know of them (:class:`Message`): which values are ``None`` (never
-carried), whether each tensor required grad, whether the value was one tensor or a tuple.
+receiver needs to know of them (:class:`Message`): which values are tensors, whether each
+tensor required grad, whether the value was one value or a tuple. Values that are not
+tensors (``None`` included: a missing gradient, a ``None`` skip; or a number, a string,
+a small container a partition returned) travel as Python objects beside the tensors.
 
 :class:`LocalTransport` moves tensors between worker threads of one process: a stream wait
 when both stages share a device, else a device copy on the copy streams. A transport
@@ -33,7 +35,16 @@ from gpipe_microbatch import AbstractStream, Batch, copy, wait
 from ._schedule import Action
 from ._tracing import Tracer
 
-__all__ = ["Cancelled", "LocalTransport", "Message", "MessageKey", "MessageKind", "Transport"]
+__all__ = [
+    "Cancelled",
+    "LocalTransport",
+    "Message",
+    "MessageKey",
+    "MessageKind",
+    "Transport",
+    "carried",
+    "outgoing",
+]
 
 #: What a message carries: activations (forward), their gradients (backward), skip
 #: tensors, or the gradients of skip tensors.
@@ -50,22 +61,48 @@ class MessageKey(NamedTuple):
 
 
 class Message(NamedTuple):
-    """Values sent by one stage to another; ``None`` values are not carried."""
+    """Values sent by one stage to another: tensors, and the other values beside them."""
 
-    #: Whether the value was one tensor (rather than a tuple).
+    #: Whether the value was one value (rather than a tuple).
     atomic: bool
-    #: Which values are tensors; the others are None.
+    #: Which values are tensors; the others are in :attr:`others`.
     present: tuple[bool, ...]
     #: Whether each carried tensor requires grad where it was made (or will, once its
     #: checkpointed forward pass is recomputed).
     requires_grad: tuple[bool, ...]
     #: The carried tensors.
     tensors: Batch
+    #: The values that are not tensors (``None`` included), in order, as Python objects.
+    others: tuple[object, ...] = ()
 
-    def values(self) -> list[Tensor | None]:
-        """The values, with None where nothing was carried."""
-        tensors = iter(self.tensors)
-        return [next(tensors) if here else None for here in self.present]
+    def values(self) -> list[object]:
+        """Every value, in order: the tensors, and :attr:`others` where ``present`` is
+        False."""
+        tensors, others = iter(self.tensors), iter(self.others)
+        return [next(tensors) if here else next(others) for here in self.present]
+
+
+def carried(tensors: Sequence[Tensor], atomic: bool) -> Batch:
+    """The batch of a message's ``tensors`` (one tensor when the value was one)."""
+    return Batch(tensors[0] if atomic and tensors else tuple(tensors))
+
+
+def outgoing(values: Sequence[object], atomic: bool, needs_grad: bool, *, detach: bool) -> Message:
+    """The message that carries ``values`` (see :meth:`Transport.send`); its tensors are
+    detached from their graph if ``detach``."""
+    tensors = [value for value in values if isinstance(value, Tensor)]
+    requires_grad = tuple(
+        tensor.requires_grad or (needs_grad and is_differentiable(tensor)) for tensor in tensors
+    )
+    if detach:
+        tensors = [tensor.detach() for tensor in tensors]
+    return Message(
+        atomic,
+        tuple(isinstance(value, Tensor) for value in values),
+        requires_grad,
+        carried(tensors, atomic),
+        tuple(value for value in values if not isinstance(value, Tensor)),
+    )
 
 
 class Cancelled(Exception):
@@ -79,7 +116,7 @@ class Transport(ABC):
     def send(
         self,
         key: MessageKey,
-        values: Sequence[Tensor | None],
+        values: Sequence[object],
         *,
         atomic: bool = False,
         needs_grad: bool = False,
@@ -88,8 +125,9 @@ class Transport(ABC):
 
         Args:
             key: what the message is.
-            values: tensors, or None for values that are not carried.
-            atomic: the values are one tensor rather than a tuple of one.
+            values: tensors, and values that are not tensors (None included), which are
+                carried as Python objects (:attr:`Message.others`).
+            atomic: the values are one value rather than a tuple of one.
             needs_grad: the values come from a checkpointed forward pass, without
                 autograd history; their recomputation will need gradients.
         """
@@ -155,24 +193,16 @@ class LocalTransport(Transport):
     def send(
         self,
         key: MessageKey,
-        values: Sequence[Tensor | None],
+        values: Sequence[object],
         *,
         atomic: bool = False,
         needs_grad: bool = False,
     ) -> None:
-        present = tuple(value is not None for value in values)
-        tensors = [value for value in values if value is not None]
-        requires_grad = tuple(
-            tensor.requires_grad or (needs_grad and is_differentiable(tensor)) for tensor in tensors
-        )
-        if not self.keep_graph:
-            tensors = [tensor.detach() for tensor in tensors]
-        batch = Batch(tensors[0] if atomic else tuple(tensors))
-        if tensors:
+        message = outgoing(values, atomic, needs_grad, detach=not self.keep_graph)
+        if message.tensors:
             # The copy to the other stage waits for this stage's computation.
             source, i = key.source, key.microbatch
-            wait(batch, self.compute_streams[source], self.copy_streams[source][i])
-        message = Message(atomic, present, requires_grad, batch)
+            wait(message.tensors, self.compute_streams[source], self.copy_streams[source][i])
         with self.lock:
             self.messages[key] = message
             self.arrived[key.target].notify()

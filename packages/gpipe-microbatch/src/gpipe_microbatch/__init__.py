@@ -4,8 +4,9 @@ Most users never import this package: :class:`~gpipe_core.GPipe` uses it. It is 
 whoever writes a pipeline or a transport of their own, and these are its building blocks:
 
 * Micro-batches: :class:`Batch`, :func:`scatter` and :func:`gather` split a mini-batch
-  into micro-batches and put them back together; :func:`check` and :func:`check_chunks`
-  check what a user passes.
+  into micro-batches and put them back together; :class:`NoChunk` marks a tensor every
+  micro-batch gets whole; :func:`check`, :func:`check_output` and :func:`check_chunks`
+  check what a user passes and what a layer returns.
 * The checks of a split: :func:`check_module`, :func:`check_balance` and
   :exc:`BalanceError`, shared by the balancing tools and the pipeline.
 * Devices and streams with a CPU fallback: :data:`Device` and :func:`normalize_device`;
@@ -33,7 +34,16 @@ Example:
 
 from .__about__ import __version__
 from ._balance import BalanceError, check_balance, check_module
-from ._batch import Batch, TensorOrTensors, check, check_chunks, gather, scatter
+from ._batch import (
+    Batch,
+    NoChunk,
+    TensorOrTensors,
+    check,
+    check_chunks,
+    check_output,
+    gather,
+    scatter,
+)
 from ._dependency import fork, join
 from ._phony import get_phony
 from ._stream import (
@@ -61,6 +71,7 @@ __all__ = [
     "CPUStream",
     "CPUStreamType",
     "Device",
+    "NoChunk",
     "TensorOrTensors",
     "ThreadState",
     "__version__",
@@ -68,6 +79,7 @@ __all__ = [
     "check_balance",
     "check_chunks",
     "check_module",
+    "check_output",
     "copy",
     "current_stream",
     "fork",

@@ -1,16 +1,32 @@
-"""Micro-batches: a tensor or a tuple of tensors, split along the batch dimension."""
+"""Micro-batches: a value or a tuple of values, whose tensors are split along the batch dimension.
+
+A mini-batch is what a caller passes: one value, or a tuple of values. Its tensors are split
+along dimension 0 into micro-batches; a tensor wrapped in :class:`NoChunk`, and every value
+that is not a tensor (a number, a string, ``None``, a small container), is copied whole into
+every micro-batch. Gathering does the reverse: tensors are concatenated, and the other values
+of the micro-batches are returned as a list, one entry per micro-batch.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import cast
 
 import torch
 from torch import Tensor
 
-__all__ = ["Batch", "TensorOrTensors", "check", "check_chunks", "gather", "scatter"]
+__all__ = [
+    "Batch",
+    "NoChunk",
+    "TensorOrTensors",
+    "check",
+    "check_chunks",
+    "check_output",
+    "gather",
+    "scatter",
+]
 
-#: A mini-batch or micro-batch as a user sees it: a tensor or a tuple of tensors.
+#: A mini-batch or micro-batch of tensors only: a tensor or a tuple of tensors.
 TensorOrTensors = Tensor | tuple[Tensor, ...]
 
 
@@ -20,6 +36,10 @@ def _type_name(value: object) -> str:
 
 def check(value: object, what: str = "input") -> TensorOrTensors:
     """Check that ``value`` is a tensor or a non-empty tuple of tensors.
+
+    This is the check of code that takes tensors only (:func:`gpipe_checkpoint.checkpoint`,
+    the balancing tools). A pipeline's values may also hold other values: see
+    :func:`scatter` and :func:`check_output`.
 
     Args:
         value: the value to check.
@@ -72,11 +92,128 @@ def check_chunks(chunks: object) -> int:
     return chunks
 
 
+class NoChunk:
+    """A tensor of the input that every micro-batch gets whole, rather than a slice of it.
+
+    :func:`scatter` splits the tensors of a mini-batch along dimension 0; a tensor wrapped
+    in ``NoChunk`` (an attention mask shared by every sample, a table of positions) is
+    unwrapped and passed whole to every micro-batch, as values that are not tensors are.
+    Its gradient, if it requires one, is the sum over the micro-batches, as over the
+    samples without micro-batches. ``NoChunk`` marks inputs only: the layers see the tensor
+    itself, and a layer's output cannot hold a ``NoChunk``.
+
+    Args:
+        tensor: the tensor to pass whole (it needs no batch dimension).
+
+    Raises:
+        TypeError: ``tensor`` is not a tensor.
+
+    Example:
+        >>> x, scale = torch.ones(4, 2), torch.tensor([1.0, 10.0])
+        >>> [batch.values[1] for batch in scatter((x, NoChunk(scale)), chunks=2)]
+        [tensor([ 1., 10.]), tensor([ 1., 10.])]
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Tensor) -> None:
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"NoChunk wraps a tensor (tensor: {_type_name(tensor)})")
+        #: The wrapped tensor.
+        self.tensor = tensor
+
+    def __repr__(self) -> str:
+        return f"NoChunk({self.tensor!r})"
+
+
+def _holds_tensor(value: object, seen: set[int] | None = None) -> bool:
+    """Whether ``value`` is, or holds in a built-in container, a tensor or a NoChunk."""
+    if isinstance(value, (Tensor, NoChunk)):
+        return True
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        seen = set() if seen is None else seen
+        if id(value) in seen:
+            return False
+        seen.add(id(value))
+        items: Iterable[object] = value
+        if isinstance(value, dict):
+            items = (*value.keys(), *value.values())
+        return any(_holds_tensor(item, seen) for item in items)
+    return False
+
+
+def _seen(name: str, value: object) -> str:
+    """How an error message shows a value that is not a tensor."""
+    if isinstance(value, NoChunk):
+        return f"{name}: NoChunk"
+    if isinstance(value, Tensor) or not _holds_tensor(value):
+        return f"{name}: {_type_name(value)}"
+    return f"{name}: {_type_name(value)} holding a tensor"
+
+
+def check_output(value: object, what: str = "output") -> object:
+    """Check that ``value`` can be passed on as a micro-batch; returns it.
+
+    A micro-batch is a tensor, or a tuple that holds at least one tensor among its
+    elements; its other elements may be any values (numbers, strings, ``None``, small
+    containers) that hold no tensor, since only the elements themselves are split, moved
+    between devices and differentiated. This is the check of every partition's output.
+
+    Args:
+        value: the value to check.
+        what: how the error message names the value, such as ``"output of partition 1"``.
+
+    Raises:
+        TypeError: ``value`` holds no tensor, holds a tensor inside a list, dict or other
+            container, or holds a :class:`NoChunk`.
+
+    Example:
+        >>> check_output((torch.zeros(2), "label"))[1]
+        'label'
+        >>> check_output(None, "out")
+        Traceback (most recent call last):
+          ...
+        TypeError: out must be a tensor or a tuple holding at least one tensor (out: NoneType)
+    """
+    if isinstance(value, Tensor):
+        return value
+    items = value if isinstance(value, tuple) else (value,)
+    found = False
+    for index, item in enumerate(items):
+        if isinstance(item, Tensor):
+            found = True
+        elif isinstance(value, tuple) and isinstance(item, NoChunk):
+            raise TypeError(
+                f"{what} holds a NoChunk, which marks inputs only: return the tensor itself "
+                f"({_seen(f'{what}[{index}]', item)})"
+            )
+        elif isinstance(value, tuple) and _holds_tensor(item):
+            raise TypeError(
+                f"{what} holds a tensor inside another value, where it can be neither moved "
+                "between devices nor gathered: make it an element of the output tuple "
+                f"({_seen(f'{what}[{index}]', item)})"
+            )
+    if found:
+        return value
+    if isinstance(value, tuple):
+        seen = ", ".join(_seen(f"{what}[{k}]", item) for k, item in enumerate(value))
+        seen = seen or f"{what}: empty tuple"
+    else:
+        seen = _seen(what, value)
+    raise TypeError(f"{what} must be a tensor or a tuple holding at least one tensor ({seen})")
+
+
 class Batch:
-    """A micro-batch: one tensor (*atomic*) or a tuple of tensors.
+    """A micro-batch: one value (*atomic*) or a tuple of values, and the tensors among them.
 
     Layers receive exactly what the user passed: a tuple stays a tuple and is passed to a
-    layer as a single argument, as :class:`torch.nn.Sequential` does.
+    layer as a single argument, as :class:`torch.nn.Sequential` does. Values that are not
+    tensors ride along untouched.
+
+    A batch is the sequence of its **tensors**: ``len(batch)``, ``batch[k]``, iteration,
+    :attr:`tensors` and :meth:`replace` see the tensors only, in order, which is what
+    copies, stream waits and autograd work on. :attr:`values` has every value, and
+    :attr:`present` and :attr:`others` describe the values that are not tensors.
 
     Example:
         >>> batch = Batch(torch.zeros(4, 2))
@@ -87,37 +224,137 @@ class Batch:
                 [1., 1.],
                 [1., 1.],
                 [1., 1.]])
+        >>> mixed = Batch((torch.zeros(2), 3, None))
+        >>> len(mixed), mixed.present, mixed.others
+        (1, (True, False, False), (3, None))
     """
 
-    __slots__ = ("_values", "atomic")
+    __slots__ = ("_others", "_present", "_values", "atomic")
 
-    def __init__(self, value: TensorOrTensors) -> None:
-        self.atomic = isinstance(value, Tensor)
-        self._values: tuple[Tensor, ...] = (value,) if isinstance(value, Tensor) else tuple(value)
+    def __init__(self, value: object) -> None:
+        #: Whether the batch is one value rather than a tuple.
+        self.atomic = not isinstance(value, tuple)
+        # Only the tensors are kept in _values; _present is None when every value is one.
+        self._present: tuple[bool, ...] | None = None
+        self._others: tuple[object, ...] = ()
+        if isinstance(value, Tensor):
+            self._values: tuple[Tensor, ...] = (value,)
+        elif isinstance(value, tuple) and all(isinstance(item, Tensor) for item in value):
+            self._values = value
+        else:
+            items = value if isinstance(value, tuple) else (value,)
+            self._present = tuple(isinstance(item, Tensor) for item in items)
+            self._values = tuple(item for item in items if isinstance(item, Tensor))
+            self._others = tuple(item for item in items if not isinstance(item, Tensor))
+
+    @classmethod
+    def from_parts(
+        cls,
+        atomic: bool,
+        present: Sequence[bool],
+        tensors: Iterable[Tensor],
+        others: Iterable[object] = (),
+    ) -> Batch:
+        """The batch whose values are ``tensors`` where ``present`` is True and ``others``
+        elsewhere, in order (as a transport's message describes them).
+
+        Raises:
+            ValueError: the counts do not match ``present``, or an atomic batch of several
+                values.
+
+        Example:
+            >>> Batch.from_parts(False, [True, False], [torch.zeros(1)], ["a"]).value
+            (tensor([0.]), 'a')
+        """
+        tensors, others = tuple(tensors), tuple(others)
+        present = tuple(present)
+        count = sum(present)
+        if (
+            count != len(tensors)
+            or len(present) - count != len(others)
+            or (atomic and len(present) != 1)
+        ):
+            raise ValueError(
+                "a batch needs one tensor per True and one other value per False in present "
+                f"(atomic: {atomic}, present: {list(present)}, tensors: {len(tensors)}, "
+                f"others: {len(others)})"
+            )
+        batch = cls.__new__(cls)
+        batch.atomic = atomic
+        batch._values = tensors
+        batch._present = None if count == len(present) else present
+        batch._others = others
+        return batch
 
     @property
     def tensor(self) -> Tensor:
         """The tensor of an atomic batch."""
         if not self.atomic:
             raise AttributeError("a non-atomic batch has no single tensor; use .tensors")
+        if not self._values:
+            raise AttributeError(
+                f"an atomic batch of a {_type_name(self._others[0])} has no tensor; use .value"
+            )
         return self._values[0]
 
     @property
     def tensors(self) -> tuple[Tensor, ...]:
-        """The tensors of the batch, as a tuple (one element for an atomic batch)."""
+        """The tensors of the batch, in order, as a tuple (one for an atomic tensor)."""
         return self._values
 
     @property
-    def value(self) -> TensorOrTensors:
-        """The batch as the user sees it (a tensor, or a tuple of tensors)."""
-        return self._values[0] if self.atomic else self._values
+    def present(self) -> tuple[bool, ...]:
+        """For each value, whether it is a tensor."""
+        if self._present is None:
+            return (True,) * len(self._values)
+        return self._present
 
-    def call(self, function: Callable[[TensorOrTensors], object], what: str = "output") -> Batch:
-        """Call ``function`` on :attr:`value` and wrap its checked result in a new batch."""
-        return Batch(check(function(self.value), what))
+    @property
+    def others(self) -> tuple[object, ...]:
+        """The values that are not tensors, in order."""
+        return self._others
+
+    @property
+    def values(self) -> tuple[object, ...]:
+        """Every value, in order (one for an atomic batch)."""
+        if self._present is None:
+            return self._values
+        tensors, others = iter(self._values), iter(self._others)
+        return tuple(next(tensors) if here else next(others) for here in self._present)
+
+    @property
+    def value(self) -> object:
+        """The batch as the user sees it (the value, or the tuple of values)."""
+        values = self.values
+        return values[0] if self.atomic else values
+
+    def with_tensors(self, tensors: Iterable[Tensor]) -> Batch:
+        """A batch of the same values but with ``tensors`` in place of its tensors.
+
+        Example:
+            >>> Batch((torch.zeros(1), "a")).with_tensors([torch.ones(1)]).value
+            (tensor([1.]), 'a')
+        """
+        tensors = tuple(tensors)
+        if len(tensors) != len(self._values):
+            raise ValueError(
+                f"with_tensors needs one tensor per tensor of the batch "
+                f"(batch: {len(self._values)}, tensors: {len(tensors)})"
+            )
+        batch = Batch.__new__(Batch)
+        batch.atomic = self.atomic
+        batch._values = tensors
+        batch._present = self._present
+        batch._others = self._others
+        return batch
+
+    def call(self, function: Callable[[object], object], what: str = "output") -> Batch:
+        """Call ``function`` on :attr:`value` and wrap its result, checked by
+        :func:`check_output`, in a new batch."""
+        return Batch(check_output(function(self.value), what))
 
     def find_tensor_idx(self) -> int:
-        """The index of the first floating-point tensor, else 0.
+        """The index (among the tensors) of the first floating-point tensor, else 0.
 
         Ordering edges (phony tensors) are attached to this tensor, since integer tensors
         cannot carry gradients.
@@ -128,7 +365,7 @@ class Batch:
         return 0
 
     def replace(self, index: int, tensor: Tensor) -> None:
-        """Replace the tensor at ``index`` (used to attach autograd edges)."""
+        """Replace the tensor at ``index`` among the tensors (used to attach autograd edges)."""
         values = list(self._values)
         values[index] = tensor
         self._values = tuple(values)
@@ -143,17 +380,18 @@ class Batch:
         return iter(self._values)
 
     def __repr__(self) -> str:
-        shapes = ", ".join(str(tuple(t.shape)) for t in self._values)
-        return f"Batch[atomic={self.atomic}]({shapes})"
+        shown = ", ".join(
+            str(tuple(value.shape)) if isinstance(value, Tensor) else _type_name(value)
+            for value in self.values
+        )
+        return f"Batch[atomic={self.atomic}]({shown})"
 
 
-def _batch_size(value: TensorOrTensors) -> int:
-    tensors = (value,) if isinstance(value, Tensor) else value
+def _batch_size(split: Sequence[tuple[str, Tensor]]) -> int:
     sizes = []
-    for index, tensor in enumerate(tensors):
+    for name, tensor in split:
         if tensor.dim() == 0:
-            where = "input" if isinstance(value, Tensor) else f"input[{index}]"
-            raise ValueError(f"{where} must have a batch dimension ({where}: 0-dimensional tensor)")
+            raise ValueError(f"{name} must have a batch dimension ({name}: 0-dimensional tensor)")
         sizes.append(tensor.size(0))
     if any(size != sizes[0] for size in sizes):
         raise ValueError(
@@ -162,8 +400,38 @@ def _batch_size(value: TensorOrTensors) -> int:
     return sizes[0]
 
 
-def scatter(input: object, chunks: int) -> list[Batch]:
+def _values_to_split(input: object, what: str) -> tuple[list[object], list[int]]:
+    """The values of ``input`` (NoChunk tensors unwrapped) and which of them to split."""
+    items = input if isinstance(input, tuple) else (input,)
+    names = [f"{what}[{k}]" for k in range(len(items))] if isinstance(input, tuple) else [what]
+    values = list(items)
+    split: list[int] = []
+    for k, item in enumerate(items):
+        if isinstance(item, Tensor):
+            split.append(k)
+        elif isinstance(item, NoChunk):
+            values[k] = item.tensor
+        elif _holds_tensor(item):
+            raise TypeError(
+                f"{what} holds a tensor inside another value, where it can be neither split "
+                "into micro-batches nor moved between devices: pass the tensor itself, or "
+                f"NoChunk(tensor) to pass it whole to every micro-batch ({_seen(names[k], item)})"
+            )
+    if not split:
+        seen = ", ".join(_seen(name, item) for name, item in zip(names, items, strict=True))
+        raise TypeError(
+            f"{what} must hold a tensor to split into micro-batches; NoChunk tensors and "
+            f"values that are not tensors are passed whole ({seen or f'{what}: empty tuple'})"
+        )
+    return values, split
+
+
+def scatter(input: object, chunks: int, *, what: str = "input") -> list[Batch]:
     """Split a mini-batch into at most ``chunks`` micro-batches along dimension 0.
+
+    ``input`` is one value or a tuple of values. Its tensors are split; a tensor wrapped
+    in :class:`NoChunk` is unwrapped and passed whole to every micro-batch, and so is every
+    value that is not a tensor. It must hold at least one tensor to split.
 
     The split follows :func:`torch.chunk`: every micro-batch but the last has
     ``ceil(batch_size / chunks)`` samples, and a batch smaller than ``chunks`` gives fewer
@@ -171,52 +439,98 @@ def scatter(input: object, chunks: int) -> list[Batch]:
     the input's own tensors; several micro-batches are views of them.
 
     Args:
-        input: a tensor or a tuple of tensors with the same batch size.
+        input: a tensor, or a tuple of values whose tensors have the same batch size.
         chunks: the largest number of micro-batches.
 
+    Keyword Args:
+        what: how error messages name the input (``"input"``; ``"input[1]"`` for an
+            element of a tuple).
+
     Raises:
-        TypeError: ``input`` is not a tensor or a tuple of tensors.
-        ValueError: ``chunks`` is not positive, a tensor has no batch dimension, or the
-            tensors of a tuple have different batch sizes.
+        TypeError: ``input`` holds no tensor to split, or holds a tensor inside another
+            value (a list of tensors, say).
+        ValueError: ``chunks`` is not positive, a tensor to split has no batch dimension,
+            or the tensors to split have different batch sizes.
 
     Example:
         >>> [b.tensor.tolist() for b in scatter(torch.arange(5), chunks=2)]
         [[0, 1, 2], [3, 4]]
+        >>> [b.values for b in scatter((torch.arange(4), "mean"), chunks=2)]
+        [(tensor([0, 1]), 'mean'), (tensor([2, 3]), 'mean')]
     """
-    value = check(input, "input")
+    values, split = _values_to_split(input, what)
     check_chunks(chunks)
-    size = _batch_size(value)
-    if size == 0:
-        return [Batch(value)]
-    if chunks == 1 or size == 1:
+    atomic = not isinstance(input, tuple)
+    names = [what] if atomic else [f"{what}[{k}]" for k in range(len(values))]
+    size = _batch_size([(names[k], cast(Tensor, values[k])) for k in split])
+    if size == 0 or chunks == 1 or size == 1:
         # One micro-batch: the input itself, not a view of it, so that a first layer may
         # modify it in place exactly as without micro-batches.
-        return [Batch(value)]
-    if isinstance(value, Tensor):
-        return [Batch(piece) for piece in value.chunk(chunks)]
-    split = [tensor.chunk(chunks) for tensor in value]
+        return [Batch(values[0] if atomic else tuple(values))]
+    if atomic:
+        return [Batch(piece) for piece in cast(Tensor, values[0]).chunk(chunks)]
+    pieces = {k: cast(Tensor, values[k]).chunk(chunks) for k in split}
     # Tensors of one batch size split into the same number of pieces.
-    return [Batch(pieces) for pieces in zip(*split, strict=True)]
+    batches = []
+    for i in range(len(pieces[split[0]])):
+        row = list(values)
+        for k in split:
+            row[k] = pieces[k][i]
+        batches.append(Batch(tuple(row)))
+    return batches
 
 
-def gather(outputs: Sequence[Batch]) -> TensorOrTensors:
-    """Concatenate micro-batches back into a mini-batch along dimension 0.
+def gather(outputs: Sequence[Batch]) -> object:
+    """Put micro-batches back together into a mini-batch.
+
+    Tensors are concatenated along dimension 0; values that are not tensors become a list
+    with one entry per micro-batch (also for a single micro-batch). A single micro-batch of
+    tensors is returned as it is.
+
+    Raises:
+        ValueError: no micro-batches.
+        TypeError: the micro-batches do not have the same kind of values: a tensor in one
+            and a tuple or another value in another, tuples of different lengths.
 
     Example:
         >>> gather(scatter(torch.arange(5), chunks=2))
         tensor([0, 1, 2, 3, 4])
+        >>> gather([Batch((torch.zeros(1), 1)), Batch((torch.ones(1), 2))])
+        (tensor([0., 1.]), [1, 2])
     """
     if not outputs:
         raise ValueError("gather needs at least one micro-batch (outputs: [])")
-    if len(outputs) == 1:
-        return outputs[0].value
     first = outputs[0]
-    if first.atomic:
-        if any(not batch.atomic for batch in outputs):
-            raise TypeError("micro-batch outputs mix tensors and tuples of tensors")
-        return torch.cat([batch.tensor for batch in outputs])
-    if any(batch.atomic or len(batch) != len(first) for batch in outputs):
-        raise TypeError("micro-batch outputs are tuples of different lengths")
-    return tuple(
-        torch.cat(column) for column in zip(*(batch.tensors for batch in outputs), strict=True)
-    )
+    for i, batch in enumerate(outputs):
+        if batch.atomic != first.atomic:
+            kinds = [_type_name(b.value) if b.atomic else "tuple" for b in (first, batch)]
+            raise TypeError(
+                "micro-batch outputs mix single values and tuples "
+                f"(micro-batch 0: {kinds[0]}, micro-batch {i}: {kinds[1]})"
+            )
+        if len(batch.present) != len(first.present):
+            raise TypeError(
+                "micro-batch outputs are tuples of different lengths "
+                f"(micro-batch 0: {len(first.present)}, micro-batch {i}: {len(batch.present)})"
+            )
+        if batch.present != first.present:
+            k = next(
+                k
+                for k, (a, b) in enumerate(zip(first.present, batch.present, strict=True))
+                if a != b
+            )
+            raise TypeError(
+                "micro-batch outputs hold a tensor in some micro-batches and another value "
+                f"in others (output[{k}] of micro-batch 0 is a tensor: {first.present[k]}, "
+                f"of micro-batch {i}: {batch.present[k]})"
+            )
+    if len(outputs) == 1 and all(first.present):
+        return first.value
+    columns = zip(*(batch.values for batch in outputs), strict=True)
+    gathered = [
+        (torch.cat(cast(list[Tensor], list(column))) if len(column) > 1 else column[0])
+        if here
+        else list(column)
+        for here, column in zip(first.present, columns, strict=True)
+    ]
+    return gathered[0] if first.atomic else tuple(gathered)

@@ -1,0 +1,66 @@
+"""Calling conventions of a sequential model: one value from layer to layer, or positional
+arguments unpacked from tuples (:class:`PipeSequential`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["PipeSequential", "call_partition"]
+
+
+class PipeSequential(nn.Sequential):
+    """A :class:`~torch.nn.Sequential` that unpacks tuples into positional arguments.
+
+    ``nn.Sequential`` passes one value from layer to layer: a layer that returns a tuple
+    hands the next layer one tuple. ``PipeSequential`` calls its first layer with its own
+    positional arguments, and every later layer with the previous layer's output unpacked
+    when it is a tuple: ``layer(*output)``. Other outputs (a tensor, a list) are passed as
+    one argument. This is the convention of the sequential of PyTorch's pipeline port, for
+    models written for it.
+
+    Wrapped in :class:`~gpipe_core.GPipe`, its partitions keep the convention across
+    partition boundaries: a partition's tuple output is unpacked into the next partition's
+    first layer, and ``GPipe.unwrap()`` returns a ``PipeSequential``. Without layers it
+    returns its argument (or the tuple of its arguments, if several).
+
+    Example:
+        >>> import torch
+        >>> class Scale(nn.Module):
+        ...     def forward(self, x, factor):
+        ...         return x * factor, factor
+        >>> class Drop(nn.Module):
+        ...     def forward(self, x, factor):
+        ...         return x
+        >>> model = PipeSequential(Scale(), Scale(), Drop())
+        >>> model(torch.ones(2), 3.0)
+        tensor([9., 9.])
+    """
+
+    def forward(self, *inputs: Any) -> Any:
+        if len(self) == 0:
+            return inputs[0] if len(inputs) == 1 else inputs  # the identity
+        value: Any = inputs
+        for layer in self:
+            value = layer(*value) if isinstance(value, tuple) else layer(value)
+        return value
+
+
+def call_partition(partition: nn.Sequential, value: object, unpack: bool) -> object:
+    """Call ``partition`` on ``value``.
+
+    With ``unpack`` and a tuple ``value``, the tuple's elements are the positional
+    arguments of the partition's first layer (the arguments of ``GPipe.forward(*inputs)``,
+    or a :class:`PipeSequential` partition's input); the layers of an ``nn.Sequential``
+    then pass one value on, as ``nn.Sequential`` does. Otherwise ``partition(value)``.
+    """
+    if not (unpack and isinstance(value, tuple)):
+        return partition(value)
+    if isinstance(partition, PipeSequential):
+        return partition(*value)
+    layers = iter(partition)
+    output = next(layers)(*value)
+    for layer in layers:
+        output = layer(output)
+    return output
