@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpipe_checkpoint import is_recomputing
-from gpipe_core import GPipe
+from gpipe_core import GPipe, NoChunk
 from gpipe_skip import pop, skippable, stash
 
 WIDTH = 4
@@ -120,6 +120,31 @@ class Join(nn.Module):
     def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, mask = pair
         return x * mask.to(x.dtype) + x
+
+
+class Masked(nn.Module):
+    """Several positional inputs; a tuple with values that are not tensors out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, float, None, str]:
+        return self.linear(x) * mask * scale, scale, None, "tag"
+
+
+class Unmask(nn.Module):
+    def forward(self, value: tuple[torch.Tensor, float, None, str]) -> torch.Tensor:
+        x, scale, nothing, tag = value
+        assert nothing is None and tag == "tag"
+        return x / scale
+
+
+def inputs_model(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(Masked(), Unmask(), nn.Linear(WIDTH, WIDTH)).double()
 
 
 def build(layers: tuple[str, ...], seed: int) -> nn.Sequential:
@@ -224,6 +249,22 @@ def case_forward(
     x, _ = data(seed, batch)
     output = pipe(x if pipe.stage_ranks[0] == rank else None)
     return output
+
+
+def case_inputs(rank: int, *, seed: int, chunks: int) -> dict[str, Any]:
+    """Several positional inputs, a NoChunk mask and a float for the first layer; a tuple
+    with a float, None and a string between the ranks."""
+    pipe = GPipe(inputs_model(seed), [1, 2], chunks=chunks, group=dist.group.WORLD, timeout=60)
+    x, y = data(seed, 6)
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    first = pipe.stage_ranks[0] == rank
+    losses = pipe.step(
+        (x, NoChunk(mask), 0.5) if first else None, y, nn.MSELoss(), unpack_input=True
+    )
+    grads = {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()}
+    pipe.eval()
+    output = pipe(x, NoChunk(mask), 0.5) if first else pipe()
+    return {"reduced": losses.reduced().item(), "grads": grads, "output": output}
 
 
 def case_forward_in_training(rank: int) -> str:

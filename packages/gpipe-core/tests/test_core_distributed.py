@@ -370,3 +370,24 @@ def test_partitions_on_cuda(new_cluster: Callable[[int], Any], cases: ModuleType
         torch.testing.assert_close(result["reduced"], loss.item())
         for name, grad in result["grads"].items():
             torch.testing.assert_close(grad, model.get_parameter(plain_name(name)).grad)
+
+
+def test_inputs_of_any_kind_across_ranks(cluster2: Any, cases: ModuleType) -> None:
+    results = cluster2.results("inputs", seed=12, chunks=3)
+    model = cases.inputs_model(12)
+    x, y = cases.data(12, 6)
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        return model[2](model[1](model[0](x, mask, 0.5)))
+
+    loss = nn.MSELoss()(plain(x), y)
+    loss.backward()
+    grads: dict[str, torch.Tensor] = {}
+    for result in results:
+        torch.testing.assert_close(result["reduced"], loss.item())
+        grads.update({plain_name(k): v for k, v in result["grads"].items()})
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    assert results[0]["output"] is None
+    torch.testing.assert_close(results[1]["output"], plain(x))
