@@ -26,6 +26,7 @@ the others fail at once with an error naming it, and refuse later runs.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import pickle
 import threading
@@ -251,8 +252,7 @@ class DistributedTransport(Transport):
             self.tell(None, error)
         ok = error is None
         for peer in self.peers:
-            if peer not in self.dead:
-                self._post(peer, ("finished", ok, payload), [])
+            self._post_if_alive(peer, ("finished", ok, payload))
         deadline = time.monotonic() + self.timeout
         self._drain_sends(deadline)
         with self.cond:
@@ -347,8 +347,7 @@ class DistributedTransport(Transport):
         summary = f"{type(error).__name__}: {error}"
         text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         for peer in self.peers:
-            if peer not in self.dead:
-                self._post(peer, ("failed", where, summary, text), [])
+            self._post_if_alive(peer, ("failed", where, summary, text))
 
     def fail(self, stage: int, action: Action | None, error: BaseException) -> None:
         self.tell((stage, action) if action is not None else None, error)
@@ -447,11 +446,27 @@ class DistributedTransport(Transport):
         works: list[dist.Work] = []
         with self.send_locks[peer]:
             for part in parts:
-                work = dist.isend(part, group=self.group, group_dst=peer, tag=self.tag)
+                try:
+                    work = dist.isend(part, group=self.group, group_dst=peer, tag=self.tag)
+                except RuntimeError as error:  # the connection is closed
+                    with self.cond:
+                        self.dead.setdefault(peer, f"{type(error).__name__}: {error}")
+                    raise RuntimeError(
+                        f"rank {self.rank} cannot send to rank {peer}, which died or left the "
+                        f"group ({error})"
+                    ) from error
                 assert work is not None  # this process is in the group
                 works.append(work)
         with self.sends_lock:
             self.sends.extend((peer, work, part) for work, part in zip(works, parts, strict=True))
+
+    def _post_if_alive(self, peer: int, meta: _Meta) -> None:
+        """Send a message without tensors to ``peer`` unless it is gone (a dead peer is
+        recorded, and its receiver thread here reports it)."""
+        if peer in self.dead:
+            return
+        with contextlib.suppress(RuntimeError):
+            self._post(peer, meta, [])
 
     def _drain_sends(self, deadline: float) -> None:
         """Wait until this run's sends have been received, their peer is gone, or
