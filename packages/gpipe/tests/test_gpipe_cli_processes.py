@@ -6,6 +6,7 @@ the run, no process may still carry it (every rank reaped, also on failure and C
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -294,6 +295,26 @@ def test_launcher_reports_the_failing_rank_not_the_told_ones(
     _assert_no_leftover(mark)
 
 
+def test_launcher_reports_a_rank_that_died_silently(capsys: pytest.CaptureFixture[str]) -> None:
+    mark = uuid.uuid4().hex
+    script = textwrap.dedent(
+        """
+        import json, os, time
+        if os.environ["RANK"] == "1":
+            os._exit(7)  # no report: killed, crashed, or gone before it could say
+        time.sleep(0.3)  # then rank 0 fails because of it, with an error of its own
+        report = {"rank": 0, "type": "RuntimeError", "message": "rank 1 is gone",
+                  "remote": False, "traceback": "RuntimeError: rank 1 is gone"}
+        open(os.environ["GPIPE_RANK_ERROR_FILE"], "w").write(json.dumps(report))
+        raise SystemExit(1)
+        """
+    )
+    assert launch([sys.executable, "-c", script], 2, env=_env(mark)) == 1
+    err = capsys.readouterr().err
+    assert err == "error: rank 1 of 2 exited with status 7 without reporting an error\n"
+    _assert_no_leftover(mark)
+
+
 def test_launcher_all_ranks_succeed() -> None:
     mark = uuid.uuid4().hex
     code = launch(
@@ -412,3 +433,30 @@ def test_report_json_is_what_the_launcher_reads(tmp_path: Path) -> None:
     read = _read_error(tmp_path / "e.json")
     assert read is not None and "KeyError: 'k'" in read.traceback
     assert _read_error(tmp_path / "missing.json") is None
+
+
+def test_report_format() -> None:
+    from gpipe._demo_processes import ProcessesReport
+
+    report = ProcessesReport(
+        processes=2,
+        balance=[4, 4],
+        stage_ranks=[0, 1],
+        losses=[2.5, 2.0, 1.25],
+        single_losses=[2.5, 2.0, 1.25],
+        samples_per_s=3000.0,
+        single_samples_per_s=2000.0,
+    )
+    text = report.format()
+    assert text.splitlines()[:6] == [
+        "processes:                2 (gloo), partition 0 -> rank 0, 1 -> rank 1",
+        "loss:                     2.5000 -> 1.2500",
+        "loss (1 process):         2.5000 -> 1.2500",
+        "throughput (2 processes): 3,000 samples/s",
+        "throughput (1 process):   2,000 samples/s",
+        "2 processes / 1 process:  1.50x",
+    ]
+    assert "share this host's CPU" in text
+    # Ranks on several hosts (torchrun's LOCAL_WORLD_SIZE below the world's): no such note.
+    several = dataclasses.replace(report, one_host=False)
+    assert "note:" not in several.format()

@@ -43,6 +43,8 @@ class ProcessesReport:
     single_losses: list[float]
     samples_per_s: float
     single_samples_per_s: float
+    #: Whether every process runs on this host (``LOCAL_WORLD_SIZE`` is the world's size).
+    one_host: bool = True
 
     def format(self) -> str:
         """The report as the command line prints it."""
@@ -61,16 +63,18 @@ class ProcessesReport:
         ]
         width = max(len(label) for label, _ in rows) + 2
         lines = [f"{label + ':':<{width}}{value}" for label, value in rows]
-        cores = os.cpu_count() or 1
-        if n > cores:
+        if self.one_host:
+            cores = os.cpu_count() or 1
+            if n > cores:
+                lines.append(
+                    f"note: {n} processes share {cores} CPU cores here, so they cannot all "
+                    "work at once"
+                )
             lines.append(
-                f"note: {n} processes share {cores} CPU cores here, so they cannot all work at once"
+                "note: the processes share this host's CPU, where one process's worker "
+                "threads already overlap the partitions; processes pay off when each has a "
+                "device or a host of its own"
             )
-        lines.append(
-            "note: the processes share this host's CPU, where one process's worker threads "
-            "already overlap the partitions; processes pay off when each has a device or a "
-            "host of its own"
-        )
         return "\n".join(lines)
 
 
@@ -186,6 +190,7 @@ def run_rank(
         single_losses=single_losses,
         samples_per_s=samples / elapsed,
         single_samples_per_s=samples / single_elapsed,
+        one_host=os.environ.get("LOCAL_WORLD_SIZE", str(world)) == str(world),
     )
 
 

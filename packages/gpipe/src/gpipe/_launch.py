@@ -139,9 +139,10 @@ def launch(
     """Run ``command`` as ``processes`` local ranks; the exit status for the launcher.
 
     Each rank inherits standard output and standard error. 0 when every rank exits with
-    0; otherwise the error of the rank that failed first (its own error rather than the
-    others' report of it, which name it) is printed on ``stderr``, and the status is 1
-    (130 after ``KeyboardInterrupt``).
+    0; otherwise the failure of the rank that caused it is printed on ``stderr``, and the
+    status is 1 (130 after ``KeyboardInterrupt``): a rank that died without reporting an
+    error (killed, crashed) if any, else the first rank's own error with its traceback
+    rather than the others' reports of it (``RemoteStageError``, which names it).
 
     Args:
         command: the program and its arguments, the same for every rank.
@@ -242,15 +243,17 @@ def _failure(
     """The message for a failed run: the error of the rank that caused it."""
     world = len(children)
     errors = {rank: error for rank in failed if (error := _read_error(files[rank])) is not None}
-    # A rank's own error first, then a rank that died without a word, then another rank's
-    # report of the failure (which names the failing rank).
-    own = [rank for rank in failed if rank in errors and not errors[rank].remote]
-    silent = [rank for rank in failed if rank not in errors]
-    told = [rank for rank in failed if rank in errors]
     note = f" (then ranks {stopped} were stopped)" if stopped else ""
-    if own or not silent:
-        rank = (own or told)[0]
-        return f"error: rank {rank} of {world} failed{note}:\n{errors[rank].traceback.rstrip()}"
-    rank = silent[0]
-    code = children[rank].returncode
-    return f"error: rank {rank} of {world} {_describe_exit(code)} without reporting an error{note}"
+    # A rank that died without a word (killed, crashed, or failed before it could report)
+    # first: the others' errors are about it. Then a rank's own error, and last another
+    # rank's report of a failure (which names the failing rank).
+    silent = [rank for rank in failed if rank not in errors]
+    if silent:
+        rank = silent[0]
+        code = children[rank].returncode
+        return (
+            f"error: rank {rank} of {world} {_describe_exit(code)} without reporting an error{note}"
+        )
+    own = [rank for rank in failed if not errors[rank].remote]
+    rank = (own or failed)[0]
+    return f"error: rank {rank} of {world} failed{note}:\n{errors[rank].traceback.rstrip()}"
