@@ -181,7 +181,9 @@ def test_two_partitions_per_process_and_gpipe_schedule() -> None:
 
 
 def test_torchrun_starts_the_ranks() -> None:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    # --standalone: a free port (torchrun's default, 29500, may be taken by another run).
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    torchrun += ["--nproc-per-node", "2"]
     code, out, err = _run([*torchrun, "-m", "gpipe", "demo", "--processes", "2", *TINY])
     assert code == 0, err
     assert out.startswith("gpipe across 2 processes (gloo, "), out
@@ -460,3 +462,9 @@ def test_report_format() -> None:
     # Ranks on several hosts (torchrun's LOCAL_WORLD_SIZE below the world's): no such note.
     several = dataclasses.replace(report, one_host=False)
     assert "note:" not in several.format()
+
+
+def test_layers_known_to_the_command_line() -> None:
+    from gpipe import _cli, _demo
+
+    assert _cli.LAYERS == _demo.LAYERS == len(_demo.build_model(4))

@@ -31,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
             "throughput with the same network without pipelining. With --processes N, the "
             "partitions run in N local processes (gloo on 127.0.0.1, one intra-op thread "
             "each), and the throughput is compared with the same pipeline in one process; "
-            "under torchrun (torchrun --nproc-per-node 2 -m gpipe demo --processes 2) the "
-            "demo runs in torchrun's processes instead of starting its own."
+            "under torchrun (torchrun --standalone --nproc-per-node 2 -m gpipe demo "
+            "--processes 2) the demo runs in torchrun's processes instead of starting its own."
         ),
     )
     demo.add_argument("--steps", type=int, default=300, help="training steps (default: 300)")
