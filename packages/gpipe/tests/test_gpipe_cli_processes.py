@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -468,3 +469,36 @@ def test_layers_known_to_the_command_line() -> None:
     from gpipe import _cli, _demo
 
     assert _cli.LAYERS == _demo.LAYERS == len(_demo.build_model(4))
+
+
+def test_launcher_tries_another_port_when_the_first_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpipe import _launch
+
+    script = textwrap.dedent(
+        """
+        import json, os, socket
+        if os.environ["RANK"] == "0":
+            try:
+                socket.create_server(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+            except OSError as error:
+                report = {"rank": 0, "type": "DistNetworkError", "remote": False,
+                          "message": f"EADDRINUSE: {error}", "traceback": ""}
+                open(os.environ["GPIPE_RANK_ERROR_FILE"], "w").write(json.dumps(report))
+                raise SystemExit(1)
+        """
+    )
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        chosen: list[int] = []
+        real = _launch.free_port
+
+        def free_port() -> int:  # the first port chosen is taken when the rank listens
+            chosen.append(real() if chosen else taken.getsockname()[1])
+            return chosen[-1]
+
+        monkeypatch.setattr(_launch, "free_port", free_port)
+        mark = uuid.uuid4().hex
+        assert launch([sys.executable, "-c", script], 2, env=_env(mark)) == 0
+    assert len(chosen) == 2  # the taken port, then another
+    _assert_no_leftover(mark)

@@ -49,6 +49,9 @@ WATCH_LAUNCHER = "GPIPE_WATCH_LAUNCHER"
 _POLL = 0.05
 #: How long a terminated rank has to exit before it is killed, in seconds.
 _TERMINATE_WAIT = 5.0
+#: How many times the ranks start, each with another free port, while the first rank finds
+#: its port taken (by another program, between the launcher's choice and the rank's listen).
+_PORT_ATTEMPTS = 3
 
 
 def free_port() -> int:
@@ -138,7 +141,9 @@ def launch(
 ) -> int:
     """Run ``command`` as ``processes`` local ranks; the exit status for the launcher.
 
-    Each rank inherits standard output and standard error. 0 when every rank exits with
+    Each rank inherits standard output and standard error. When the first rank cannot
+    listen on the chosen port (another program took it meanwhile), the ranks start again
+    with another one (3 tries). 0 when every rank exits with
     0; otherwise the failure of the rank that caused it is printed on ``stderr``, and the
     status is 1 (130 after ``KeyboardInterrupt``): a rank that died without reporting an
     error (killed, crashed) if any, else the first rank's own error with its traceback
@@ -157,39 +162,48 @@ def launch(
     """
     out = sys.stderr if stderr is None else stderr
     base = dict(os.environ if env is None else env)
-    children: list[subprocess.Popen[bytes]] = []
-    failed: list[int] = []
-    stopped: list[int] = []
-    with tempfile.TemporaryDirectory(prefix="gpipe-ranks-") as tmp:
-        files = [Path(tmp) / f"rank-{rank}.json" for rank in range(processes)]
-        port = free_port()
-        try:
-            for rank in range(processes):
-                rank_env = dict(
-                    base,
-                    RANK=str(rank),
-                    LOCAL_RANK=str(rank),
-                    WORLD_SIZE=str(processes),
-                    LOCAL_WORLD_SIZE=str(processes),
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(port),
-                    OMP_NUM_THREADS="1",
-                    **{ERROR_FILE: str(files[rank]), WATCH_LAUNCHER: "1"},
-                )
-                children.append(
-                    subprocess.Popen(list(command), env=rank_env, stdin=subprocess.PIPE)
-                )
-            failed = _wait(children, grace)
-        except KeyboardInterrupt:
-            _stop(children)
-            print(f"interrupted: stopped the {len(children)} ranks", file=out, flush=True)
-            return 130
-        finally:
-            stopped = _stop(children)  # all of them reaped, on any way out
-        if not failed:
-            return 0
-        print(_failure(children, failed, stopped, files), file=out, flush=True)
-        return 1
+    for attempt in range(1, _PORT_ATTEMPTS + 1):
+        with tempfile.TemporaryDirectory(prefix="gpipe-ranks-") as tmp:
+            files = [Path(tmp) / f"rank-{rank}.json" for rank in range(processes)]
+            children: list[subprocess.Popen[bytes]] = []
+            try:
+                port = free_port()
+                for rank in range(processes):
+                    rank_env = dict(
+                        base,
+                        RANK=str(rank),
+                        LOCAL_RANK=str(rank),
+                        WORLD_SIZE=str(processes),
+                        LOCAL_WORLD_SIZE=str(processes),
+                        MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port),
+                        OMP_NUM_THREADS="1",
+                        **{ERROR_FILE: str(files[rank]), WATCH_LAUNCHER: "1"},
+                    )
+                    children.append(
+                        subprocess.Popen(list(command), env=rank_env, stdin=subprocess.PIPE)
+                    )
+                failed = _wait(children, grace)
+            except KeyboardInterrupt:
+                _stop(children)
+                print(f"interrupted: stopped the {len(children)} ranks", file=out, flush=True)
+                return 130
+            finally:
+                stopped = _stop(children)  # all of them reaped, on any way out
+            if not failed:
+                return 0
+            # The free port was taken before the first rank listened on it: another one.
+            if attempt < _PORT_ATTEMPTS and _port_taken(files[0]):
+                continue
+            print(_failure(children, failed, stopped, files), file=out, flush=True)
+            return 1
+    raise AssertionError("unreachable")
+
+
+def _port_taken(error_file: Path) -> bool:
+    """Whether the first rank reported that its port was in use (and nothing else ran)."""
+    error = _read_error(error_file)
+    return error is not None and "EADDRINUSE" in error.message
 
 
 def _wait(children: list[subprocess.Popen[bytes]], grace: float) -> list[int]:
