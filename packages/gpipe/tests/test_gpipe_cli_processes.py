@@ -252,15 +252,35 @@ def test_killed_rank_fails_the_demo() -> None:
         demo.close()
 
 
-def test_interrupt_stops_every_rank() -> None:
+@pytest.mark.parametrize(
+    ("signum", "code", "said"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+)
+def test_interrupt_stops_every_rank(signum: int, code: int, said: str) -> None:
     demo = Demo(_demo("--steps", "100000", "--log-every", "1"))
     try:
         demo.wait_for_line(r"^step +2/")
         assert sorted(demo.ranks()) == [0, 1]
-        demo.process.send_signal(signal.SIGINT)  # the launcher only, as kill -INT would
-        code, _, err = demo.finish()
-        assert code == 130
-        assert "interrupted: stopped the 2 ranks" in err
+        demo.process.send_signal(signum)  # the launcher only, as kill would
+        returncode, _, err = demo.finish()
+        assert returncode == code
+        assert f"{said}: stopped the 2 ranks" in err
+    finally:
+        demo.close()
+
+
+def test_ranks_end_when_the_launcher_is_killed() -> None:
+    demo = Demo(_demo("--steps", "100000", "--log-every", "1"))
+    try:
+        demo.wait_for_line(r"^step +2/")
+        ranks = demo.ranks()
+        assert sorted(ranks) == [0, 1]
+        demo.process.kill()  # no chance to stop them: they see their standard input close
+        demo.process.wait()
+        deadline = time.monotonic() + 30
+        while any(pid in _marked(demo.mark) for pid in ranks.values()):
+            assert time.monotonic() < deadline, "the ranks outlived their launcher"
+            time.sleep(0.1)
     finally:
         demo.close()
 

@@ -9,8 +9,8 @@ the launcher is gone (see :func:`watch_launcher`).
 
 Every process it starts is reaped before it returns, whatever happens: when a rank fails,
 the others have ``grace`` seconds to end (they are told of the failure by the pipeline),
-then they are terminated, then killed; on ``KeyboardInterrupt`` (Ctrl-C) all of them are
-stopped at once.
+then they are terminated, then killed; on ``KeyboardInterrupt`` (Ctrl-C) or ``SIGTERM`` all of
+them are stopped at once.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -145,7 +145,8 @@ def launch(
     listen on the chosen port (another program took it meanwhile), the ranks start again
     with another one (3 tries). 0 when every rank exits with
     0; otherwise the failure of the rank that caused it is printed on ``stderr``, and the
-    status is 1 (130 after ``KeyboardInterrupt``): a rank that died without reporting an
+    status is 1 (130 after ``KeyboardInterrupt``, 143 after ``SIGTERM``): a rank that died
+    without reporting an
     error (killed, crashed) if any, else the first rank's own error with its traceback
     rather than the others' reports of it (``RemoteStageError``, which names it).
 
@@ -162,6 +163,36 @@ def launch(
     """
     out = sys.stderr if stderr is None else stderr
     base = dict(os.environ if env is None else env)
+    with _terminate_raises():
+        return _launch(command, processes, grace, base, out)
+
+
+class _Terminated(Exception):
+    """``SIGTERM`` reached the launcher."""
+
+
+@contextlib.contextmanager
+def _terminate_raises() -> Iterator[None]:
+    """Turn ``SIGTERM`` into :class:`_Terminated` (in the main thread), so that the ranks
+    are stopped and reaped rather than left behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: object) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        if previous is not None:  # None: a handler not set from Python, which stays
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _launch(
+    command: Sequence[str], processes: int, grace: float, base: dict[str, str], out: TextIO
+) -> int:
     for attempt in range(1, _PORT_ATTEMPTS + 1):
         with tempfile.TemporaryDirectory(prefix="gpipe-ranks-") as tmp:
             files = [Path(tmp) / f"rank-{rank}.json" for rank in range(processes)]
@@ -184,10 +215,13 @@ def launch(
                         subprocess.Popen(list(command), env=rank_env, stdin=subprocess.PIPE)
                     )
                 failed = _wait(children, grace)
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, _Terminated) as stop:
                 _stop(children)
-                print(f"interrupted: stopped the {len(children)} ranks", file=out, flush=True)
-                return 130
+                how, status = ("interrupted", 130)
+                if isinstance(stop, _Terminated):
+                    how, status = ("terminated", 143)
+                print(f"{how}: stopped the {len(children)} ranks", file=out, flush=True)
+                return status
             finally:
                 stopped = _stop(children)  # all of them reaped, on any way out
             if not failed:
@@ -237,7 +271,7 @@ def _stop(children: list[subprocess.Popen[bytes]]) -> list[int]:
     for child in children:
         try:
             child.wait(max(0.0, deadline - time.monotonic()))
-        except (subprocess.TimeoutExpired, KeyboardInterrupt):  # too slow, or Ctrl-C again
+        except (subprocess.TimeoutExpired, KeyboardInterrupt, _Terminated):  # slow, or again
             deadline = 0.0
             with contextlib.suppress(OSError):
                 child.kill()
