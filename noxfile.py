@@ -516,9 +516,13 @@ def _readme_install_commands(readme: Path, expected: int | None = 2) -> list[str
 
 @nox.session(python=DEV_PYTHON)
 def demo(session: nox.Session) -> None:
-    """Run the command-line demo: python -m gpipe demo [args]."""
+    """Run the command-line demo: python -m gpipe demo [args] (-- --processes 2: across
+    two processes)."""
     install_torch(session, DEV_TORCH)
     install_all_packages(session)
+    # Without NumPy torch warns at import, in every process the demo starts: the demo's
+    # output stays free of third-party warnings.
+    session.install("numpy")
     if "--plot" in session.posargs:
         session.install(PLOT)
     session.run("python", "-m", "gpipe", "demo", *session.posargs)

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Sequence
 from importlib import import_module
 
 __all__ = ["build_parser", "main"]
+
+#: The layers of the demo's network (``gpipe._demo.LAYERS``, without importing torch).
+LAYERS = 8
+#: The options that only the demo across processes takes.
+_PROCESSES_ONLY = ("schedule", "log_every", "timeout")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,11 +24,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
         "demo",
-        help="train a small network pipelined over two partitions",
+        help="train a small network pipelined over two partitions, or across processes",
         description=(
             "Train a small sequential network on synthetic data, pipelined over two "
             "partitions (GPUs when there are two, the CPU otherwise), then compare its "
-            "throughput with the same network without pipelining."
+            "throughput with the same network without pipelining. With --processes N, the "
+            "partitions run in N local processes (gloo on 127.0.0.1, one intra-op thread "
+            "each), and the throughput is compared with the same pipeline in one process; "
+            "under torchrun (torchrun --standalone --nproc-per-node 2 -m gpipe demo "
+            "--processes 2) the demo runs in torchrun's processes instead of starting its own."
         ),
     )
     demo.add_argument("--steps", type=int, default=300, help="training steps (default: 300)")
@@ -35,6 +46,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpointing mode (default: except_last)",
     )
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    demo.add_argument(
+        "--partitions",
+        type=int,
+        help=f"partitions (default: 2, or --processes); a multiple of --processes, at most "
+        f"{LAYERS}, the network's layers",
+    )
+    demo.add_argument(
+        "--processes",
+        type=int,
+        help="run the partitions in this many local processes and compare with one process "
+        "(default: 1, or WORLD_SIZE under torchrun)",
+    )
+    demo.add_argument(
+        "--schedule",
+        choices=["1f1b", "gpipe"],
+        help="with --processes: the schedule of each training step (default: 1f1b)",
+    )
+    demo.add_argument(
+        "--log-every",
+        type=int,
+        metavar="K",
+        help="with --processes: print the loss of every K-th step, and of the first and the "
+        "last (default: 10)",
+    )
+    demo.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="with --processes: how long any wait for another process may last (default: 300)",
+    )
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     demo.add_argument(
         "--trace",
@@ -58,10 +99,106 @@ def _has_matplotlib() -> bool:
     return True
 
 
+def _rank_command(argv: Sequence[str]) -> list[str]:
+    """The command each rank of ``--processes`` runs: this same command line (each rank
+    sees its ``RANK`` and ``WORLD_SIZE``, so it joins the group rather than launching)."""
+    return [sys.executable, "-m", "gpipe", *argv]
+
+
+def _launched_world() -> tuple[int, int] | None:
+    """``(RANK, WORLD_SIZE)`` when this process is a rank that torchrun (or the demo's
+    launcher) started, else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        build_parser().error(
+            f"RANK and WORLD_SIZE must be integers (RANK: {os.environ['RANK']!r}, "
+            f"WORLD_SIZE: {os.environ['WORLD_SIZE']!r})"
+        )
+    if not 0 <= rank < world:
+        build_parser().error(
+            f"RANK must be between 0 and WORLD_SIZE - 1 (RANK: {rank}, WORLD_SIZE: {world})"
+        )
+    return rank, world
+
+
+def _check_demo(args: argparse.Namespace, launched: tuple[int, int] | None) -> None:
+    """Fill in the defaults of ``--processes`` and ``--partitions``; refuse a demo command
+    line that cannot run, with an argparse error (status 2)."""
+    error = build_parser().error
+    for name in ("steps", "batch_size", "chunks", "width", "processes", "partitions"):
+        value = getattr(args, name)
+        option = "--" + name.replace("_", "-")
+        if value is not None and value <= 0:
+            error(f"{option} must be a positive integer ({option}: {value})")
+    if args.processes is None:
+        args.processes = 1 if launched is None else launched[1]
+    if args.partitions is None:
+        args.partitions = 2 if args.processes == 1 else args.processes
+    processes, partitions = args.processes, args.partitions
+    if launched is not None and processes != launched[1]:
+        error(
+            "--processes must be WORLD_SIZE, the number of processes torchrun started "
+            f"(--processes: {processes}, WORLD_SIZE: {launched[1]})"
+        )
+    if processes > LAYERS:
+        error(
+            f"--processes must be at most {LAYERS}, the demo network's layers, for one "
+            f"partition or more per process (--processes: {processes})"
+        )
+    if partitions > LAYERS:
+        error(
+            f"--partitions must be at most {LAYERS}, the demo network's layers "
+            f"(--partitions: {partitions})"
+        )
+    if partitions % processes:
+        error(
+            "--partitions must be a multiple of --processes, one partition or more per "
+            f"process (--partitions: {partitions}, --processes: {processes})"
+        )
+    if processes == 1:
+        for name in _PROCESSES_ONLY:
+            value = getattr(args, name)
+            option = "--" + name.replace("_", "-")
+            if value is not None:
+                error(
+                    f"{option} goes with --processes 2 or more: the demo in one process "
+                    f"trains with forward() and backward() ({option}: {value})"
+                )
+    else:
+        for name in ("trace", "plot"):
+            value = getattr(args, name)
+            if value is not None:
+                error(
+                    f"--{name} records a step in one process; it does not go with "
+                    f"--processes {processes} (--{name}: {value})"
+                )
+        if args.log_every is not None and args.log_every <= 0:
+            error(f"--log-every must be a positive integer (--log-every: {args.log_every})")
+        if args.timeout is not None and not args.timeout > 0:
+            error(f"--timeout must be a positive number of seconds (--timeout: {args.timeout})")
+    if args.plot is not None and not _has_matplotlib():
+        error(
+            f"--plot needs matplotlib: pip install matplotlib (or, from a checkout with the "
+            'wheels built into dist/: pip install dist/*.whl "gpipe[plot]"; '
+            f"--plot: {args.plot})"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.command == "demo":
+        launched = _launched_world()
+        _check_demo(args, launched)
+        if args.processes > 1 and launched is None:
+            from ._launch import launch
+
+            return launch(_rank_command(argv), args.processes)
+
         from ._demo import DemoConfig, run_demo
 
         config = DemoConfig(
@@ -74,21 +211,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=not args.no_progress,
             trace=args.trace,
             plot=args.plot,
+            partitions=args.partitions,
+            processes=args.processes,
+            schedule=args.schedule or "1f1b",
+            log_every=args.log_every or 10,
+            timeout=args.timeout or 300.0,
         )
-        for name, value in (
-            ("steps", config.steps),
-            ("batch-size", config.batch_size),
-            ("chunks", config.chunks),
-            ("width", config.width),
-        ):
-            if value <= 0:
-                build_parser().error(f"--{name} must be a positive integer (--{name}: {value})")
-        if config.plot is not None and not _has_matplotlib():
-            build_parser().error(
-                f"--plot needs matplotlib: pip install matplotlib (or, from a checkout with the "
-                'wheels built into dist/: pip install dist/*.whl "gpipe[plot]"; '
-                f"--plot: {config.plot})"
-            )
+        if args.processes > 1:
+            from ._demo_processes import rank_main
+
+            assert launched is not None
+            return rank_main(config, *launched)
         report = run_demo(config)
         print(report.format())
         return 0

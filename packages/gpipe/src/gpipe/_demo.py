@@ -12,7 +12,18 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 
 from gpipe_core import GPipe, TimelineSummary
 
-__all__ = ["DemoConfig", "DemoReport", "build_model", "run_demo"]
+__all__ = [
+    "LAYERS",
+    "DemoConfig",
+    "DemoReport",
+    "build_model",
+    "demo_balance",
+    "demo_setup",
+    "run_demo",
+]
+
+#: The number of layers of the demo's network (:func:`build_model`).
+LAYERS = 8
 
 
 @dataclass(frozen=True)
@@ -26,6 +37,17 @@ class DemoConfig:
     checkpoint: str = "except_last"
     seed: int = 0
     progress: bool = True
+    #: The number of partitions (at most :data:`LAYERS`).
+    partitions: int = 2
+    #: The number of processes (``--processes``): more than 1 runs the demo across
+    #: processes (:mod:`gpipe._demo_processes`), with the options below.
+    processes: int = 1
+    #: The schedule of :meth:`GPipe.step <gpipe_core.GPipe.step>` across processes.
+    schedule: str = "1f1b"
+    #: Across processes: print the loss of every ``log_every``-th step (and the first, last).
+    log_every: int = 10
+    #: Across processes: the seconds any wait for another process may last.
+    timeout: float = 300.0
     #: Where to write the Chrome/Perfetto trace of one extra, recorded step (or None).
     trace: str | None = None
     #: Where to draw the timeline of that step (or None; needs matplotlib).
@@ -81,12 +103,46 @@ def build_model(width: int, features: int = 32, classes: int = 10) -> nn.Sequent
     )
 
 
-def _devices() -> list[torch.device]:
-    if torch.cuda.device_count() >= 2:
-        return [torch.device("cuda", 0), torch.device("cuda", 1)]
-    if torch.cuda.is_available():
-        return [torch.device("cuda", 0)] * 2
-    return [torch.device("cpu")] * 2
+def demo_balance(partitions: int) -> list[int]:
+    """The demo network's :data:`LAYERS` layers split as evenly as can be, first ones larger.
+
+    Example:
+        >>> demo_balance(2), demo_balance(3)
+        ([4, 4], [3, 3, 2])
+    """
+    if not 1 <= partitions <= LAYERS:
+        raise ValueError(
+            f"partitions must be between 1 and {LAYERS}, the demo network's layers "
+            f"(partitions: {partitions})"
+        )
+    size, extra = divmod(LAYERS, partitions)
+    return [size + (1 if j < extra else 0) for j in range(partitions)]
+
+
+def demo_setup(config: DemoConfig) -> tuple[torch.Tensor, torch.Tensor, nn.Sequential]:
+    """The synthetic data (batches of inputs, their labels) and the network, from the seed.
+
+    The same for a config in every process: the demo across processes builds them on each
+    rank, and its single-process run trains the same network on the same data.
+    """
+    torch.manual_seed(config.seed)
+    features, classes, batches = 32, 10, 16
+    teacher = nn.Linear(features, classes)
+    data = torch.randn(batches, config.batch_size, features)
+    with torch.no_grad():
+        target = teacher(data).argmax(dim=-1)
+    return data, target, build_model(config.width, features, classes)
+
+
+def _devices(partitions: int) -> list[torch.device]:
+    """One GPU per partition when there are enough, the GPUs shared in order when fewer,
+    the CPU without CUDA."""
+    count = torch.cuda.device_count()
+    if count >= partitions:
+        return [torch.device("cuda", j) for j in range(partitions)]
+    if count:
+        return [torch.device("cuda", j * count // partitions) for j in range(partitions)]
+    return [torch.device("cpu")] * partitions
 
 
 def _synchronize(devices: list[torch.device]) -> None:
@@ -154,18 +210,12 @@ def run_demo(config: DemoConfig) -> DemoReport:
         >>> report.final_loss > 0
         True
     """
-    torch.manual_seed(config.seed)
-    features, classes, batches = 32, 10, 16
-    teacher = nn.Linear(features, classes)
-    data = torch.randn(batches, config.batch_size, features)
-    with torch.no_grad():
-        target = teacher(data).argmax(dim=-1)
-    plain = build_model(config.width, features, classes)
+    data, target, plain = demo_setup(config)
     pipelined_model = copy.deepcopy(plain)
-    devices = _devices()
+    devices = _devices(config.partitions)
     pipelined = GPipe(
         pipelined_model,
-        balance=[4, 4],
+        balance=demo_balance(config.partitions),
         devices=devices,
         chunks=config.chunks,
         checkpoint=config.checkpoint,  # type: ignore[arg-type]
