@@ -99,8 +99,8 @@ def _train(
         # Across processes, the input is used on the first stage's rank only, the target
         # on the last one's: the others give None.
         step_losses = pipe.step(
-            data[index] if first else None,  # type: ignore[arg-type]
-            target[index] if last else None,  # type: ignore[arg-type]
+            data[index] if first else None,
+            target[index] if last else None,
             loss_fn,
             schedule=config.schedule,
         )

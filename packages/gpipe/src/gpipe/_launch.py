@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from gpipe_core import RemoteStageError
+
 __all__ = [
     "ERROR_FILE",
     "WATCH_LAUNCHER",
@@ -75,7 +77,7 @@ class RankError:
 
 def report_error(error: BaseException, rank: int, path: str | os.PathLike[str]) -> None:
     """Write ``error`` (raised on ``rank``) to ``path``, for the launcher."""
-    remote = hasattr(error, "remote_traceback") and hasattr(error, "where")
+    remote = isinstance(error, RemoteStageError)
     record = {
         "rank": rank,
         "type": type(error).__name__,
