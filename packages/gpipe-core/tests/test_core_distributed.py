@@ -121,6 +121,18 @@ def test_step_matches_plain(
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
+def test_payloads_and_small_messages_in_one_step(
+    cluster2: Any, cases: ModuleType, schedule: str
+) -> None:
+    """Messages whose tensors do not fit in their header (a payload follows: one tensor
+    alone, or a tuple with an integer tensor packed) and messages that do, in one step and
+    from step to step, with more messages queued than header receives are posted ahead."""
+    spec = {"layers": SKIPS_AND_TUPLES, "seed": 6, "batches": [2048, 7, 1000], "chunks": 16}
+    results = cluster2.results("step", balance=[4, 4], schedule=schedule, **spec)
+    check_steps(cases, results, **spec)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_looped_stages_and_deferred_batch_norm(
     cluster2: Any, cases: ModuleType, schedule: str
 ) -> None:

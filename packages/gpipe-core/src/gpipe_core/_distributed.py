@@ -4,14 +4,22 @@ With ``GPipe(..., group=group)``, stage ``s`` runs on rank ``s % group.size()`` 
 process group, and :class:`DistributedTransport` carries the messages between stages of
 different ranks with point-to-point sends of ``torch.distributed`` (gloo).
 
-**Channels.** Between two ranks, every message of a run goes in one ordered channel: a
-fixed-size header (what the message is, its tensors' dtypes and shapes, and small
-tensors inline), then, if needed, the rest of the metadata and one payload (the tensor
-itself, or the tensors packed into one buffer). A receiver thread per peer reads the
-headers in order and files each message under its key (:class:`MessageKey`); a stage
-waits for its key in that mailbox. So the order in which stages send never has to match
-the order in which others receive, shapes may change from one run to the next, and every
-wait is a wait on a condition that a timeout, a cancellation or a failure ends.
+**Channels.** Between two ranks, every message of a run starts with a fixed-size header
+(what the message is, its tensors' dtypes and shapes, and small tensors inline), in one
+ordered channel (the pipeline's tag); if needed, the rest of the metadata and one payload
+(the tensor itself, or the tensors packed into one buffer) follow in a second channel (the
+next tag). A receiver thread per peer reads the headers in order and files each message
+under its key (:class:`MessageKey`); a stage waits for its key in that mailbox. So the
+order in which stages send never has to match the order in which others receive, shapes
+may change from one run to the next, and every wait is a wait on a condition that a
+timeout, a cancellation or a failure ends.
+
+**Headers ahead.** gloo moves a message only once its receive is posted (the receiver
+tells the sender it is ready): a receive posted when the previous message is done costs a
+round trip between the processes per message, however many are queued. So each receiver
+thread keeps :data:`HEADERS_AHEAD` header receives posted while a run lasts, and a burst
+of small messages (activations of small micro-batches, gradients) streams; only a payload
+waits for its header.
 
 **A run** is bracketed on every rank by :meth:`DistributedTransport.begin` and
 :meth:`DistributedTransport.finish`. The last message of a run from each rank to each
@@ -21,7 +29,9 @@ once (a ``failed`` message), which cancels their waits; every rank then finishes
 and raises: the failing rank its own error, the others a :class:`RemoteStageError` naming
 the failing rank and its action. Between runs no receive is posted, so an idle pipeline
 never runs into the process group's timeout. A rank that dies closes its connections:
-the others fail at once with an error naming it, and refuse later runs.
+the others fail at once with an error naming it, and refuse later runs. Between runs the
+header receives posted ahead stay posted, but nothing waits on them, so an idle pipeline
+never runs into the process group's timeout.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import pickle
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +63,10 @@ __all__ = ["DistributedTransport", "RemoteStageError", "check_group", "pipeline_
 HEADER_BYTES = 4096
 _PREFIX = 8  # the metadata's length (4 bytes, little-endian), then 4 bytes of padding
 _ALIGN = 16
-#: The first point-to-point tag gpipe uses; each pipeline on a group takes the next one.
+#: Header receives each receiver thread keeps posted during a run (see "Headers ahead").
+HEADERS_AHEAD = 8
+#: The first point-to-point tag gpipe uses; each pipeline on a group takes the next two
+#: (headers, then payloads).
 TAG_BASE = 0x47500000
 
 _Meta = tuple[Any, ...]
@@ -63,11 +77,12 @@ _tags: dict[tuple[int, ...], int] = {}
 
 def pipeline_tag(group: dist.ProcessGroup) -> int:
     """The point-to-point tag of the next pipeline made on ``group`` in this process
-    (every rank makes its pipelines in the same order, so they agree)."""
+    (every rank makes its pipelines in the same order, so they agree). The pipeline uses
+    this tag for its headers and the next one for its payloads."""
     ranks = tuple(dist.get_process_group_ranks(group))
     count = _tags.get(ranks, 0)
     _tags[ranks] = count + 1
-    return TAG_BASE + count
+    return TAG_BASE + 2 * count
 
 
 def check_group(group: object) -> dist.ProcessGroup:
@@ -162,7 +177,8 @@ class DistributedTransport(Transport):
         devices: the device of each stage of this rank (others: unused).
         timeout: seconds any wait may last before it fails with an error that says who
             waits for what.
-        tag: the point-to-point tag of this pipeline's messages.
+        tag: the point-to-point tag of this pipeline's headers (``tag + 1``: its
+            payloads).
     """
 
     def __init__(
@@ -198,6 +214,10 @@ class DistributedTransport(Transport):
         self.closed = False
         self.sends: list[tuple[dist.Work, Tensor]] = []
         self.sends_lock = threading.Lock()
+        # Each peer's header receives posted ahead, oldest first (its receiver thread's).
+        self.headers: dict[int, deque[tuple[dist.Work, bytearray, Tensor]]] = {
+            peer: deque() for peer in self.peers
+        }
 
     # -- a run ----------------------------------------------------------------------
 
@@ -454,8 +474,9 @@ class DistributedTransport(Transport):
             parts.append(packed)
         works = []
         with self.send_locks[peer]:
-            for part in parts:
-                works.append(dist.isend(part, group=self.group, group_dst=peer, tag=self.tag))
+            for k, part in enumerate(parts):
+                tag = self.tag if k == 0 else self.tag + 1  # the header, then the payload
+                works.append(dist.isend(part, group=self.group, group_dst=peer, tag=tag))
         with self.sends_lock:
             self.sends.extend(zip(works, parts, strict=True))  # type: ignore[arg-type]
 
@@ -495,9 +516,7 @@ class DistributedTransport(Transport):
 
     def _receive_one(self, peer: int, run: int) -> bool:
         """Receive one message from ``peer``; False once it said the run is finished."""
-        raw = bytearray(HEADER_BYTES)
-        header = torch.frombuffer(raw, dtype=torch.uint8)
-        self._recv(header, peer)
+        raw, header = self._next_header(peer)
         length = int.from_bytes(raw[0:4], "little")
         if _PREFIX + length <= HEADER_BYTES:
             encoded = bytes(raw[_PREFIX : _PREFIX + length])
@@ -541,8 +560,24 @@ class DistributedTransport(Transport):
             self.cond.notify_all()
         return True
 
+    def _next_header(self, peer: int) -> tuple[bytearray, Tensor]:
+        """``peer``'s next header, with :data:`HEADERS_AHEAD` receives posted ahead of it
+        (each into a buffer of its own: the tensors inline in a header are views of it)."""
+        posted = self.headers[peer]
+        while len(posted) < HEADERS_AHEAD:
+            raw = bytearray(HEADER_BYTES)
+            header = torch.frombuffer(raw, dtype=torch.uint8)
+            work = dist.irecv(header, group=self.group, group_src=peer, tag=self.tag)
+            assert work is not None  # None only for a process outside the group
+            posted.append((work, raw, header))
+        work, raw, header = posted[0]
+        work.wait()
+        posted.popleft()
+        return raw, header
+
     def _recv(self, tensor: Tensor, peer: int) -> None:
-        dist.recv(tensor, group=self.group, group_src=peer, tag=self.tag)
+        """Receive the next payload (or metadata that did not fit in its header)."""
+        dist.recv(tensor, group=self.group, group_src=peer, tag=self.tag + 1)
 
 
 def _batch(tensors: Sequence[Tensor], atomic: bool) -> Batch:
