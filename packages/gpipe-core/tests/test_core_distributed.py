@@ -281,3 +281,13 @@ def test_a_dying_rank_fails_the_others_and_later_steps(new_cluster: Callable[[in
     assert "rank 1" in result["first"]["message"] and "died" in result["first"]["message"]
     assert result["second"]["type"] == "RuntimeError", result
     assert "rank 1 of the pipeline's group is gone" in result["second"]["message"]
+
+
+def test_ranks_exit_cleanly_with_a_pipeline_alive(new_cluster: Callable[[int], Any]) -> None:
+    """A process that exits while a pipeline across processes is alive exits with 0 (the
+    transport's threads end before the interpreter shuts down, not during it, which aborted
+    the process: 'terminate called without an active exception')."""
+    cluster = new_cluster(2)
+    cluster.results("leave")
+    cluster.close()
+    assert [process.returncode for process in cluster.processes] == [0, 0]

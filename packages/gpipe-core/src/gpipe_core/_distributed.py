@@ -391,10 +391,23 @@ class DistributedTransport(Transport):
             self.mailbox.clear()
 
     def close(self) -> None:
-        """Stop the receiver threads that wait for a run (idempotent)."""
+        """Stop the receiver threads that wait for a run, and wait (a bounded time) until
+        they have ended (idempotent).
+
+        Joined here, so that they do not end while the interpreter shuts down: a thread
+        that drops the last reference to the process group then would abort the process
+        ("terminate called without an active exception"), as when a script's ``main()``
+        drops the pipeline right before the interpreter exits. A thread in the middle of a
+        receive (a run that never finished) is not waited for longer than a second.
+        """
         with self.cond:
             self.closed = True
             self.cond.notify_all()
+        deadline = time.monotonic() + 1.0
+        current = threading.current_thread()
+        for thread in list(self.threads.values()):
+            if thread is not current:
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     # -- waiting -------------------------------------------------------------------------
 
