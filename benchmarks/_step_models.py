@@ -196,15 +196,23 @@ class Sizes:
         # "plain mb" column of bench_step.py shows what micro-batching alone costs).
         return cls(0.020, 1024, 2048, 32, 32, 256, 64, 16)
 
-    def describe(self) -> str:
-        return (
-            f"fixed-time t = {self.sleep * 1e3:g} ms per stage and direction; MLP: 8 x "
-            f"(Linear({self.width}, {self.width}) + ReLU), batch {self.batch}; ResNet: stem, 4 "
-            f"residual blocks of {self.cnn_channels}/{2 * self.cnn_channels} channels, head, "
-            f"batch {self.cnn_batch} x 3 x 32 x 32; transformer: 4 encoder layers d_model "
-            f"{self.d_model}, 4 heads, batch {self.tokens_batch} x {self.seq} tokens; no "
-            "checkpointing in these cases"
-        )
+    def describe(
+        self, cases: Sequence[str] = ("fixed-time", "MLP", "ResNet", "transformer")
+    ) -> str:
+        """The models of ``cases`` (names among the default's) in words."""
+        words = {
+            "fixed-time": f"fixed-time t = {self.sleep * 1e3:g} ms per stage and direction",
+            "MLP": f"MLP: 8 x (Linear({self.width}, {self.width}) + ReLU), batch {self.batch}",
+            "ResNet": (
+                f"ResNet: stem, 4 residual blocks of {self.cnn_channels}/"
+                f"{2 * self.cnn_channels} channels, head, batch {self.cnn_batch} x 3 x 32 x 32"
+            ),
+            "transformer": (
+                f"transformer: 4 encoder layers d_model {self.d_model}, 4 heads, batch "
+                f"{self.tokens_batch} x {self.seq} tokens"
+            ),
+        }
+        return "; ".join(words[case] for case in cases) + "; no checkpointing in these cases"
 
 
 def sleep_case(n: int, m: int, seconds: float) -> Case:
@@ -444,7 +452,7 @@ def ms(seconds: float) -> str:
 
 
 def print_table(header: Sequence[str], rows: Sequence[Sequence[str]], first: int = 18) -> None:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) + 2 for i, h in enumerate(header)]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) + 2 for i, h in enumerate(header)]
     widths[0] = max(widths[0], first)
     print(
         f"{header[0]:<{widths[0]}}"
@@ -722,8 +730,13 @@ class Ranks:
         spans = self._collect("time")
         return float(max(end for _, end in spans) - min(begin for begin, _ in spans))
 
-    def close(self) -> None:
-        """End every rank (killing it if it does not stop) and reap it (idempotent)."""
+    def close(self) -> list[int | None]:
+        """End every rank (killing it if it does not stop) and reap it (idempotent).
+
+        Returns:
+            The exit code of each rank ended by this call (negative: the signal that ended
+            it), none after the first call.
+        """
         for queue in self.commands:
             with contextlib.suppress(Exception):
                 queue.put(None)
@@ -733,4 +746,6 @@ class Ranks:
             if process.is_alive():
                 process.kill()
                 process.join(10)
+        codes = [process.exitcode for process in self.processes]
         self.processes = []
+        return codes

@@ -72,6 +72,7 @@ from _step_models import (
 from gpipe_core import GPipe
 
 SCHEDULES = ("gpipe", "1f1b")
+CASES = ("fixed-time", "mlp", "transformer", "tiny")
 WAYS = ("plain", "step gpipe", "step 1f1b", *RANK_WAYS)
 #: Seconds any wait for a rank may last (a step, the start of the processes).
 TIMEOUT = 120.0
@@ -88,7 +89,9 @@ class Ways:
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
-        self.groups: list[Ranks] = []
+        self.groups: list[tuple[str, Ranks]] = []
+        #: Ranks that exited with a non-zero code after their case: (case, exit codes).
+        self.bad_exits: list[tuple[str, list[int | None]]] = []
 
     def build(self, case: Case, ways: Sequence[str]) -> dict[str, Runner | str]:
         runners: dict[str, Runner | str] = {}
@@ -117,14 +120,18 @@ class Ways:
                 for way in remote:
                     runners[way] = failed(error)
             else:
-                self.groups.append(group)
+                self.groups.append((case.name, group))
                 for way in remote:
                     runners[way] = lambda group=group, way=way: group.step(way)  # type: ignore[misc]
         return {way: runners[way] for way in ways}
 
     def close(self) -> None:
-        for group in self.groups:
-            group.close()
+        """End the ranks of the case; note those that do not exit with 0."""
+        for name, group in self.groups:
+            alive = bool(group.processes)  # not closed after a failure already reported
+            codes = group.close()
+            if alive and any(code != 0 for code in codes):
+                self.bad_exits.append((name, codes))
         self.groups.clear()
 
 
@@ -134,6 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="timed steps per way and case")
     parser.add_argument(
         "--threads", type=int, default=1, help="intra-op threads per process (default 1)"
+    )
+    parser.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help=f"comma-separated cases to run, among {', '.join(CASES)} (default: all)",
     )
     args, _ = parser.parse_known_args(argv)  # nox -s bench passes its arguments to every script
     torch.set_num_threads(args.threads)
@@ -147,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{torch.get_num_threads()} per process (torch.set_num_threads({args.threads})), "
         f"{os.cpu_count()} cores, {rounds} rounds (medians), ways interleaved"
     )
-    print(f"  {sizes.describe()}")
+    print(f"  {sizes.describe(('fixed-time', 'MLP', 'transformer'))}; tiny: Linear(4, 4) per stage")
     load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
     print(
         f"  load average {load}; two threads run {parallel_speedup():.2f}x as fast as one on "
@@ -155,26 +167,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print()
 
+    chosen = [name.strip() for name in args.cases.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in CASES]
+    if unknown:
+        parser.error(f"unknown cases: {', '.join(unknown)} (known: {', '.join(CASES)})")
+    # Each case with its ways and rounds: fixed-time steps are long (no plain: its ideal is
+    # known), tiny ones short.
+    plan: list[tuple[Case, Sequence[str], int]] = []
+    if "fixed-time" in chosen:
+        for n in (2, 4):
+            plan.append((sleep_case(n, 8, sizes.sleep), WAYS[1:], max(2, rounds // 2)))
+    if "mlp" in chosen:
+        plan.append((mlp, WAYS, rounds))
+    if "transformer" in chosen:
+        plan.append((transformer, WAYS, rounds))
+    if "tiny" in chosen:
+        plan.append((tiny, WAYS, rounds * 10))
+
     ways = Ways(args.threads)
     results: dict[str, dict[str, Any]] = {}
     ideals: dict[str, float] = {}
     try:
-        for case in [
-            sleep_case(2, 8, sizes.sleep),
-            sleep_case(4, 8, sizes.sleep),
-            mlp,
-            transformer,
-        ]:
-            names = WAYS[1:] if case.ideal is not None else WAYS
-            case_rounds = max(2, rounds // 2) if case.ideal is not None else rounds
+        for case, names, case_rounds in plan:
             results[case.name] = measure(ways.build(case, names), case_rounds)
             ways.close()
             if case.ideal is not None:
                 ideals[case.name] = case.ideal
             print(f"  measured {case.name}", file=sys.stderr, flush=True)
-        results[tiny.name] = measure(ways.build(tiny, WAYS), rounds * 10)
-        ways.close()
-        print(f"  measured {tiny.name}", file=sys.stderr, flush=True)
     finally:
         ways.close()
 
@@ -186,20 +205,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_table(["case", *WAYS], rows)
     print()
 
-    print("Step time relative to the reference (lower is better)")
     rows = []
     for case_name, r in results.items():
-        if case_name == tiny.name:
-            continue
         ideal = ideals.get(case_name)
         ref = ideal if ideal is not None else r["plain"]
+        if case_name == tiny.name or not isinstance(ref, float):
+            continue  # the tiny model's plain is almost nothing: see its overhead per task
         row = [case_name, "ideal" if ideal is not None else "plain", ms(ref)]
         for way in WAYS:
             value = r.get(way)
             row.append(f"{value / ref:.2f}" if isinstance(value, float) else "-")
         rows.append(row)
-    print_table(["case", "reference", "ref ms", *WAYS], rows)
-    print()
+    if rows:
+        print("Step time relative to the reference (lower is better)")
+        print_table(["case", "reference", "ref ms", *WAYS], rows)
+        print()
 
     print("gpipe across processes relative to pipelining, same schedule (lower is better)")
     rows = []
@@ -215,22 +235,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_table(["case", "dist/pipe gpipe", "dist/pipe 1f1b"], rows)
     print()
 
-    tasks = len(tiny.balance) * tiny.chunks
-    r = results[tiny.name]
-    plain = r["plain"]
     overhead: dict[str, float | None] = {}
-    rows = []
-    for way in WAYS[1:]:
-        value = r.get(way)
-        per_task = (value - plain) / tasks * 1e6 if isinstance(value, float) else None
-        overhead[way] = per_task
-        rows.append([way, "-" if per_task is None else f"{per_task:.0f}"])
-    print(
-        f"Overhead per task, {tiny.name} (Linear(4, 4) per partition): (time - plain) / (n * m), "
-        + (f"plain {plain * 1e3:.2f} ms per step" if isinstance(plain, float) else "no plain")
-    )
-    print_table(["way", "us per task"], rows)
-    print()
+    if tiny.name in results:
+        tasks = len(tiny.balance) * tiny.chunks
+        r = results[tiny.name]
+        plain = r["plain"]
+        rows = []
+        for way in WAYS[1:]:
+            value = r.get(way)
+            ok = isinstance(value, float) and isinstance(plain, float)
+            per_task = (value - plain) / tasks * 1e6 if ok else None
+            overhead[way] = per_task
+            rows.append([way, "-" if per_task is None else f"{per_task:.0f}"])
+        print(
+            f"Overhead per task, {tiny.name} (Linear(4, 4) per partition): (time - plain) / "
+            "(n * m), "
+            + (f"plain {plain * 1e3:.2f} ms per step" if isinstance(plain, float) else "no plain")
+        )
+        print_table(["way", "us per task"], rows)
+        print()
 
     problems = {
         f"{case_name}: {way}": value
@@ -257,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             )
     for case in (mlp, transformer):
+        if case.name not in results:
+            continue
         for schedule in SCHEDULES:
             checks.append(
                 (
@@ -265,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     0.90,
                 )
             )
-    for schedule in SCHEDULES:
+    for schedule in SCHEDULES if tiny.name in results else ():
         checks.append(
             (
                 f"{tiny.name}: dist {schedule} overhead per task <= 150 us",
@@ -282,9 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_targets(checks)
 
     failures = [name for name, value in problems.items() if value.startswith("failed")]
+    failures += [f"{name}: ranks exited with codes {codes}" for name, codes in ways.bad_exits]
     if failures:
         print()
-        print(f"{len(failures)} way(s) failed to run: {', '.join(failures)}")
+        print(f"{len(failures)} failure(s): {'; '.join(failures)}")
         return 1
     return 0
 
