@@ -1,19 +1,25 @@
-"""Models, the saved-activation counter and the pipelining runner of ``bench_step.py``.
+"""What the step benchmarks share: models, cases, timing, output, and ranks in processes.
 
-Kept apart from the script so that the processes spawned for ``torch.distributed.pipelining``
-can import the model builders by name (and so that ``nox -s bench`` does not run it: it
-runs ``bench_*.py`` only).
+``bench_step.py`` and ``bench_distributed.py`` import from here: the models and their
+cases (built by name, so that other processes can build them too), the saved-activation
+counter, the interleaved timing of runners with medians, the tables and the PASS/FAIL
+lines of targets, and :class:`Ranks`, one process per stage in a gloo group running
+``torch.distributed.pipelining`` and gpipe across processes. Kept apart from the scripts
+so that the spawned processes can import it (and so that ``nox -s bench`` does not run it:
+it runs ``bench_*.py`` only).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import statistics
 import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -169,6 +175,105 @@ class Case:
         return F.cross_entropy if self.loss == "cross_entropy" else F.mse_loss
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes of the benchmark models: the full run's, or the ``--quick`` run's."""
+
+    sleep: float  # seconds per fixed-time stage and direction
+    width: int  # MLP
+    batch: int
+    cnn_channels: int  # ResNet
+    cnn_batch: int
+    d_model: int  # transformer
+    seq: int
+    tokens_batch: int
+
+    @classmethod
+    def of(cls, quick: bool) -> Sizes:
+        if quick:
+            return cls(0.005, 512, 256, 16, 16, 128, 32, 8)
+        # Micro-batches of 512 rows: smaller ones make each GEMM slower on this CPU (the
+        # "plain mb" column of bench_step.py shows what micro-batching alone costs).
+        return cls(0.020, 1024, 2048, 32, 32, 256, 64, 16)
+
+    def describe(
+        self, cases: Sequence[str] = ("fixed-time", "MLP", "ResNet", "transformer")
+    ) -> str:
+        """The models of ``cases`` (names among the default's) in words."""
+        words = {
+            "fixed-time": f"fixed-time t = {self.sleep * 1e3:g} ms per stage and direction",
+            "MLP": f"MLP: 8 x (Linear({self.width}, {self.width}) + ReLU), batch {self.batch}",
+            "ResNet": (
+                f"ResNet: stem, 4 residual blocks of {self.cnn_channels}/"
+                f"{2 * self.cnn_channels} channels, head, batch {self.cnn_batch} x 3 x 32 x 32"
+            ),
+            "transformer": (
+                f"transformer: 4 encoder layers d_model {self.d_model}, 4 heads, batch "
+                f"{self.tokens_batch} x {self.seq} tokens"
+            ),
+        }
+        return "; ".join(words[case] for case in cases) + "; no checkpointing in these cases"
+
+
+def sleep_case(n: int, m: int, seconds: float) -> Case:
+    """``n`` fixed-time stages, ``m`` micro-batches: the ideal step is ``2 (m + n - 1) t``."""
+    return Case(
+        f"fixed-time P{n} M{m}",
+        "sleep",
+        {"n": n, "seconds": seconds},
+        [1] * n,
+        m,
+        (m, 4),
+        "mse",
+        ideal=2 * (m + n - 1) * seconds,
+    )
+
+
+def mlp_case(sizes: Sizes) -> Case:
+    # Four (Linear, ReLU) pairs per partition: the first partition's first layer computes no
+    # input gradient, so its backward pass is one GEMM shorter; with four pairs a side that
+    # is 11 : 12 GEMMs per micro-batch (with two, 5 : 6).
+    return Case(
+        "MLP P2 M4",
+        "mlp",
+        {"n": 2, "width": sizes.width, "layers_per_partition": 4},
+        [4, 4],
+        4,
+        (sizes.batch, sizes.width),
+        "mse",
+    )
+
+
+def cnn_case(sizes: Sizes) -> Case:
+    return Case(
+        "ResNet P2 M4",
+        "resnet",
+        {"channels": sizes.cnn_channels, "blocks": 4},
+        [3, 4],
+        4,
+        (sizes.cnn_batch, 3, 32, 32),
+        "cross_entropy",
+        classes=10,
+    )
+
+
+def transformer_case(sizes: Sizes) -> Case:
+    return Case(
+        "transformer P2 M4",
+        "transformer",
+        {"d_model": sizes.d_model, "heads": 4, "layers": 4},
+        [2, 2],
+        4,
+        (sizes.tokens_batch, sizes.seq, sizes.d_model),
+        "mse",
+    )
+
+
+def tiny_case() -> Case:
+    """One ``Linear(4, 4)`` per partition, P2 M32: the step is almost all overhead."""
+    return Case("tiny P2 M32", "tiny", {"n": 2}, [1, 1], 32, (32, 4), "mse")
+
+
 # --------------------------------------------------------------------------------------------
 # Saved-activation bytes
 # --------------------------------------------------------------------------------------------
@@ -240,7 +345,143 @@ class _Holder:
 
 
 # --------------------------------------------------------------------------------------------
-# torch.distributed.pipelining, one process per stage
+# Timing in this process
+# --------------------------------------------------------------------------------------------
+
+Runner = Callable[[], float]
+
+
+def timed(model: nn.Module, fn: Callable[[], object]) -> Runner:
+    """A runner: zero ``model``'s grads, then time ``fn()``."""
+
+    def run() -> float:
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return run
+
+
+def plain_runner(case: Case) -> Runner:
+    """The ``nn.Sequential`` itself on the whole batch, in this process."""
+    model = case.model()
+    x, y = case.data()
+    loss_fn = case.loss_fn()
+    return timed(model, lambda: loss_fn(model(x), y).backward())
+
+
+def measure(runners: dict[str, Runner | str], rounds: int, warmup: int = 2) -> dict[str, Any]:
+    """Median seconds per way (or the reason a way did not run), interleaved round by round
+    (each way goes first in turn). A way that raises gets ``'failed: ...'``."""
+    result: dict[str, Any] = {}
+    live: dict[str, Runner] = {}
+    for name, runner in runners.items():
+        if isinstance(runner, str):
+            result[name] = runner
+            continue
+        try:
+            for _ in range(warmup):
+                runner()
+        except Exception as error:
+            result[name] = failed(error)
+            continue
+        live[name] = runner
+    times: dict[str, list[float]] = {name: [] for name in live}
+    order = list(live)
+    for k in range(rounds):
+        for name in order[k % len(order) :] + order[: k % len(order)]:
+            if name in result:  # failed in an earlier round
+                continue
+            try:
+                times[name].append(live[name]())
+            except Exception as error:
+                result[name] = failed(error)
+    for name in runners:
+        if name not in result:
+            result[name] = statistics.median(times[name])
+    return result
+
+
+def failed(error: Exception) -> str:
+    """What a way that raised ``error`` shows instead of a time (its first line)."""
+    first = (str(error).splitlines() or [""])[0]
+    return f"failed: {type(error).__name__}: {first}"
+
+
+def parallel_speedup(rounds: int = 5) -> float:
+    """How much faster two threads run two equal loops of matmuls than one thread runs both.
+
+    2.0 on two idle cores; near 1.0 (or below) when other processes keep the cores busy,
+    which caps what any pipeline can gain on compute-bound cases. Medians of ``rounds``
+    alternations of the two ways.
+    """
+    a, w = torch.randn(256, 1024), torch.randn(1024, 1024)
+
+    def work() -> None:
+        for _ in range(10):
+            a @ w
+
+    def serial() -> None:
+        work()
+        work()
+
+    def parallel() -> None:
+        threads = [threading.Thread(target=work) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    times: dict[Callable[[], None], list[float]] = {serial: [], parallel: []}
+    for _ in range(rounds):
+        for way, values in times.items():
+            start = time.perf_counter()
+            way()
+            values.append(time.perf_counter() - start)
+    return statistics.median(times[serial]) / statistics.median(times[parallel])
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def print_table(header: Sequence[str], rows: Sequence[Sequence[str]], first: int = 18) -> None:
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) + 2 for i, h in enumerate(header)]
+    widths[0] = max(widths[0], first)
+    print(
+        f"{header[0]:<{widths[0]}}"
+        + "".join(f"{h:>{w}}" for h, w in zip(header[1:], widths[1:], strict=True))
+    )
+    for row in rows:
+        print(
+            f"{row[0]:<{widths[0]}}"
+            + "".join(f"{v:>{w}}" for v, w in zip(row[1:], widths[1:], strict=True))
+        )
+
+
+#: A target: its label, the measured value (None when not measured) and the limit.
+Check = tuple[str, "float | None", float]
+
+
+def print_targets(checks: Sequence[Check]) -> None:
+    """The targets as PASS or FAIL lines (a value not measured fails)."""
+    print("Targets")
+    for label, value, limit in checks:
+        if value is None:
+            print(f"  FAIL  {label}: not measured")
+        else:
+            verdict = "PASS" if value <= limit else "FAIL"
+            print(f"  {verdict}  {label}: {value:.3f}")
+
+
+# --------------------------------------------------------------------------------------------
+# Ranks: one process per stage, in one gloo group
 # --------------------------------------------------------------------------------------------
 
 
@@ -250,72 +491,167 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: torch.distributed.pipelining's schedules, in the order of gpipe's ``('gpipe', '1f1b')``.
 PIPELINING_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
+#: The ways a :class:`Ranks` group runs: ``pipe`` (torch.distributed.pipelining) and
+#: ``dist`` (gpipe's ``GPipe(..., group=...)``), each with a GPipe and a 1F1B schedule.
+RANK_WAYS = ("dist gpipe", "dist 1f1b", "pipe gpipe", "pipe 1f1b")
 
 
-def _pipelining_worker(
-    rank: int, world: int, port: int, case: Case, threads: int, commands: Any, results: Any
-) -> None:
-    """One stage: build the model, keep both schedules, run one step per command."""
+def pipelining_check() -> str | None:
+    """Why ``torch.distributed.pipelining`` cannot run here, or None."""
     try:
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        torch.set_num_threads(threads)
+        import numpy  # noqa: F401  (pipelining's stage shape inference needs it)
         import torch.distributed as dist
-        from torch.distributed import pipelining
+        from torch.distributed import pipelining  # noqa: F401
+    except ImportError as error:
+        return f"not installed: {error}"
+    if not dist.is_available() or not dist.is_gloo_available():
+        return "not installed: torch.distributed with gloo is not available"
+    return None
 
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        layers = list(case.model().children())
-        start = sum(case.balance[:rank])
-        submodule = nn.Sequential(*layers[start : start + case.balance[rank]])
-        x, y = case.data()
-        loss_fn = case.loss_fn()
-        micro = x.tensor_split(case.chunks)[0]
-        with torch.no_grad():
-            for i in range(rank):  # the input shape of this stage's micro-batch
-                lo = sum(case.balance[:i])
-                micro = nn.Sequential(*layers[lo : lo + case.balance[i]])(micro)
-        device = torch.device("cpu")
-        schedules = {}
-        for name in PIPELINING_SCHEDULES:
-            stage = pipelining.PipelineStage(submodule, rank, world, device, input_args=(micro,))
-            schedules[name] = getattr(pipelining, name)(
-                stage, n_microbatches=case.chunks, loss_fn=loss_fn
-            )
 
-        def run(name: str) -> None:
-            schedule = schedules[name]
-            if rank == 0:
-                schedule.step(x)
-            elif rank == world - 1:
-                schedule.step(target=y, losses=[])
-            else:
-                schedule.step()
+def _pipelining_steps(
+    rank: int, world: int, case: Case, ways: Sequence[str]
+) -> dict[str, tuple[nn.Module, Callable[[], object]]]:
+    """This rank's stage of ``case`` under pipelining's schedules (``pipe`` ways)."""
+    from torch.distributed import pipelining
 
-        results.put((rank, "ready", 0.0))
+    layers = list(case.model().children())
+    start = sum(case.balance[:rank])
+    submodule = nn.Sequential(*layers[start : start + case.balance[rank]])
+    x, y = case.data()
+    loss_fn = case.loss_fn()
+    micro = x.tensor_split(case.chunks)[0]
+    with torch.no_grad():
+        for i in range(rank):  # the input shape of this stage's micro-batch
+            lo = sum(case.balance[:i])
+            micro = nn.Sequential(*layers[lo : lo + case.balance[i]])(micro)
+    steps: dict[str, tuple[nn.Module, Callable[[], object]]] = {}
+    for way, name in zip(RANK_WAYS[2:], PIPELINING_SCHEDULES, strict=True):
+        if way not in ways:
+            continue
+        stage = pipelining.PipelineStage(
+            submodule, rank, world, torch.device("cpu"), input_args=(micro,)
+        )
+        schedule = getattr(pipelining, name)(stage, n_microbatches=case.chunks, loss_fn=loss_fn)
+        if rank == 0:
+            run: Callable[[], object] = lambda schedule=schedule: schedule.step(x)  # noqa: E731
+        elif rank == world - 1:
+            run = lambda schedule=schedule: schedule.step(target=y, losses=[])  # noqa: E731
+        else:
+            run = schedule.step
+        steps[way] = (submodule, run)
+    return steps
+
+
+def _gpipe_steps(
+    case: Case, ways: Sequence[str], timeout: float
+) -> dict[str, tuple[nn.Module, Callable[[], object]]]:
+    """This rank's stages of ``case`` in ``GPipe(..., group=WORLD)`` (``dist`` ways)."""
+    import torch.distributed as dist
+
+    from gpipe_core import GPipe
+
+    model = GPipe(
+        case.model(),
+        case.balance,
+        chunks=case.chunks,
+        checkpoint=case.checkpoint,  # type: ignore[arg-type]
+        group=dist.group.WORLD,
+        timeout=timeout,
+    )
+    rank = dist.get_rank()
+    x, y = case.data()
+    first, last = model.stage_ranks[0] == rank, model.stage_ranks[-1] == rank
+    x_or_none, y_or_none = (x if first else None), (y if last else None)
+    loss_fn = case.loss_fn()
+
+    def step(schedule: str) -> Callable[[], object]:
+        return lambda: model.step(x_or_none, y_or_none, loss_fn, schedule=schedule)  # type: ignore[arg-type]
+
+    return {way: (model, step(way.split()[1])) for way in RANK_WAYS[:2] if way in ways}
+
+
+def _rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    case: Case,
+    ways: Sequence[str],
+    threads: int,
+    timeout: float,
+    commands: Any,
+    results: Any,
+) -> None:
+    """One rank: join the group, build the ways' stages, run one timed step per command.
+
+    Each step starts right after a barrier; the rank reports when it started and ended
+    (``time.perf_counter``, one clock for all processes of the machine).
+    """
+    import datetime
+    import queue
+
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(threads)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        steps = _gpipe_steps(case, ways, timeout)
+        if any(way.startswith("pipe ") for way in ways):
+            steps.update(_pipelining_steps(rank, world, case, ways))
+        results.put((rank, "ready", None))
+        parent = os.getppid()
         while True:
-            command = commands.get()
+            try:
+                command = commands.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:  # the parent is gone: nobody will ask again
+                    break
+                continue
             if command is None:
                 break
-            submodule.zero_grad(set_to_none=True)
+            module, run = steps[command]
+            module.zero_grad(set_to_none=True)
             dist.barrier()
             begin = time.perf_counter()
-            run(command)
-            elapsed = time.perf_counter() - begin
-            dist.barrier()
-            if rank == 0:
-                results.put((rank, "time", elapsed))
+            run()
+            end = time.perf_counter()
+            results.put((rank, "time", (begin, end)))
         dist.destroy_process_group()
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
 
 
-class Pipelining:
-    """A group of stage processes kept alive for one case, stepped from the parent."""
+class RankError(RuntimeError):
+    """A rank of a :class:`Ranks` group raised, died, or did not answer in time."""
 
-    def __init__(self, case: Case, threads: int, timeout: float = 120.0) -> None:
+
+class Ranks:
+    """``len(case.balance)`` processes in one gloo group (one stage each), kept alive for
+    one case and stepped from this process.
+
+    Each rank builds the ``ways`` it is given (see :data:`RANK_WAYS`) with
+    ``torch.set_num_threads(threads)``; :meth:`step` runs one step of a way on every rank
+    and returns its time, from the barrier that starts it to the last rank's end. Every
+    wait is bounded by ``timeout`` seconds; a rank that raises, dies or does not answer in
+    time raises :class:`RankError` here, after every process has been ended and reaped.
+    """
+
+    def __init__(
+        self, case: Case, ways: Sequence[str], threads: int = 1, timeout: float = 120.0
+    ) -> None:
         import torch.multiprocessing as mp
 
+        unknown = [way for way in ways if way not in RANK_WAYS]
+        if unknown:
+            raise ValueError(f"unknown ways: {unknown} (known: {list(RANK_WAYS)})")
         context = mp.get_context("spawn")
         self.world = len(case.balance)
         self.timeout = timeout
@@ -324,36 +660,92 @@ class Pipelining:
         port = free_port()
         self.processes = [
             context.Process(
-                target=_pipelining_worker,
-                args=(rank, self.world, port, case, threads, self.commands[rank], self.results),
+                target=_rank_main,
+                args=(
+                    rank,
+                    self.world,
+                    port,
+                    case,
+                    tuple(ways),
+                    threads,
+                    timeout,
+                    self.commands[rank],
+                    self.results,
+                ),
+                name=f"rank-{rank}",
                 daemon=True,
             )
             for rank in range(self.world)
         ]
-        for process in self.processes:
-            process.start()
-        for _ in range(self.world):
-            self._get("ready")
-
-    def _get(self, kind: str) -> float:
-        rank, got, value = self.results.get(timeout=self.timeout)
-        if got == "error":
+        try:
+            for process in self.processes:
+                process.start()
+            self._collect("ready")
+        except BaseException:
             self.close()
-            raise RuntimeError(f"pipelining rank {rank} failed:\n{value}")
-        if got != kind:
-            raise RuntimeError(f"pipelining rank {rank}: expected {kind!r}, got {got!r}")
-        return float(value)
+            raise
 
-    def step(self, schedule: str) -> float:
-        """One training step; returns its time measured in rank 0."""
-        for queue in self.commands:
-            queue.put(schedule)
-        return self._get("time")
+    def _collect(self, kind: str) -> list[Any]:
+        """Each rank's next report of ``kind``, waiting at most ``timeout`` seconds."""
+        import queue
 
-    def close(self) -> None:
+        values: dict[int, Any] = {}
+        deadline = time.monotonic() + self.timeout
+        while len(values) < self.world:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                late = [rank for rank in range(self.world) if rank not in values]
+                self.close()
+                raise RankError(f"ranks {late} did not report {kind!r} in {self.timeout:g} s")
+            try:
+                rank, got, value = self.results.get(timeout=min(1.0, remaining))
+            except queue.Empty:
+                dead = [
+                    (rank, process.exitcode)
+                    for rank, process in enumerate(self.processes)
+                    if process.exitcode is not None
+                ]
+                if dead:
+                    self.close()
+                    raise RankError(
+                        f"rank {dead[0][0]} exited (exit code {dead[0][1]}) before reporting "
+                        f"{kind!r}"
+                    ) from None
+                continue
+            if got == "error":
+                self.close()
+                raise RankError(f"rank {rank} failed:\n{value}")
+            if got != kind:
+                self.close()
+                raise RankError(f"rank {rank}: expected {kind!r}, got {got!r}")
+            values[rank] = value
+        return [values[rank] for rank in range(self.world)]
+
+    def step(self, way: str) -> float:
+        """One training step of ``way`` on every rank; its time in seconds."""
+        if not self.processes:
+            raise RankError("the ranks were closed (an earlier step failed)")
         for queue in self.commands:
-            queue.put(None)
+            queue.put(way)
+        spans = self._collect("time")
+        return float(max(end for _, end in spans) - min(begin for begin, _ in spans))
+
+    def close(self) -> list[int | None]:
+        """End every rank (killing it if it does not stop) and reap it (idempotent).
+
+        Returns:
+            The exit code of each rank ended by this call (negative: the signal that ended
+            it), none after the first call.
+        """
+        for queue in self.commands:
+            with contextlib.suppress(Exception):
+                queue.put(None)
+        deadline = time.monotonic() + 10
         for process in self.processes:
-            process.join(timeout=10)
+            process.join(max(0.1, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
+                process.join(10)
+        codes = [process.exitcode for process in self.processes]
+        self.processes = []
+        return codes

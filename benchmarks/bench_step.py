@@ -14,7 +14,8 @@ them alike:
   worker runs its own forwards and backwards);
 - ``torchgpipe``: torchgpipe 0.0.7, when it is installed and works with this torch;
 - ``pipe gpipe`` and ``pipe 1f1b``: ``torch.distributed.pipelining``'s ``ScheduleGPipe`` and
-  ``Schedule1F1B`` over gloo, one process per stage, timed in rank 0 between barriers.
+  ``Schedule1F1B`` over gloo, one process per stage, timed from a barrier to the last
+  rank's end.
 
 A way that cannot run says why in a row of its own. Cases:
 
@@ -43,11 +44,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -56,7 +54,27 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _step_models import PIPELINING_SCHEDULES, Case, Pipelining, SavedBytes
+from _step_models import (
+    Case,
+    Check,
+    Ranks,
+    Runner,
+    SavedBytes,
+    Sizes,
+    cnn_case,
+    measure,
+    mlp_case,
+    ms,
+    parallel_speedup,
+    pipelining_check,
+    plain_runner,
+    print_table,
+    print_targets,
+    sleep_case,
+    timed,
+    tiny_case,
+    transformer_case,
+)
 from gpipe_core import GPipe
 
 HAS_STEP = hasattr(GPipe, "step")
@@ -73,7 +91,6 @@ WAYS = (
     "pipe gpipe",
     "pipe 1f1b",
 )
-Runner = Callable[[], float]
 
 
 class Unavailable(Exception):
@@ -83,23 +100,6 @@ class Unavailable(Exception):
 # --------------------------------------------------------------------------------------------
 # The ways
 # --------------------------------------------------------------------------------------------
-
-
-def _timed(model: nn.Module, fn: Callable[[], object]) -> Runner:
-    def run() -> float:
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
-    return run
-
-
-def plain_runner(case: Case) -> Runner:
-    model = case.model()
-    x, y = case.data()
-    loss_fn = case.loss_fn()
-    return _timed(model, lambda: loss_fn(model(x), y).backward())
 
 
 def plain_microbatched_runner(case: Case) -> Runner:
@@ -112,7 +112,7 @@ def plain_microbatched_runner(case: Case) -> Runner:
         for xs, ys in pairs:
             (loss_fn(model(xs), ys) * (len(xs) / len(x))).backward()
 
-    return _timed(model, step)
+    return timed(model, step)
 
 
 def gpipe_runners(case: Case, suffix: str = "") -> dict[str, Runner | str]:
@@ -120,11 +120,11 @@ def gpipe_runners(case: Case, suffix: str = "") -> dict[str, Runner | str]:
     x, y = case.data()
     loss_fn = case.loss_fn()
     runners: dict[str, Runner | str] = {
-        "fwd+bwd" + suffix: _timed(model, lambda: loss_fn(model(x), y).backward())
+        "fwd+bwd" + suffix: timed(model, lambda: loss_fn(model(x), y).backward())
     }
     for schedule in SCHEDULES:
         if HAS_STEP:
-            runners[f"step {schedule}" + suffix] = _timed(
+            runners[f"step {schedule}" + suffix] = timed(
                 model,
                 lambda schedule=schedule: model.step(x, y, loss_fn, schedule=schedule),  # type: ignore[misc]
             )
@@ -147,20 +147,7 @@ def torchgpipe_runner(case: Case) -> Runner:
     )
     x, y = case.data()
     loss_fn = case.loss_fn()
-    return _timed(model, lambda: loss_fn(model(x), y).backward())
-
-
-def pipelining_check() -> str | None:
-    """Why ``torch.distributed.pipelining`` cannot run here, or None."""
-    try:
-        import numpy  # noqa: F401  (pipelining's stage shape inference needs it)
-        import torch.distributed as dist
-        from torch.distributed import pipelining  # noqa: F401
-    except ImportError as error:
-        return f"not installed: {error}"
-    if not dist.is_available() or not dist.is_gloo_available():
-        return "not installed: torch.distributed with gloo is not available"
-    return None
+    return timed(model, lambda: loss_fn(model(x), y).backward())
 
 
 class Ways:
@@ -168,7 +155,7 @@ class Ways:
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
-        self.groups: list[Pipelining] = []
+        self.groups: list[Ranks] = []
 
     def build(self, case: Case, ways: Sequence[str], suffix: str = "") -> dict[str, Runner | str]:
         runners: dict[str, Runner | str] = {}
@@ -187,62 +174,25 @@ class Ways:
                 runners["torchgpipe" + suffix] = f"does not work here: {error!r}"
         if "pipe gpipe" in ways:
             reason = pipelining_check()
-            group: Pipelining | None = None
+            group: Ranks | None = None
             if reason is None:
                 try:
-                    group = Pipelining(case, self.threads)
+                    group = Ranks(case, ("pipe gpipe", "pipe 1f1b"), self.threads)
                     self.groups.append(group)
                 except Exception as error:
                     reason = f"does not work here: {error}"
-            for schedule, name in zip(SCHEDULES, PIPELINING_SCHEDULES, strict=True):
+            for schedule in SCHEDULES:
+                way = f"pipe {schedule}"
                 if group is None:
-                    runners[f"pipe {schedule}" + suffix] = str(reason)
+                    runners[way + suffix] = str(reason)
                 else:
-                    runners[f"pipe {schedule}" + suffix] = (
-                        lambda group=group, name=name: group.step(name)  # type: ignore[misc]
-                    )
+                    runners[way + suffix] = lambda group=group, way=way: group.step(way)  # type: ignore[misc]
         return runners
 
     def close(self) -> None:
         for group in self.groups:
             group.close()
         self.groups.clear()
-
-
-def measure(runners: dict[str, Runner | str], rounds: int, warmup: int = 2) -> dict[str, Any]:
-    """Median seconds per way (or the reason a way did not run), interleaved round by round."""
-    result: dict[str, Any] = {}
-    live: dict[str, Runner] = {}
-    for name, runner in runners.items():
-        if isinstance(runner, str):
-            result[name] = runner
-            continue
-        try:
-            for _ in range(warmup):
-                runner()
-        except Exception as error:
-            result[name] = _failed(error)
-            continue
-        live[name] = runner
-    times: dict[str, list[float]] = {name: [] for name in live}
-    order = list(live)
-    for k in range(rounds):
-        for name in order[k % len(order) :] + order[: k % len(order)]:
-            if name in result:  # failed in an earlier round
-                continue
-            try:
-                times[name].append(live[name]())
-            except Exception as error:
-                result[name] = _failed(error)
-    for name in runners:
-        if name not in result:
-            result[name] = statistics.median(times[name])
-    return result
-
-
-def _failed(error: Exception) -> str:
-    first = (str(error).splitlines() or [""])[0]
-    return f"failed: {type(error).__name__}: {first}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,57 +266,6 @@ def memory(case: Case) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def parallel_speedup(rounds: int = 5) -> float:
-    """How much faster two threads run two equal loops of matmuls than one thread runs both.
-
-    2.0 on two idle cores; near 1.0 (or below) when other processes keep the cores busy,
-    which caps what any pipeline can gain on compute-bound cases. Medians of ``rounds``
-    alternations of the two ways.
-    """
-    a, w = torch.randn(256, 1024), torch.randn(1024, 1024)
-
-    def work() -> None:
-        for _ in range(10):
-            a @ w
-
-    def serial() -> None:
-        work()
-        work()
-
-    def parallel() -> None:
-        threads = [threading.Thread(target=work) for _ in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-
-    times: dict[Callable[[], None], list[float]] = {serial: [], parallel: []}
-    for _ in range(rounds):
-        for way, values in times.items():
-            start = time.perf_counter()
-            way()
-            values.append(time.perf_counter() - start)
-    return statistics.median(times[serial]) / statistics.median(times[parallel])
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f}"
-
-
-def print_table(header: Sequence[str], rows: Sequence[Sequence[str]], first: int = 18) -> None:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) + 2 for i, h in enumerate(header)]
-    widths[0] = max(widths[0], first)
-    print(
-        f"{header[0]:<{widths[0]}}"
-        + "".join(f"{h:>{w}}" for h, w in zip(header[1:], widths[1:], strict=True))
-    )
-    for row in rows:
-        print(
-            f"{row[0]:<{widths[0]}}"
-            + "".join(f"{v:>{w}}" for v, w in zip(row[1:], widths[1:], strict=True))
-        )
-
-
 def reasons_of(results: dict[str, Any], seen: dict[str, str]) -> None:
     for name, value in results.items():
         if isinstance(value, str):
@@ -383,70 +282,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     quick = args.quick
     rounds = args.rounds or (3 if quick else 10)
 
-    sleep_t = 0.005 if quick else 0.020
-    # Micro-batches of 512 rows: smaller ones make each GEMM slower on this CPU (the "plain mb"
-    # column shows what micro-batching alone costs).
-    width, batch = (512, 256) if quick else (1024, 2048)
-    cnn_channels, cnn_batch = (16, 16) if quick else (32, 32)
-    d_model, seq, tokens_batch = (128, 32, 8) if quick else (256, 64, 16)
-
-    def sleep_case(n: int, m: int) -> Case:
-        return Case(
-            f"fixed-time P{n} M{m}",
-            "sleep",
-            {"n": n, "seconds": sleep_t},
-            [1] * n,
-            m,
-            (m, 4),
-            "mse",
-            ideal=2 * (m + n - 1) * sleep_t,
-        )
-
-    # Four (Linear, ReLU) pairs per partition: the first partition's first layer computes no
-    # input gradient, so its backward pass is one GEMM shorter; with four pairs a side that
-    # is 11 : 12 GEMMs per micro-batch (with two, 5 : 6).
-    mlp_case = Case(
-        "MLP P2 M4",
-        "mlp",
-        {"n": 2, "width": width, "layers_per_partition": 4},
-        [4, 4],
-        4,
-        (batch, width),
-        "mse",
+    sizes = Sizes.of(quick)
+    mlp, cnn, transformer, tiny = (
+        mlp_case(sizes),
+        cnn_case(sizes),
+        transformer_case(sizes),
+        tiny_case(),
     )
-    cnn_case = Case(
-        "ResNet P2 M4",
-        "resnet",
-        {"channels": cnn_channels, "blocks": 4},
-        [3, 4],
-        4,
-        (cnn_batch, 3, 32, 32),
-        "cross_entropy",
-        classes=10,
-    )
-    transformer_case = Case(
-        "transformer P2 M4",
-        "transformer",
-        {"d_model": d_model, "heads": 4, "layers": 4},
-        [2, 2],
-        4,
-        (tokens_batch, seq, d_model),
-        "mse",
-    )
-    tiny_case = Case("tiny P2 M32", "tiny", {"n": 2}, [1, 1], 32, (32, 4), "mse")
 
     print(
         f"Schedules and steps: CPU, torch {torch.__version__}, intra-op threads "
         f"{torch.get_num_threads()} (torch.set_num_threads({args.threads})), "
         f"{os.cpu_count()} cores, {rounds} rounds (medians), ways interleaved"
     )
-    print(
-        f"  fixed-time t = {sleep_t * 1e3:g} ms per stage and direction; MLP: 8 x (Linear({width}, "
-        f"{width}) + ReLU), batch {batch}; ResNet: stem, 4 residual blocks of "
-        f"{cnn_channels}/{2 * cnn_channels} channels, head, batch {cnn_batch} x 3 x 32 x 32; "
-        f"transformer: 4 encoder layers d_model {d_model}, 4 heads, batch {tokens_batch} x "
-        f"{seq} tokens; no checkpointing in these cases"
-    )
+    print(f"  {sizes.describe()}")
     print(
         f"  two threads run {parallel_speedup():.2f}x as fast as one on independent matmuls "
         "(2.00 on two idle cores; less when other processes use them)"
@@ -461,7 +310,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     ideals: dict[str, float] = {}
     try:
         # Time cases ------------------------------------------------------------------------
-        for case in [sleep_case(2, 8), sleep_case(4, 8), mlp_case, cnn_case, transformer_case]:
+        for case in [
+            sleep_case(2, 8, sizes.sleep),
+            sleep_case(4, 8, sizes.sleep),
+            mlp,
+            cnn,
+            transformer,
+        ]:
             names = WAYS[2:] if case.ideal is not None else WAYS
             case_rounds = max(2, rounds // 2) if case.ideal is not None else rounds
             results[case.name] = measure(ways.build(case, names), case_rounds)
@@ -488,13 +343,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         # Per-task overhead -------------------------------------------------------------------
         # Two groups, each with its own plain: the ways of this process first, then the
         # pipelining ways, whose processes would keep the cores awake for the first group.
-        tasks = len(tiny_case.balance) * tiny_case.chunks
+        tasks = len(tiny.balance) * tiny.chunks
         overhead: dict[str, float | str] = {}  # microseconds per task, or why not measured
         plains: list[float] = []
         for group in (WAYS[2:6], WAYS[6:]):
-            runners: dict[str, Runner | str] = {"plain": plain_runner(tiny_case)}
+            runners: dict[str, Runner | str] = {"plain": plain_runner(tiny)}
             for mode in ("never", "except_last"):
-                case = replace(tiny_case, checkpoint=mode)
+                case = replace(tiny, checkpoint=mode)
                 built = group if mode == "never" else [w for w in group if w in CHECKPOINTING]
                 runners.update(ways.build(case, built, f" ({mode})"))
             times = measure(runners, rounds * 10)
@@ -521,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print()
 
         # One partition, one micro-batch ------------------------------------------------------
-        single = replace(mlp_case, balance=[8], chunks=1)
+        single = replace(mlp, balance=[8], chunks=1)
         single_runners = {
             "plain": plain_runner(single),
             "fwd+bwd": gpipe_runners(single)["fwd+bwd"],
@@ -579,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print()
 
     # Targets ---------------------------------------------------------------------------------
-    checks: list[tuple[str, float | None, float]] = []
+    checks: list[Check] = []
     for case_name, ideal in ideals.items():
         for schedule in SCHEDULES:
             value = results[case_name].get(f"step {schedule}")
@@ -633,13 +488,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "matmuls"
     )
     print()
-    print("Targets")
-    for label, value, limit in checks:
-        if value is None:
-            print(f"  FAIL  {label}: not measured")
-        else:
-            verdict = "PASS" if value <= limit else "FAIL"
-            print(f"  {verdict}  {label}: {value:.3f}")
+    print_targets(checks)
 
 
 if __name__ == "__main__":

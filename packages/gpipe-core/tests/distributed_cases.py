@@ -498,6 +498,19 @@ def case_cuda(
     }
 
 
+#: Pipelines dropped only when the process ends (see :func:`case_leave`).
+LEFT: list[GPipe] = []
+
+
+def case_leave(rank: int) -> None:
+    """A step on a pipeline that lives until the process ends, as a script's model that
+    its ``main()`` drops when it returns, right before the interpreter exits."""
+    pipe = GPipe(build(("linear", "linear"), 0), [1, 1], chunks=2, group=dist.group.WORLD)
+    x, y = data(0, 4)
+    pipe.step(x, y, nn.MSELoss())
+    LEFT.append(pipe)
+
+
 CASES: dict[str, Callable[..., Any]] = {
     name[len("case_") :]: value for name, value in globals().items() if name.startswith("case_")
 }
@@ -527,6 +540,7 @@ def main() -> None:
                 reply = ("error", f"{type(error).__name__}: {error}", traceback.format_exc())
             write_frame(replies, reply)
     finally:
+        LEFT.clear()
         dist.destroy_process_group()
 
 

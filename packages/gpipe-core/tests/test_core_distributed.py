@@ -121,6 +121,18 @@ def test_step_matches_plain(
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
+def test_payloads_and_small_messages_in_one_step(
+    cluster2: Any, cases: ModuleType, schedule: str
+) -> None:
+    """Messages whose tensors do not fit in their header (a payload follows: one tensor
+    alone, or a tuple with an integer tensor packed) and messages that do, in one step and
+    from step to step, with more messages queued than header receives are posted ahead."""
+    spec = {"layers": SKIPS_AND_TUPLES, "seed": 6, "batches": [2048, 7, 1000], "chunks": 16}
+    results = cluster2.results("step", balance=[4, 4], schedule=schedule, **spec)
+    check_steps(cases, results, **spec)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_looped_stages_and_deferred_batch_norm(
     cluster2: Any, cases: ModuleType, schedule: str
 ) -> None:
@@ -172,8 +184,13 @@ def random_specs(draw: st.DrawFn) -> dict[str, Any]:
 def test_random_models_match_plain(cluster2: Any, cases: ModuleType, spec: dict[str, Any]) -> None:
     if "bn" in spec["layers"]:
         spec["deferred_batch_norm"] = True
-        if min(spec["batches"]) < 2 * spec["chunks"]:
-            spec["batches"] = [2 * spec["chunks"]] * 2  # batch norm needs 2 samples a chunk
+        # Batch norm needs 2 samples in every micro-batch (a batch of 7 in 3 chunks has a
+        # micro-batch of 1: 3, 3, 1).
+        sizes = [
+            len(part) for b in spec["batches"] for part in torch.arange(b).chunk(spec["chunks"])
+        ]
+        if min(sizes) < 2:
+            spec["batches"] = [2 * spec["chunks"]] * 2
     results = cluster2.results("step", **spec)
     check_steps(
         cases,
@@ -391,3 +408,13 @@ def test_inputs_of_any_kind_across_ranks(cluster2: Any, cases: ModuleType) -> No
         torch.testing.assert_close(grads[name], p.grad, msg=name)
     assert results[0]["output"] is None
     torch.testing.assert_close(results[1]["output"], plain(x))
+
+
+def test_ranks_exit_cleanly_with_a_pipeline_alive(new_cluster: Callable[[int], Any]) -> None:
+    """A process that exits while a pipeline across processes is alive exits with 0 (the
+    transport's threads end before the interpreter shuts down, not during it, which aborted
+    the process: 'terminate called without an active exception')."""
+    cluster = new_cluster(2)
+    cluster.results("leave")
+    cluster.close()
+    assert [process.returncode for process in cluster.processes] == [0, 0]

@@ -4,14 +4,22 @@ With ``GPipe(..., group=group)``, stage ``s`` runs on rank ``s % group.size()`` 
 process group, and :class:`DistributedTransport` carries the messages between stages of
 different ranks with point-to-point sends of ``torch.distributed`` (gloo).
 
-**Channels.** Between two ranks, every message of a run goes in one ordered channel: a
-fixed-size header (what the message is, its tensors' dtypes and shapes, and small
-tensors inline), then, if needed, the rest of the metadata and one payload (the tensor
-itself, or the tensors packed into one buffer). A receiver thread per peer reads the
-headers in order and files each message under its key (:class:`MessageKey`); a stage
-waits for its key in that mailbox. So the order in which stages send never has to match
-the order in which others receive, shapes may change from one run to the next, and every
-wait is a wait on a condition that a timeout, a cancellation or a failure ends.
+**Channels.** Between two ranks, every message of a run starts with a fixed-size header
+(what the message is, its tensors' dtypes and shapes, and small tensors inline), in one
+ordered channel (the pipeline's tag); if needed, the rest of the metadata and one payload
+(the tensor itself, or the tensors packed into one buffer) follow in a second channel (the
+next tag). A receiver thread per peer reads the headers in order and files each message
+under its key (:class:`MessageKey`); a stage waits for its key in that mailbox. So the
+order in which stages send never has to match the order in which others receive, shapes
+may change from one run to the next, and every wait is a wait on a condition that a
+timeout, a cancellation or a failure ends.
+
+**Headers ahead.** gloo moves a message only once its receive is posted (the receiver
+tells the sender it is ready): a receive posted when the previous message is done costs a
+round trip between the processes per message, however many are queued. So each receiver
+thread keeps :data:`HEADERS_AHEAD` header receives posted while a run lasts, and a burst
+of small messages (activations of small micro-batches, gradients) streams; only a payload
+waits for its header.
 
 **A run** is bracketed on every rank by :meth:`DistributedTransport.begin` and
 :meth:`DistributedTransport.finish`. The last message of a run from each rank to each
@@ -19,9 +27,10 @@ other rank says the run is finished there, and whether it went well (it carries 
 losses, from the last stage's rank). A rank whose action raises tells every other rank at
 once (a ``failed`` message), which cancels their waits; every rank then finishes the run,
 and raises: the failing rank its own error, the others a :class:`RemoteStageError` naming
-the failing rank and its action. Between runs no receive is posted, so an idle pipeline
-never runs into the process group's timeout. A rank that dies closes its connections:
-the others fail at once with an error naming it, and refuse later runs.
+the failing rank and its action. A rank that dies closes its connections:
+the others fail at once with an error naming it, and refuse later runs. Between runs the
+header receives posted ahead stay posted, but nothing waits on them, so an idle pipeline
+never runs into the process group's timeout.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import pickle
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +60,10 @@ __all__ = ["DistributedTransport", "RemoteStageError", "check_group", "pipeline_
 HEADER_BYTES = 4096
 _PREFIX = 8  # the metadata's length (4 bytes, little-endian), then 4 bytes of padding
 _ALIGN = 16
-#: The first point-to-point tag gpipe uses; each pipeline on a group takes the next one.
+#: Header receives each receiver thread keeps posted during a run (see "Headers ahead").
+HEADERS_AHEAD = 8
+#: The first point-to-point tag gpipe uses; each pipeline on a group takes the next two
+#: (headers, then payloads).
 TAG_BASE = 0x47500000
 
 _Meta = tuple[Any, ...]
@@ -61,11 +74,12 @@ _tags: dict[tuple[int, ...], int] = {}
 
 def pipeline_tag(group: dist.ProcessGroup) -> int:
     """The point-to-point tag of the next pipeline made on ``group`` in this process
-    (every rank makes its pipelines in the same order, so they agree)."""
+    (every rank makes its pipelines in the same order, so they agree). The pipeline uses
+    this tag for its headers and the next one for its payloads."""
     ranks = tuple(dist.get_process_group_ranks(group))
     count = _tags.get(ranks, 0)
     _tags[ranks] = count + 1
-    return TAG_BASE + count
+    return TAG_BASE + 2 * count
 
 
 def check_group(group: object, name: str = "group") -> dist.ProcessGroup:
@@ -161,7 +175,8 @@ class DistributedTransport(Transport):
         devices: the device of each stage of this rank (others: unused).
         timeout: seconds any wait may last before it fails with an error that says who
             waits for what.
-        tag: the point-to-point tag of this pipeline's messages.
+        tag: the point-to-point tag of this pipeline's headers (``tag + 1``: its
+            payloads).
     """
 
     def __init__(
@@ -197,6 +212,10 @@ class DistributedTransport(Transport):
         self.closed = False
         self.sends: list[tuple[int, dist.Work, Tensor]] = []
         self.sends_lock = threading.Lock()
+        # Each peer's header receives posted ahead, oldest first (its receiver thread's).
+        self.headers: dict[int, deque[tuple[dist.Work, bytearray, Tensor]]] = {
+            peer: deque() for peer in self.peers
+        }
 
     # -- a run ----------------------------------------------------------------------
 
@@ -362,10 +381,23 @@ class DistributedTransport(Transport):
             self.mailbox.clear()
 
     def close(self) -> None:
-        """Stop the receiver threads that wait for a run (idempotent)."""
+        """Stop the receiver threads that wait for a run, and wait (a bounded time) until
+        they have ended (idempotent).
+
+        Joined here, so that they do not end while the interpreter shuts down: a thread
+        that drops the last reference to the process group then would abort the process
+        ("terminate called without an active exception"), as when a script's ``main()``
+        drops the pipeline right before the interpreter exits. A thread in the middle of a
+        receive (a run that never finished) is not waited for longer than a second.
+        """
         with self.cond:
             self.closed = True
             self.cond.notify_all()
+        deadline = time.monotonic() + 1.0
+        current = threading.current_thread()
+        for thread in list(self.threads.values()):
+            if thread is not current:
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     # -- waiting -------------------------------------------------------------------------
 
@@ -445,9 +477,10 @@ class DistributedTransport(Transport):
             parts.append(packed)
         works: list[dist.Work] = []
         with self.send_locks[peer]:
-            for part in parts:
+            for k, part in enumerate(parts):
+                tag = self.tag if k == 0 else self.tag + 1  # the header, then the payload
                 try:
-                    work = dist.isend(part, group=self.group, group_dst=peer, tag=self.tag)
+                    work = dist.isend(part, group=self.group, group_dst=peer, tag=tag)
                 except RuntimeError as error:  # the connection is closed
                     with self.cond:
                         self.dead.setdefault(peer, f"{type(error).__name__}: {error}")
@@ -513,9 +546,7 @@ class DistributedTransport(Transport):
 
     def _receive_one(self, peer: int, run: int) -> bool:
         """Receive one message from ``peer``; False once it said the run is finished."""
-        raw = bytearray(HEADER_BYTES)
-        header = torch.frombuffer(raw, dtype=torch.uint8)
-        self._recv(header, peer)
+        raw, header = self._next_header(peer)
         length = int.from_bytes(raw[0:4], "little")
         if _PREFIX + length <= HEADER_BYTES:
             encoded = bytes(raw[_PREFIX : _PREFIX + length])
@@ -560,8 +591,24 @@ class DistributedTransport(Transport):
             self.cond.notify_all()
         return True
 
+    def _next_header(self, peer: int) -> tuple[bytearray, Tensor]:
+        """``peer``'s next header, with :data:`HEADERS_AHEAD` receives posted ahead of it
+        (each into a buffer of its own: the tensors inline in a header are views of it)."""
+        posted = self.headers[peer]
+        while len(posted) < HEADERS_AHEAD:
+            raw = bytearray(HEADER_BYTES)
+            header = torch.frombuffer(raw, dtype=torch.uint8)
+            work = dist.irecv(header, group=self.group, group_src=peer, tag=self.tag)
+            assert work is not None  # None only for a process outside the group
+            posted.append((work, raw, header))
+        work, raw, header = posted[0]
+        work.wait()
+        posted.popleft()
+        return raw, header
+
     def _recv(self, tensor: Tensor, peer: int) -> None:
-        dist.recv(tensor, group=self.group, group_src=peer, tag=self.tag)
+        """Receive the next payload (or metadata that did not fit in its header)."""
+        dist.recv(tensor, group=self.group, group_src=peer, tag=self.tag + 1)
 
 
 def _describe(key: MessageKey) -> str:

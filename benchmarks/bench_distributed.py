@@ -1,0 +1,319 @@
+"""Stages across processes: gpipe's ``group=`` side by side with torch.distributed.pipelining.
+
+Run it as a script (``python benchmarks/bench_distributed.py``, ``--quick`` for a short
+run), or with ``nox -s bench``. On the CPU, each process with one intra-op thread
+(``torch.set_num_threads(1)``), one training step (forward, loss and backward of the whole
+batch) is timed these ways, interleaved round by round (each way goes first in turn) so
+that the machine's load affects them alike:
+
+- ``plain``: the ``nn.Sequential`` itself on the whole batch, in this process;
+- ``step gpipe`` and ``step 1f1b``: ``GPipe.step`` in this process, each schedule (one
+  worker thread per partition);
+- ``dist gpipe`` and ``dist 1f1b``: ``GPipe(..., group=WORLD).step`` called on every rank
+  of a gloo group, one process (and one stage) per rank;
+- ``pipe gpipe`` and ``pipe 1f1b``: ``torch.distributed.pipelining``'s ``ScheduleGPipe``
+  and ``Schedule1F1B`` on a ``PipelineStage`` per rank, in the same processes.
+
+The ``dist`` and ``pipe`` ways of a case run in the same processes (started by this script,
+``torch.multiprocessing`` spawn, gloo on 127.0.0.1); a step starts on every rank after a
+barrier and is timed from there to the last rank's end. Cases (the models of
+``bench_step.py``, no checkpointing):
+
+- fixed-time stages at 2 and 4 processes, M8: each partition is an autograd function whose
+  forward and backward each sleep ``t`` (releasing the GIL), so the ideal step takes
+  ``2 (m + n - 1) t``; ratios are to that ideal (4 processes on 2 cores work: the sleeps
+  free the cores);
+- an MLP and a transformer-block stack at 2 processes, M4: ratios to ``plain``, and gpipe's
+  ``dist`` ways relative to pipelining's with the same schedule;
+- a tiny model (one ``Linear(4, 4)`` per partition) at 2 processes, M32: the overhead per
+  task, ``(time - plain) / (n * m)`` in microseconds.
+
+Times are medians over the timed steps, after two warm-up steps per way. The targets are
+printed at the end as PASS or FAIL lines; a FAIL does not change the exit status (a loaded
+machine can fail a timing), but a way that fails to run (a rank raises, dies or does not
+answer in time) makes the script exit 1 after printing what it measured. Every wait for
+another process is bounded, and every process is ended and reaped, also on failure. Only
+ratios within one run are meaningful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _step_models import (
+    RANK_WAYS,
+    Case,
+    Check,
+    Ranks,
+    Runner,
+    Sizes,
+    failed,
+    measure,
+    mlp_case,
+    ms,
+    parallel_speedup,
+    pipelining_check,
+    plain_runner,
+    print_table,
+    print_targets,
+    sleep_case,
+    timed,
+    tiny_case,
+    transformer_case,
+)
+from gpipe_core import GPipe
+
+SCHEDULES = ("gpipe", "1f1b")
+CASES = ("fixed-time", "mlp", "transformer", "tiny")
+WAYS = ("plain", "step gpipe", "step 1f1b", *RANK_WAYS)
+#: Seconds any wait for a rank may last (a step, the start of the processes).
+TIMEOUT = 120.0
+
+
+def _stepper(
+    model: GPipe, x: torch.Tensor, y: torch.Tensor, loss_fn: Any, schedule: str
+) -> Callable[[], object]:
+    return lambda: model.step(x, y, loss_fn, schedule=schedule)
+
+
+class Ways:
+    """Builds the runners of one case; keeps the case's ranks until :meth:`close`."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.groups: list[tuple[str, Ranks]] = []
+        #: Ranks that exited with a non-zero code after their case: (case, exit codes).
+        self.bad_exits: list[tuple[str, list[int | None]]] = []
+
+    def build(self, case: Case, ways: Sequence[str]) -> dict[str, Runner | str]:
+        runners: dict[str, Runner | str] = {}
+        if "plain" in ways:
+            runners["plain"] = plain_runner(case)
+        local = [way for way in ways if way.startswith("step ")]
+        if local:
+            model = GPipe(
+                case.model(), case.balance, chunks=case.chunks, checkpoint=case.checkpoint
+            )
+            x, y = case.data()
+            loss_fn = case.loss_fn()
+            for way in local:
+                runners[way] = timed(model, _stepper(model, x, y, loss_fn, way.split()[1]))
+        remote = [way for way in ways if way in RANK_WAYS]
+        reason = pipelining_check()
+        if reason is not None:
+            for way in remote:
+                if way.startswith("pipe "):
+                    runners[way] = reason
+            remote = [way for way in remote if not way.startswith("pipe ")]
+        if remote:
+            try:
+                group = Ranks(case, remote, self.threads, TIMEOUT)
+            except Exception as error:
+                for way in remote:
+                    runners[way] = failed(error)
+            else:
+                self.groups.append((case.name, group))
+                for way in remote:
+                    runners[way] = lambda group=group, way=way: group.step(way)  # type: ignore[misc]
+        return {way: runners[way] for way in ways}
+
+    def close(self) -> None:
+        """End the ranks of the case; note those that do not exit with 0."""
+        for name, group in self.groups:
+            alive = bool(group.processes)  # not closed after a failure already reported
+            codes = group.close()
+            if alive and any(code != 0 for code in codes):
+                self.bad_exits.append((name, codes))
+        self.groups.clear()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, smaller models")
+    parser.add_argument("--rounds", type=int, default=None, help="timed steps per way and case")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads per process (default 1)"
+    )
+    parser.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help=f"comma-separated cases to run, among {', '.join(CASES)} (default: all)",
+    )
+    args, _ = parser.parse_known_args(argv)  # nox -s bench passes its arguments to every script
+    torch.set_num_threads(args.threads)
+    quick = args.quick
+    rounds = args.rounds or (3 if quick else 10)
+    sizes = Sizes.of(quick)
+    mlp, transformer, tiny = mlp_case(sizes), transformer_case(sizes), tiny_case()
+
+    print(
+        f"Stages across processes: CPU, torch {torch.__version__}, intra-op threads "
+        f"{torch.get_num_threads()} per process (torch.set_num_threads({args.threads})), "
+        f"{os.cpu_count()} cores, {rounds} rounds (medians), ways interleaved"
+    )
+    print(f"  {sizes.describe(('fixed-time', 'MLP', 'transformer'))}; tiny: Linear(4, 4) per stage")
+    load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
+    print(
+        f"  load average {load}; two threads run {parallel_speedup():.2f}x as fast as one on "
+        "independent matmuls (2.00 on two idle cores; less when other processes use them)"
+    )
+    print()
+
+    chosen = [name.strip() for name in args.cases.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in CASES]
+    if unknown:
+        parser.error(f"unknown cases: {', '.join(unknown)} (known: {', '.join(CASES)})")
+    # Each case with its ways and rounds: fixed-time steps are long (no plain: its ideal is
+    # known), tiny ones short.
+    plan: list[tuple[Case, Sequence[str], int]] = []
+    if "fixed-time" in chosen:
+        for n in (2, 4):
+            plan.append((sleep_case(n, 8, sizes.sleep), WAYS[1:], max(2, rounds // 2)))
+    if "mlp" in chosen:
+        plan.append((mlp, WAYS, rounds))
+    if "transformer" in chosen:
+        plan.append((transformer, WAYS, rounds))
+    if "tiny" in chosen:
+        plan.append((tiny, WAYS, rounds * 10))
+
+    ways = Ways(args.threads)
+    results: dict[str, dict[str, Any]] = {}
+    ideals: dict[str, float] = {}
+    try:
+        for case, names, case_rounds in plan:
+            results[case.name] = measure(ways.build(case, names), case_rounds)
+            ways.close()
+            if case.ideal is not None:
+                ideals[case.name] = case.ideal
+            print(f"  measured {case.name}", file=sys.stderr, flush=True)
+    finally:
+        ways.close()
+
+    # Step times --------------------------------------------------------------------------------
+    print("Step time, ms (medians)")
+    rows = []
+    for case_name, r in results.items():
+        rows.append([case_name, *(ms(r[w]) if isinstance(r.get(w), float) else "-" for w in WAYS)])
+    print_table(["case", *WAYS], rows)
+    print()
+
+    rows = []
+    for case_name, r in results.items():
+        ideal = ideals.get(case_name)
+        ref = ideal if ideal is not None else r["plain"]
+        if case_name == tiny.name or not isinstance(ref, float):
+            continue  # the tiny model's plain is almost nothing: see its overhead per task
+        row = [case_name, "ideal" if ideal is not None else "plain", ms(ref)]
+        for way in WAYS:
+            value = r.get(way)
+            row.append(f"{value / ref:.2f}" if isinstance(value, float) else "-")
+        rows.append(row)
+    if rows:
+        print("Step time relative to the reference (lower is better)")
+        print_table(["case", "reference", "ref ms", *WAYS], rows)
+        print()
+
+    print("gpipe across processes relative to pipelining, same schedule (lower is better)")
+    rows = []
+    versus: dict[tuple[str, str], float | None] = {}
+    for case_name, r in results.items():
+        row = [case_name]
+        for schedule in SCHEDULES:
+            ours, theirs = r.get(f"dist {schedule}"), r.get(f"pipe {schedule}")
+            ratio = ours / theirs if isinstance(ours, float) and isinstance(theirs, float) else None
+            versus[case_name, schedule] = ratio
+            row.append("-" if ratio is None else f"{ratio:.2f}")
+        rows.append(row)
+    print_table(["case", "dist/pipe gpipe", "dist/pipe 1f1b"], rows)
+    print()
+
+    overhead: dict[str, float | None] = {}
+    if tiny.name in results:
+        tasks = len(tiny.balance) * tiny.chunks
+        r = results[tiny.name]
+        plain = r["plain"]
+        rows = []
+        for way in WAYS[1:]:
+            value = r.get(way)
+            ok = isinstance(value, float) and isinstance(plain, float)
+            per_task = (value - plain) / tasks * 1e6 if ok else None
+            overhead[way] = per_task
+            rows.append([way, "-" if per_task is None else f"{per_task:.0f}"])
+        print(
+            f"Overhead per task, {tiny.name} (Linear(4, 4) per partition): (time - plain) / "
+            "(n * m), "
+            + (f"plain {plain * 1e3:.2f} ms per step" if isinstance(plain, float) else "no plain")
+        )
+        print_table(["way", "us per task"], rows)
+        print()
+
+    problems = {
+        f"{case_name}: {way}": value
+        for case_name, r in results.items()
+        for way, value in r.items()
+        if isinstance(value, str)
+    }
+    if problems:
+        print("Ways that did not run:")
+        for name, reason in problems.items():
+            print(f"  {name}: {reason}")
+        print()
+
+    # Targets -----------------------------------------------------------------------------------
+    checks: list[Check] = []
+    for case_name, ideal in ideals.items():
+        for schedule in SCHEDULES:
+            value = results[case_name].get(f"dist {schedule}")
+            checks.append(
+                (
+                    f"{case_name}: dist {schedule} / ideal <= 1.05",
+                    value / ideal if isinstance(value, float) else None,
+                    1.05,
+                )
+            )
+    for case in (mlp, transformer):
+        if case.name not in results:
+            continue
+        for schedule in SCHEDULES:
+            checks.append(
+                (
+                    f"{case.name}: dist {schedule} / pipe {schedule} <= 0.90",
+                    versus[case.name, schedule],
+                    0.90,
+                )
+            )
+    for schedule in SCHEDULES if tiny.name in results else ():
+        checks.append(
+            (
+                f"{tiny.name}: dist {schedule} overhead per task <= 150 us",
+                overhead[f"dist {schedule}"],
+                150.0,
+            )
+        )
+    load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
+    print(
+        f"At the end, load average {load}; two threads run {parallel_speedup():.2f}x as fast as "
+        "one on independent matmuls"
+    )
+    print()
+    print_targets(checks)
+
+    failures = [name for name, value in problems.items() if value.startswith("failed")]
+    failures += [f"{name}: ranks exited with codes {codes}" for name, codes in ways.bad_exits]
+    if failures:
+        print()
+        print(f"{len(failures)} failure(s): {'; '.join(failures)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
