@@ -112,3 +112,16 @@ def test_run_demo_is_deterministic_for_a_seed() -> None:
     b = run_demo(config)
     assert a.first_loss == b.first_loss
     assert a.final_loss == b.final_loss
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    import gpipe
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"gpipe {gpipe.__version__} (torch ")
+    assert torch.__version__ in out

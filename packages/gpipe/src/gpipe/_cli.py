@@ -7,6 +7,9 @@ import os
 import sys
 from collections.abc import Sequence
 from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
+
+from .__about__ import __version__
 
 __all__ = ["build_parser", "main"]
 
@@ -16,10 +19,24 @@ LAYERS = 8
 _PROCESSES_ONLY = ("schedule", "log_every", "timeout")
 
 
+def _torch_version() -> str:
+    """The installed torch's version, read without importing torch."""
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m gpipe``."""
     parser = argparse.ArgumentParser(
         prog="python -m gpipe", description="GPipe pipeline parallelism for PyTorch."
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"gpipe {__version__} (torch {_torch_version()})",
+        help="print gpipe's and torch's versions and exit",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
