@@ -621,3 +621,17 @@ def test_cuda_times_are_resolved_after_the_block(devices: list[str], tmp_path: P
             assert task.start_ns >= forward[j - 1, i].end_ns - 50_000  # clock alignment slack
     timeline.to_chrome_trace(tmp_path / "trace.json")
     check_chrome_trace(json.loads((tmp_path / "trace.json").read_text()), 2)
+
+
+@pytest.mark.parametrize(
+    ("balance", "chunks", "batch", "head"),
+    [
+        ([1], 1, 2, "timeline: 1 partition, 1 forward pass of 1 micro-batch, "),
+        ([1, 1], 4, 8, "timeline: 2 partitions, 1 forward pass of 4 micro-batches, "),
+    ],
+)
+def test_summary_counts_in_words(balance: list[int], chunks: int, batch: int, head: str) -> None:
+    pipe = GPipe(nn.Sequential(*[nn.Linear(2, 2) for _ in balance]), balance, chunks=chunks)
+    with pipe.trace() as timeline:
+        pipe(torch.randn(batch, 2))
+    assert str(timeline.summary()).startswith(head)

@@ -167,10 +167,11 @@ class TimelineSummary:
 
     def __str__(self) -> str:
         m = sorted(set(self.microbatches))
+        sizes = "/".join(str(x) for x in m) or "0"
         lines = [
-            f"timeline: {len(self.partitions)} partitions, "
-            f"{len(self.microbatches)} forward passes of "
-            f"{'/'.join(str(x) for x in m) or 0} micro-batches, "
+            f"timeline: {_count(len(self.partitions), 'partition')}, "
+            f"{_count(len(self.microbatches), 'forward pass', 'forward passes')} of {sizes} "
+            f"micro-batch{'' if sizes == '1' else 'es'}, "
             f"{self.span_s * 1e3:.3f} ms in passes",
             f"{'partition':<10} {'device':<8} {'busy ms':>10} {'idle ms':>10} {'bubble':>7}",
         ]
@@ -474,3 +475,8 @@ def _track_name(pid: int, tid: int, name: str, order: int) -> list[dict[str, Any
             "args": {"sort_index": order},
         },
     ]
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    """``n`` with its noun: ``1 partition``, ``2 partitions``."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
