@@ -53,7 +53,7 @@ from torch import Tensor
 from ._schedule import Action
 from ._transport import Cancelled, Message, MessageKey, Transport, carried, outgoing
 
-__all__ = ["DistributedTransport", "RemoteStageError", "check_group", "pipeline_tag"]
+__all__ = ["DistributedTransport", "RemoteStageError", "check_group", "lanes", "pipeline_tag"]
 
 #: Bytes of the header that starts every message: its length, the pickled metadata,
 #: and small tensors inline.
@@ -177,6 +177,9 @@ class DistributedTransport(Transport):
             waits for what.
         tag: the point-to-point tag of this pipeline's headers (``tag + 1``: its
             payloads).
+        downstream: a second process group of ``group``'s ranks (see :func:`lanes`):
+            messages to a higher rank go on ``group``, to a lower one on this, so that
+            each connection carries one direction (default: ``group`` for both).
     """
 
     def __init__(
@@ -187,8 +190,19 @@ class DistributedTransport(Transport):
         *,
         timeout: float,
         tag: int,
+        downstream: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = group
+        # Each peer's group and its rank there, for messages to it and from it.
+        other = group if downstream is None else downstream
+        self.to_lane = {
+            peer: (group, peer) if peer > group.rank() else _lane(other, group, peer)
+            for peer in range(group.size())
+        }
+        self.from_lane = {
+            peer: (group, peer) if peer < group.rank() else _lane(other, group, peer)
+            for peer in range(group.size())
+        }
         self.rank = group.rank()
         self.stage_ranks = list(stage_ranks)
         self.devices = list(devices)
@@ -480,7 +494,8 @@ class DistributedTransport(Transport):
             for k, part in enumerate(parts):
                 tag = self.tag if k == 0 else self.tag + 1  # the header, then the payload
                 try:
-                    work = dist.isend(part, group=self.group, group_dst=peer, tag=tag)
+                    lane, there = self.to_lane[peer]
+                    work = dist.isend(part, group=lane, group_dst=there, tag=tag)
                 except RuntimeError as error:  # the connection is closed
                     with self.cond:
                         self.dead.setdefault(peer, f"{type(error).__name__}: {error}")
@@ -598,7 +613,8 @@ class DistributedTransport(Transport):
         while len(posted) < HEADERS_AHEAD:
             raw = bytearray(HEADER_BYTES)
             header = torch.frombuffer(raw, dtype=torch.uint8)
-            work = dist.irecv(header, group=self.group, group_src=peer, tag=self.tag)
+            lane, there = self.from_lane[peer]
+            work = dist.irecv(header, group=lane, group_src=there, tag=self.tag)
             assert work is not None  # None only for a process outside the group
             posted.append((work, raw, header))
         work, raw, header = posted[0]
@@ -608,7 +624,31 @@ class DistributedTransport(Transport):
 
     def _recv(self, tensor: Tensor, peer: int) -> None:
         """Receive the next payload (or metadata that did not fit in its header)."""
-        dist.recv(tensor, group=self.group, group_src=peer, tag=self.tag + 1)
+        lane, there = self.from_lane[peer]
+        dist.recv(tensor, group=lane, group_src=there, tag=self.tag + 1)
+
+
+def lanes(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """A second process group of ``group``'s ranks, for the messages to lower ranks (None
+    for a group of one). Only ``group``'s ranks make it, together.
+
+    gloo's connection between two processes serves one message at a time in both
+    directions: with the messages of one direction on a connection of their own, a
+    send does not wait behind a receive (1F1B sends both ways at once).
+    """
+    if group.size() < 2:
+        return None
+    ranks = dist.get_process_group_ranks(group)
+    lane = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    assert isinstance(lane, dist.ProcessGroup)  # this process is one of ranks
+    return lane
+
+
+def _lane(
+    lane: dist.ProcessGroup, group: dist.ProcessGroup, peer: int
+) -> tuple[dist.ProcessGroup, int]:
+    """``lane`` and the rank there of ``group``'s rank ``peer``."""
+    return lane, dist.get_group_rank(lane, dist.get_global_rank(group, peer))
 
 
 def _describe(key: MessageKey) -> str:

@@ -331,7 +331,7 @@ class GPipe(nn.Module):
         self._data_group = data_group
         self._timeout = _check_timeout(timeout, group if group is not None else data_group)
         if group is not None or data_group is not None:
-            from ._distributed import check_group, pipeline_tag
+            from ._distributed import check_group, lanes, pipeline_tag
         if data_group is not None:
             check_group(data_group, "data_group")
         if group is not None:
@@ -363,6 +363,9 @@ class GPipe(nn.Module):
             self._rank = group.rank()
             self.stage_ranks = [j % size for j in range(n)]
             self._tag = pipeline_tag(group)
+            # Every rank of the group makes it, here: constructing the pipeline is
+            # collective over the group, as its steps are.
+            self._downstream = lanes(group)
         local = [rank == self._rank for rank in self.stage_ranks]
         self.devices = (
             _stage_devices(devices, local) if group is not None else resolve_devices(devices, n)
@@ -421,7 +424,12 @@ class GPipe(nn.Module):
 
             assert self._group is not None
             transport = DistributedTransport(
-                self._group, self.stage_ranks, self.devices, timeout=self._timeout, tag=self._tag
+                self._group,
+                self.stage_ranks,
+                self.devices,
+                timeout=self._timeout,
+                tag=self._tag,
+                downstream=self._downstream,
             )
             weakref.finalize(self, transport.close)
             self._transport = transport
