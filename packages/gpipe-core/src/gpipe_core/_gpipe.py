@@ -895,12 +895,15 @@ class GPipe(nn.Module):
         with self._session() as session:
             losses = self._step(*args)
             if losses is not None:
-                session.payload = ([loss.cpu() for loss in losses], losses.sizes, losses.reduction)
+                # As numbers (exact for every float dtype): pickling tensors is slow.
+                values = [loss.item() for loss in losses]
+                dtype = losses[0].dtype if len(losses) else torch.float32
+                session.payload = (values, dtype, losses.sizes, losses.reduction)
         if losses is not None:
             return losses
         # Every rank returns the losses of the last partition's rank.
-        values, sizes, reduction = session.payloads[self.stage_ranks[-1]]
-        return Losses(values, sizes, reduction)
+        values, dtype, sizes, reduction = session.payloads[self.stage_ranks[-1]]
+        return Losses([torch.tensor(value, dtype=dtype) for value in values], sizes, reduction)
 
     def _average_gradients(self, *, failed: bool) -> None:
         """Average this rank's gradients over the data-parallel group, once per step: one
