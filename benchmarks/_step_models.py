@@ -469,6 +469,33 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence[str]], first: int
 Check = tuple[str, "float | None", float]
 
 
+def print_unrun(reasons: dict[str, str]) -> None:
+    """List the ways that did not run, and why (nothing when every way ran)."""
+    if reasons:
+        print("Ways that did not run:")
+        for name, reason in reasons.items():
+            print(f"  {name}: {reason}")
+        print()
+
+
+def ideal_checks(
+    ideals: dict[str, float], results: dict[str, dict[str, Any]], kind: str, bound: float
+) -> list[Check]:
+    """For each fixed-time case and schedule: way ``'<kind> <schedule>'`` / ideal <= bound."""
+    checks: list[Check] = []
+    for case_name, ideal in ideals.items():
+        for schedule in ("gpipe", "1f1b"):
+            value = results[case_name].get(f"{kind} {schedule}")
+            checks.append(
+                (
+                    f"{case_name}: {kind} {schedule} / ideal <= {bound:g}",
+                    value / ideal if isinstance(value, float) else None,
+                    bound,
+                )
+            )
+    return checks
+
+
 def print_targets(checks: Sequence[Check]) -> None:
     """The targets as PASS or FAIL lines (a value not measured fails)."""
     print("Targets")

@@ -56,6 +56,7 @@ from _step_models import (
     Runner,
     Sizes,
     failed,
+    ideal_checks,
     measure,
     mlp_case,
     ms,
@@ -64,6 +65,7 @@ from _step_models import (
     plain_runner,
     print_table,
     print_targets,
+    print_unrun,
     sleep_case,
     timed,
     tiny_case,
@@ -261,24 +263,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for way, value in r.items()
         if isinstance(value, str)
     }
-    if problems:
-        print("Ways that did not run:")
-        for name, reason in problems.items():
-            print(f"  {name}: {reason}")
-        print()
+    print_unrun(problems)
 
     # Targets -----------------------------------------------------------------------------------
-    checks: list[Check] = []
-    for case_name, ideal in ideals.items():
-        for schedule in SCHEDULES:
-            value = results[case_name].get(f"dist {schedule}")
-            checks.append(
-                (
-                    f"{case_name}: dist {schedule} / ideal <= 1.05",
-                    value / ideal if isinstance(value, float) else None,
-                    1.05,
-                )
-            )
+    checks: list[Check] = ideal_checks(ideals, results, "dist", 1.05)
     for case in (mlp, transformer):
         if case.name not in results:
             continue

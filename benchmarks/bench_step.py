@@ -62,6 +62,7 @@ from _step_models import (
     SavedBytes,
     Sizes,
     cnn_case,
+    ideal_checks,
     measure,
     mlp_case,
     ms,
@@ -70,6 +71,7 @@ from _step_models import (
     plain_runner,
     print_table,
     print_targets,
+    print_unrun,
     sleep_case,
     timed,
     tiny_case,
@@ -427,24 +429,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     print_table(["case", "after fwd", "peak", "theory", "peak/theory", "left"], rows)
     print()
 
-    if reasons:
-        print("Ways that did not run:")
-        for name, reason in reasons.items():
-            print(f"  {name}: {reason}")
-        print()
+    print_unrun(reasons)
 
     # Targets ---------------------------------------------------------------------------------
-    checks: list[Check] = []
-    for case_name, ideal in ideals.items():
-        for schedule in SCHEDULES:
-            value = results[case_name].get(f"step {schedule}")
-            checks.append(
-                (
-                    f"{case_name}: step {schedule} / ideal <= 1.03",
-                    value / ideal if isinstance(value, float) else None,
-                    1.03,
-                )
-            )
+    checks: list[Check] = ideal_checks(ideals, results, "step", 1.03)
     r = results["MLP P2 M4"]
     for schedule in SCHEDULES:
         value = r.get(f"step {schedule}")
