@@ -799,6 +799,13 @@ class GPipe(nn.Module):
         step); deferred batch norms drop the step's statistics. The model is ready for
         the next step.
 
+        With ``group`` (across processes), every rank calls the step with the same
+        arguments: the first partition's rank uses ``input`` and the last partition's rank
+        ``target`` (``None`` is accepted where a value is unused), and every rank returns
+        the last rank's losses. An error on any rank ends the step on every rank (the
+        others raise :class:`~gpipe_core.RemoteStageError`). With ``data_group``, the
+        gradients are then averaged over the replicas (see :doc:`/distributed`).
+
         ``input`` is what ``model(input)`` takes: one value, a tuple passed as one value;
         with ``unpack_input=True`` a tuple is the first layer's positional arguments, as
         in ``model(*input)``. Its tensors are split into micro-batches, and a
