@@ -122,6 +122,10 @@ class Join(nn.Module):
         return x * mask.to(x.dtype) + x
 
 
+#: A value too long for a message's header: its metadata follows the header.
+TAG = "tag" * 2000
+
+
 class Masked(nn.Module):
     """Several positional inputs; a tuple with values that are not tensors out."""
 
@@ -132,13 +136,13 @@ class Masked(nn.Module):
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor, scale: float
     ) -> tuple[torch.Tensor, float, None, str]:
-        return self.linear(x) * mask * scale, scale, None, "tag"
+        return self.linear(x) * mask * scale, scale, None, TAG
 
 
 class Unmask(nn.Module):
     def forward(self, value: tuple[torch.Tensor, float, None, str]) -> torch.Tensor:
         x, scale, nothing, tag = value
-        assert nothing is None and tag == "tag"
+        assert nothing is None and tag == TAG
         return x / scale
 
 

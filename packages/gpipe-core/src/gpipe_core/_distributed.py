@@ -58,7 +58,10 @@ __all__ = ["DistributedTransport", "RemoteStageError", "check_group", "lanes", "
 #: Bytes of the header that starts every message: its length, the pickled metadata,
 #: and small tensors inline.
 HEADER_BYTES = 4096
-_PREFIX = 8  # the metadata's length (4 bytes, little-endian), then 4 bytes of padding
+_PREFIX = 8  # the metadata's length (4 bytes, little-endian), the layout, 3 bytes of padding
+#: How a message's tensors travel: none, in the header, as one payload of the tensor
+#: itself, or packed into one payload (the header's fifth byte).
+_LAYOUTS = ("none", "inline", "single", "packed")
 _ALIGN = 16
 #: Header receives each receiver thread keeps posted during a run (see "Headers ahead").
 HEADERS_AHEAD = 8
@@ -153,17 +156,39 @@ def _bytes(tensor: Tensor) -> Tensor:
     return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
-def _unpack(
-    buffer: Tensor, offset: int, specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]
-) -> list[Tensor]:
-    """Tensors of ``specs``, views of ``buffer`` from ``offset`` on (each aligned)."""
-    tensors = []
-    for dtype, shape in specs:
-        offset = _aligned(offset)
-        size = torch.Size(shape).numel() * dtype.itemsize
-        tensors.append(buffer[offset : offset + size].view(dtype).view(shape))
-        offset += size
-    return tensors
+_Specs = Sequence[tuple[torch.dtype, tuple[int, ...]]]
+
+
+def _placed(start: int, sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Where chunks of ``sizes`` bytes go in a buffer from ``start`` on (each aligned),
+    and where the last one ends."""
+    offsets = []
+    end = start
+    for size in sizes:
+        end = _aligned(end)
+        offsets.append(end)
+        end += size
+    return offsets, end
+
+
+def _nbytes(specs: _Specs) -> list[int]:
+    return [torch.Size(shape).numel() * dtype.itemsize for dtype, shape in specs]
+
+
+def _pack(buffer: Tensor, offsets: Sequence[int], chunks: Sequence[Tensor]) -> None:
+    """Copy ``chunks`` (flat uint8 tensors) into ``buffer`` at ``offsets``."""
+    for offset, chunk in zip(offsets, chunks, strict=True):
+        buffer[offset : offset + len(chunk)].copy_(chunk)
+
+
+def _unpack(buffer: Tensor, start: int, specs: _Specs) -> list[Tensor]:
+    """Tensors of ``specs``, views of ``buffer`` placed from ``start`` on."""
+    sizes = _nbytes(specs)
+    offsets, _ = _placed(start, sizes)
+    return [
+        buffer[offset : offset + size].view(dtype).view(shape)
+        for offset, size, (dtype, shape) in zip(offsets, sizes, specs, strict=True)
+    ]
 
 
 class DistributedTransport(Transport):
@@ -442,53 +467,34 @@ class DistributedTransport(Transport):
         data = [_bytes(tensor) for tensor in tensors]
         specs = [(tensor.dtype, tuple(tensor.shape)) for tensor in tensors]
         sizes = [len(chunk) for chunk in data]
-        # How the tensors travel: in the header, as themselves (one), or packed.
-        inline_end = 0
-        layout = "packed"
-        if not data:
-            layout = "none"
-        elif len(data) == 1 and sizes[0] > HEADER_BYTES // 2:
-            layout = "single"
-        encoded = pickle.dumps((self.run, meta, specs, layout), protocol=pickle.HIGHEST_PROTOCOL)
-        room = _PREFIX + len(encoded)
-        if data and layout == "packed":
-            end = room
-            for size in sizes:
-                end = _aligned(end) + size
-            if end <= HEADER_BYTES:
-                layout, inline_end = "inline", end
-                encoded = pickle.dumps(
-                    (self.run, meta, specs, layout), protocol=pickle.HIGHEST_PROTOCOL
-                )
+        encoded = pickle.dumps((self.run, meta, specs), protocol=pickle.HIGHEST_PROTOCOL)
         raw = bytearray(HEADER_BYTES)
         header = torch.frombuffer(raw, dtype=torch.uint8)
         raw[0:4] = len(encoded).to_bytes(4, "little")
         parts = [header]
         if _PREFIX + len(encoded) <= HEADER_BYTES:
             raw[_PREFIX : _PREFIX + len(encoded)] = encoded
-            offset = _PREFIX + len(encoded)
+            start = _PREFIX + len(encoded)
         else:
             parts.append(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
-            offset = _PREFIX
-        if layout == "inline":
-            assert inline_end and offset == room
-            for chunk in data:
-                offset = _aligned(offset)
-                header[offset : offset + len(chunk)].copy_(chunk)
-                offset += len(chunk)
-        elif layout == "single":
+            start = HEADER_BYTES  # nothing fits inline
+        # How the tensors travel: in the header, as themselves (one large), or packed.
+        offsets, end = _placed(start, sizes)
+        if not data:
+            layout = "none"
+        elif end <= HEADER_BYTES:
+            layout = "inline"
+            _pack(header, offsets, data)
+        elif len(data) == 1:
+            layout = "single"
             parts.append(data[0])
-        elif layout == "packed":
-            total = 0
-            for size in sizes:
-                total = _aligned(total) + size
+        else:
+            layout = "packed"
+            offsets, total = _placed(0, sizes)
             packed = torch.empty(total, dtype=torch.uint8)
-            offset = 0
-            for chunk in data:
-                offset = _aligned(offset)
-                packed[offset : offset + len(chunk)].copy_(chunk)
-                offset += len(chunk)
+            _pack(packed, offsets, data)
             parts.append(packed)
+        raw[4] = _LAYOUTS.index(layout)
         works: list[dist.Work] = []
         with self.send_locks[peer]:
             for k, part in enumerate(parts):
@@ -563,28 +569,27 @@ class DistributedTransport(Transport):
         """Receive one message from ``peer``; False once it said the run is finished."""
         raw, header = self._next_header(peer)
         length = int.from_bytes(raw[0:4], "little")
+        layout = _LAYOUTS[raw[4]]
         if _PREFIX + length <= HEADER_BYTES:
             encoded = bytes(raw[_PREFIX : _PREFIX + length])
-            offset = _PREFIX + length
+            start = _PREFIX + length
         else:
             extra = bytearray(length)
             self._recv(torch.frombuffer(extra, dtype=torch.uint8), peer)
-            encoded, offset = bytes(extra), _PREFIX
-        sent_run, meta, specs, layout = pickle.loads(encoded)
+            encoded, start = bytes(extra), HEADER_BYTES
+        sent_run, meta, specs = pickle.loads(encoded)
         if sent_run != run:
             raise RuntimeError(f"rank {peer} sent a message of run {sent_run} during run {run}")
         tensors: list[Tensor] = []
         if layout == "inline":
-            tensors = _unpack(header, offset, specs)
+            tensors = _unpack(header, start, specs)
         elif layout == "single":
             dtype, shape = specs[0]
             tensor = torch.empty(shape, dtype=dtype)
             self._recv(tensor.reshape(-1).view(torch.uint8), peer)
             tensors = [tensor]
         elif layout == "packed":
-            total = 0
-            for dtype, shape in specs:
-                total = _aligned(total) + torch.Size(shape).numel() * dtype.itemsize
+            _, total = _placed(0, _nbytes(specs))
             packed = torch.empty(total, dtype=torch.uint8)
             self._recv(packed, peer)
             tensors = _unpack(packed, 0, specs)
