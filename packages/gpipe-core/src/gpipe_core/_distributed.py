@@ -41,6 +41,7 @@ import pickle
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -633,9 +634,15 @@ class DistributedTransport(Transport):
         dist.recv(tensor, group=lane, group_src=there, tag=self.tag + 1)
 
 
+_lanes: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def lanes(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
     """A second process group of ``group``'s ranks, for the messages to lower ranks (None
-    for a group of one). Only ``group``'s ranks make it, together.
+    for a group of one). The first pipeline on ``group`` makes it, on every rank of
+    ``group`` together (only them); the pipelines made after it on ``group`` share it.
 
     gloo's connection between two processes serves one message at a time in both
     directions: with the messages of one direction on a connection of their own, a
@@ -643,9 +650,12 @@ def lanes(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
     """
     if group.size() < 2:
         return None
-    ranks = dist.get_process_group_ranks(group)
-    lane = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-    assert isinstance(lane, dist.ProcessGroup)  # this process is one of ranks
+    lane = _lanes.get(group)
+    if lane is None:
+        ranks = dist.get_process_group_ranks(group)
+        made = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        assert isinstance(made, dist.ProcessGroup)  # this process is one of ranks
+        lane = _lanes[group] = made
     return lane
 
 
