@@ -102,7 +102,8 @@ def run(
             actions that process runs.
         transport: carries messages between them.
         actions: each stage's action list.
-        inputs: the micro-batches, on the first stage's device.
+        inputs: the micro-batches, on the first stage's device (none where the first stage
+            runs in another process).
         pool: the workers, one per stage.
         state: the caller's thread state, applied in every worker.
         threaded: run each stage of this process on its worker; otherwise in the
