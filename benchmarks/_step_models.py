@@ -371,6 +371,21 @@ def plain_runner(case: Case) -> Runner:
     return timed(model, lambda: loss_fn(model(x), y).backward())
 
 
+def plain_microbatched_runner(case: Case) -> Runner:
+    """The ``nn.Sequential`` on the micro-batches, one after the other, in this process
+    (each loss scaled by its share of the batch, as the pipeline's are)."""
+    model = case.model()
+    x, y = case.data()
+    loss_fn = case.loss_fn()
+    pairs = list(zip(x.tensor_split(case.chunks), y.tensor_split(case.chunks), strict=True))
+
+    def step() -> None:
+        for xs, ys in pairs:
+            (loss_fn(model(xs), ys) * (len(xs) / len(x))).backward()
+
+    return timed(model, step)
+
+
 def measure(runners: dict[str, Runner | str], rounds: int, warmup: int = 2) -> dict[str, Any]:
     """Median seconds per way (or the reason a way did not run), interleaved round by round
     (each way goes first in turn). A way that raises gets ``'failed: ...'``."""
@@ -494,6 +509,42 @@ def ideal_checks(
                 )
             )
     return checks
+
+
+def print_fixed_time(
+    cases: Sequence[Case], results: dict[str, dict[str, Any]], ways: Sequence[str]
+) -> None:
+    """The fixed-time cases against two ideals: ``2 (m + n - 1) t`` and the same with the
+    time a stage takes on this machine, measured in the same run.
+
+    ``plain mb`` runs the ``n m`` forwards and backwards of the stages one after the other,
+    so it takes ``2 n m`` times a stage's time: its ratio to ``2 n m t`` is what a stage
+    takes beyond ``t`` here (the sleep's overshoot and waking after it), which no way can
+    avoid; each way's time over the ideal scaled by that ratio is what the way adds.
+    """
+    rows = []
+    for case in cases:
+        r = results.get(case.name, {})
+        serial = r.get("plain mb")
+        if case.ideal is None or not isinstance(serial, float):
+            continue
+        n, m = len(case.balance), case.chunks
+        stage = serial / (case.ideal * n * m / (m + n - 1))  # a stage's time over t
+        for way in ways:
+            value = r.get(way)
+            if way == "plain mb" or not isinstance(value, float):
+                continue
+            ratio = value / case.ideal
+            rows.append(
+                [f"{case.name} {way}", f"{stage:.3f}", f"{ratio:.3f}", f"{ratio / stage:.3f}"]
+            )
+    if rows:
+        print(
+            "Fixed-time stages: a stage's time here / t (plain mb / 2 n m t), and each way / "
+            "ideal, before and after scaling the ideal by it"
+        )
+        print_table(["case", "stage / t", "/ ideal", "/ ideal x stage/t"], rows, first=28)
+        print()
 
 
 def print_targets(checks: Sequence[Check]) -> None:

@@ -7,6 +7,7 @@ batch) is timed these ways, interleaved round by round (each way goes first in t
 that the machine's load affects them alike:
 
 - ``plain``: the ``nn.Sequential`` itself on the whole batch, in this process;
+- ``plain mb`` (fixed-time cases only): the same on the micro-batches, one after the other;
 - ``step gpipe`` and ``step 1f1b``: ``GPipe.step`` in this process, each schedule (one
   worker thread per partition);
 - ``dist gpipe`` and ``dist 1f1b``: ``GPipe(..., group=WORLD).step`` called on every rank
@@ -22,7 +23,9 @@ barrier and is timed from there to the last rank's end. Cases (the models of
 - fixed-time stages at 2 and 4 processes, M8: each partition is an autograd function whose
   forward and backward each sleep ``t`` (releasing the GIL), so the ideal step takes
   ``2 (m + n - 1) t``; ratios are to that ideal (4 processes on 2 cores work: the sleeps
-  free the cores);
+  free the cores). ``plain mb`` (the stages on the micro-batches one after the other, in
+  this process) measures what a stage takes beyond ``t`` on this machine, and a second
+  table shows each way against the ideal scaled by it;
 - an MLP and a transformer-block stack at 2 processes, M4: ratios to ``plain``, and gpipe's
   ``dist`` ways relative to pipelining's with the same schedule;
 - a tiny model (one ``Linear(4, 4)`` per partition) at 2 processes, M32: the overhead per
@@ -62,7 +65,9 @@ from _step_models import (
     ms,
     parallel_speedup,
     pipelining_check,
+    plain_microbatched_runner,
     plain_runner,
+    print_fixed_time,
     print_table,
     print_targets,
     print_unrun,
@@ -75,7 +80,7 @@ from gpipe_core import GPipe
 
 SCHEDULES = ("gpipe", "1f1b")
 CASES = ("fixed-time", "mlp", "transformer", "tiny")
-WAYS = ("plain", "step gpipe", "step 1f1b", *RANK_WAYS)
+WAYS = ("plain", "plain mb", "step gpipe", "step 1f1b", *RANK_WAYS)
 #: Seconds any wait for a rank may last (a step, the start of the processes).
 TIMEOUT = 120.0
 
@@ -99,6 +104,8 @@ class Ways:
         runners: dict[str, Runner | str] = {}
         if "plain" in ways:
             runners["plain"] = plain_runner(case)
+        if "plain mb" in ways:
+            runners["plain mb"] = plain_microbatched_runner(case)
         local = [way for way in ways if way.startswith("step ")]
         if local:
             model = GPipe(
@@ -174,17 +181,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown cases: {', '.join(unknown)} (known: {', '.join(CASES)})")
     # Each case with its ways and rounds: fixed-time steps are long (no plain: its ideal is
-    # known), tiny ones short.
+    # known; plain mb measures a stage's time here), tiny ones short.
+    others = [way for way in WAYS if way != "plain mb"]
     plan: list[tuple[Case, Sequence[str], int]] = []
-    if "fixed-time" in chosen:
-        for n in (2, 4):
-            plan.append((sleep_case(n, 8, sizes.sleep), WAYS[1:], max(2, rounds // 2)))
+    fixed = [sleep_case(n, 8, sizes.sleep) for n in (2, 4)] if "fixed-time" in chosen else []
+    for case in fixed:
+        plan.append((case, WAYS[1:], max(2, rounds // 2)))
     if "mlp" in chosen:
-        plan.append((mlp, WAYS, rounds))
+        plan.append((mlp, others, rounds))
     if "transformer" in chosen:
-        plan.append((transformer, WAYS, rounds))
+        plan.append((transformer, others, rounds))
     if "tiny" in chosen:
-        plan.append((tiny, WAYS, rounds * 10))
+        plan.append((tiny, others, rounds * 10))
 
     ways = Ways(args.threads)
     results: dict[str, dict[str, Any]] = {}
@@ -216,12 +224,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         row = [case_name, "ideal" if ideal is not None else "plain", ms(ref)]
         for way in WAYS:
             value = r.get(way)
-            row.append(f"{value / ref:.2f}" if isinstance(value, float) else "-")
+            serial = way == "plain mb"  # not a pipeline: 2 n m t
+            row.append(f"{value / ref:.2f}" if isinstance(value, float) and not serial else "-")
         rows.append(row)
     if rows:
         print("Step time relative to the reference (lower is better)")
         print_table(["case", "reference", "ref ms", *WAYS], rows)
         print()
+    print_fixed_time(fixed, results, WAYS)
 
     print("gpipe across processes relative to pipelining, same schedule (lower is better)")
     rows = []
@@ -243,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         r = results[tiny.name]
         plain = r["plain"]
         rows = []
-        for way in WAYS[1:]:
+        for way in others[1:]:
             value = r.get(way)
             ok = isinstance(value, float) and isinstance(plain, float)
             per_task = (value - plain) / tasks * 1e6 if ok else None
