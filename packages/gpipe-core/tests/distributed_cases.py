@@ -206,16 +206,22 @@ def case_step(
     schedule: str = "gpipe",
     deferred_batch_norm: bool = False,
     give_all: bool = False,
+    backend: str | None = None,
 ) -> dict[str, Any]:
-    """Steps of a pipeline across the group; each rank's losses, gradients and buffers."""
+    """Steps of a pipeline across the group (WORLD, or a group of every rank with
+    ``backend``); each rank's losses, gradients and buffers."""
     model = build(layers, seed)
+    group = dist.group.WORLD
+    if backend is not None:
+        group = dist.new_group(list(range(dist.get_world_size())), backend=backend)
+        assert str(dist.get_backend(group)) == backend
     pipe = GPipe(
         model,
         balance,
         chunks=chunks,
         checkpoint=checkpoint,  # type: ignore[arg-type]
         deferred_batch_norm=deferred_batch_norm,
-        group=dist.group.WORLD,
+        group=group,
         timeout=60,
     )
     first, last = pipe.stage_ranks[0] == rank, pipe.stage_ranks[-1] == rank
@@ -485,10 +491,14 @@ def case_stall(rank: int, *, late_rank: int, seconds: float) -> dict[str, Any]:
 
 
 def case_cuda(
-    rank: int, *, layers: tuple[str, ...], balance: list[int], seed: int
+    rank: int, *, layers: tuple[str, ...], balance: list[int], seed: int, backend: str = "gloo"
 ) -> dict[str, Any]:
-    """A step with the partitions on CUDA (gloo carries the tensors through host memory)."""
-    pipe = GPipe(build(layers, seed), balance, chunks=2, group=dist.group.WORLD, timeout=60)
+    """A step with the partitions on CUDA, on a group of every rank with ``backend`` (gloo
+    carries the tensors through host memory, on a gloo group of its own for NCCL)."""
+    group = dist.group.WORLD
+    if backend != "gloo":
+        group = dist.new_group(list(range(dist.get_world_size())), backend=backend)
+    pipe = GPipe(build(layers, seed), balance, chunks=2, group=group, timeout=60)
     x, y = data(seed, 4)
     losses = pipe.step(
         x.to(pipe.devices[0]) if pipe.stage_ranks[0] == rank else None,

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -117,6 +118,17 @@ def test_step_matches_plain(
     results = cluster2.results(
         "step", balance=[3, 5], checkpoint=checkpoint, schedule=schedule, **spec
     )
+    check_steps(cases, results, **spec)
+
+
+def test_a_group_of_another_backend_carries_messages_on_gloo(
+    cluster2: Any, cases: ModuleType
+) -> None:
+    """A group whose backend is not gloo itself (here ``'cpu:gloo'``, as a group of
+    ``init_process_group('cpu:gloo,cuda:nccl')`` is on the CPU; NCCL in the ``cuda`` test)
+    is accepted: the messages travel on a gloo group of the same ranks."""
+    spec = {"layers": SKIPS_AND_TUPLES, "seed": 4, "batches": [8, 6], "chunks": 4}
+    results = cluster2.results("step", balance=[3, 5], backend="cpu:gloo", **spec)
     check_steps(cases, results, **spec)
 
 
@@ -375,9 +387,14 @@ def test_a_stalled_step_says_who_waits_for_what(new_cluster: Callable[[int], Any
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_partitions_on_cuda(new_cluster: Callable[[int], Any], cases: ModuleType) -> None:
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_partitions_on_cuda(
+    new_cluster: Callable[[int], Any], cases: ModuleType, backend: str
+) -> None:
+    if backend == "nccl" and not dist.is_nccl_available():
+        pytest.skip("this torch has no NCCL")
     layers = ("linear", "tanh", "linear")
-    results = new_cluster(2).results("cuda", layers=layers, balance=[2, 1], seed=1)
+    results = new_cluster(2).results("cuda", layers=layers, balance=[2, 1], seed=1, backend=backend)
     model = cases.build(layers, 1)
     x, y = cases.data(1, 4)
     loss = nn.MSELoss()(model(x), y)

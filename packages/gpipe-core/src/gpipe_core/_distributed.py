@@ -2,7 +2,8 @@
 
 With ``GPipe(..., group=group)``, stage ``s`` runs on rank ``s % group.size()`` of the
 process group, and :class:`DistributedTransport` carries the messages between stages of
-different ranks with point-to-point sends of ``torch.distributed`` (gloo).
+different ranks with point-to-point sends of ``torch.distributed`` on gloo (on a gloo
+group of the same ranks when the group uses another backend: see :func:`gloo_group`).
 
 **Channels.** Between two ranks, every message of a run starts with a fixed-size header
 (what the message is, its tensors' dtypes and shapes, and small tensors inline), in one
@@ -54,7 +55,14 @@ from torch import Tensor
 from ._schedule import Action
 from ._transport import Cancelled, Message, MessageKey, Transport, carried, outgoing
 
-__all__ = ["DistributedTransport", "RemoteStageError", "check_group", "lanes", "pipeline_tag"]
+__all__ = [
+    "DistributedTransport",
+    "RemoteStageError",
+    "check_group",
+    "gloo_group",
+    "lanes",
+    "pipeline_tag",
+]
 
 #: Bytes of the header that starts every message: its length, the pickled metadata,
 #: and small tensors inline.
@@ -93,7 +101,7 @@ def check_group(group: object, name: str = "group") -> dist.ProcessGroup:
     Raises:
         TypeError: ``group`` is not a process group.
         RuntimeError: torch.distributed is not initialized.
-        ValueError: this process is not in ``group``, or ``group`` does not use gloo.
+        ValueError: this process is not in ``group``.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -108,12 +116,6 @@ def check_group(group: object, name: str = "group") -> dist.ProcessGroup:
     if group.rank() < 0:
         raise ValueError(
             f"{name} must be a process group this process belongs to (rank: {dist.get_rank()})"
-        )
-    backend = str(dist.get_backend(group))
-    if backend != "gloo":
-        raise ValueError(
-            f"{name} must use the gloo backend: gpipe moves tensors between processes with "
-            f"gloo (CUDA tensors through host memory) ({name} backend: {backend!r})"
         )
     return group
 
@@ -634,15 +636,40 @@ class DistributedTransport(Transport):
         dist.recv(tensor, group=lane, group_src=there, tag=self.tag + 1)
 
 
-_lanes: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
-    weakref.WeakKeyDictionary()
-)
+_GlooGroups = weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]
+_gloo_groups: _GlooGroups = weakref.WeakKeyDictionary()
+_lanes: _GlooGroups = weakref.WeakKeyDictionary()
+
+
+def _gloo_copy(group: dist.ProcessGroup, made: _GlooGroups) -> dist.ProcessGroup:
+    """A gloo group of ``group``'s ranks, kept in ``made``: the first pipeline on
+    ``group`` makes it, on every rank of ``group`` together (only them), and the
+    pipelines made after it on ``group`` share it."""
+    copy = made.get(group)
+    if copy is None:
+        ranks = dist.get_process_group_ranks(group)
+        new = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        assert isinstance(new, dist.ProcessGroup)  # this process is one of ranks
+        copy = made[group] = new
+    return copy
+
+
+def gloo_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The gloo group that carries the messages of the pipelines on ``group``: ``group``
+    itself when it uses gloo, else a gloo group of the same ranks (for a group of NCCL,
+    or of ``init_process_group()`` without a backend, whose backend is ``'undefined'``).
+
+    gpipe's messages start with headers in host memory and wait with timeouts, which
+    gloo serves for any device (CUDA tensors through host memory).
+    """
+    if str(dist.get_backend(group)) == "gloo":
+        return group
+    return _gloo_copy(group, _gloo_groups)
 
 
 def lanes(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
-    """A second process group of ``group``'s ranks, for the messages to lower ranks (None
-    for a group of one). The first pipeline on ``group`` makes it, on every rank of
-    ``group`` together (only them); the pipelines made after it on ``group`` share it.
+    """A second gloo group of ``group``'s ranks (a gloo group), for the messages to lower
+    ranks (None for a group of one), made once per group (see :func:`_gloo_copy`).
 
     gloo's connection between two processes serves one message at a time in both
     directions: with the messages of one direction on a connection of their own, a
@@ -650,13 +677,7 @@ def lanes(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
     """
     if group.size() < 2:
         return None
-    lane = _lanes.get(group)
-    if lane is None:
-        ranks = dist.get_process_group_ranks(group)
-        made = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-        assert isinstance(made, dist.ProcessGroup)  # this process is one of ranks
-        lane = _lanes[group] = made
-    return lane
+    return _gloo_copy(group, _lanes)
 
 
 def _lane(

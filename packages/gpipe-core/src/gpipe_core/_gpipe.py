@@ -265,16 +265,19 @@ class GPipe(nn.Module):
             per mini-batch, as the whole mini-batch would, rather than once per
             micro-batch. The layers keep their parameters and buffers; ``module`` is
             changed in place.
-        group: a ``torch.distributed`` process group (gloo) to run the stages across
+        group: a ``torch.distributed`` process group to run the stages across
             processes: partition ``s`` runs on rank ``s % group.size()`` of the group,
-            which keeps only its own partitions' layers (see :doc:`/distributed`). Then
+            which keeps only its own partitions' layers (see :doc:`/distributed`). The
+            messages between stages travel on gloo: on ``group`` if it uses gloo, else on
+            a gloo group of the same ranks, made here (NCCL's collectives stay free for
+            the model's own use). Then
             ``devices`` lists the devices of this rank's partitions (default: the CUDA
             device ``LOCAL_RANK`` when CUDA is available, else the CPU), and the other
             ranks' partitions show as ``meta`` in ``devices``.
-        data_group: a ``torch.distributed`` process group (gloo) of this pipeline's
-            replicas, which train on other data: after each :meth:`step`, the gradients
-            of this process's parameters are averaged over it, once (see
-            :doc:`/distributed`).
+        data_group: a ``torch.distributed`` process group of this pipeline's replicas,
+            which train on other data: after each :meth:`step`, the gradients of this
+            process's parameters are averaged over it with one ``all_reduce`` per dtype
+            (see :doc:`/distributed`). A NCCL group needs this rank's partitions on CUDA.
         timeout: with ``group`` or ``data_group``, the seconds any wait for another rank
             may last (default: 1800) before the run fails with an error saying who waits
             for what.
@@ -285,8 +288,9 @@ class GPipe(nn.Module):
             :class:`~gpipe_core.WithDevice` is nested in a layer.
         BalanceError: ``balance`` does not split ``module`` into non-empty partitions.
         ValueError: too few devices, bad ``chunks`` or ``checkpoint``, a parameter
-            shared by partitions on different devices, or a
-            :class:`~gpipe_core.WithDevice` layer in a partition on another device.
+            shared by partitions on different devices, a
+            :class:`~gpipe_core.WithDevice` layer in a partition on another device, or a
+            NCCL ``data_group`` for partitions that are not on CUDA.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
@@ -331,7 +335,7 @@ class GPipe(nn.Module):
         self._data_group = data_group
         self._timeout = _check_timeout(timeout, group if group is not None else data_group)
         if group is not None or data_group is not None:
-            from ._distributed import check_group, lanes, pipeline_tag
+            from ._distributed import check_group, gloo_group, lanes, pipeline_tag
         if data_group is not None:
             check_group(data_group, "data_group")
         if group is not None:
@@ -363,13 +367,23 @@ class GPipe(nn.Module):
             self._rank = group.rank()
             self.stage_ranks = [j % size for j in range(n)]
             self._tag = pipeline_tag(group)
-            # Every rank of the group makes it, here: constructing the pipeline is
+            # Every rank of the group makes them, here: constructing the pipeline is
             # collective over the group, as its steps are.
-            self._downstream = lanes(group)
+            self._wire = gloo_group(group)
+            self._downstream = lanes(self._wire)
         local = [rank == self._rank for rank in self.stage_ranks]
         self.devices = (
             _stage_devices(devices, local) if group is not None else resolve_devices(devices, n)
         )
+        if data_group is not None and str(dist.get_backend(data_group)) == "nccl":
+            on_host = [str(d) for d, mine in zip(self.devices, local, strict=True) if mine]
+            if any(not d.startswith("cuda") for d in on_host):
+                raise ValueError(
+                    "data_group uses NCCL, which averages CUDA tensors only, and this rank's "
+                    f"partitions are not all on CUDA devices (data_group backend: 'nccl', "
+                    f"devices of this rank: {on_host}); use a gloo group, or one of "
+                    "init_process_group('cpu:gloo,cuda:nccl')"
+                )
         if deferred_batch_norm:
             # Every check that could refuse the module first: a refused module is unchanged.
             check_split(module, self.balance, self.devices)
@@ -424,7 +438,7 @@ class GPipe(nn.Module):
 
             assert self._group is not None
             transport = DistributedTransport(
-                self._group,
+                self._wire,
                 self.stage_ranks,
                 self.devices,
                 timeout=self._timeout,
