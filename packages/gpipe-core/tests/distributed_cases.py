@@ -455,6 +455,19 @@ def _error(caught: BaseException) -> dict[str, Any]:
     return {"type": type(caught).__name__, "message": str(caught)}
 
 
+def case_bad_balance(rank: int) -> dict[str, Any]:
+    """Three partitions on two ranks are refused on every rank; a pipeline made next on
+    the group steps."""
+    outcome: dict[str, Any] = {}
+    try:
+        GPipe(build(("linear",) * 3, 0), [1, 1, 1], group=dist.group.WORLD, timeout=60)
+    except Exception as caught:
+        outcome = _error(caught)
+    pipe = GPipe(build(("linear",) * 2, 0), [1, 1], chunks=2, group=dist.group.WORLD, timeout=60)
+    x, y = data(0, 4)
+    return {"error": outcome, "reduced": pipe.step(x, y, nn.MSELoss()).reduced().item()}
+
+
 def case_mismatch(rank: int) -> dict[str, Any]:
     """Rank 0 calls step(), rank 1 runs inference: neither waits forever; then both step."""
     pipe = GPipe(

@@ -369,6 +369,17 @@ def test_checkpoint_from_two_ranks_loads_into_four_and_into_plain(
     assert all(result["output"] is None for result in loaded[:3])
 
 
+def test_a_balance_that_does_not_fit_the_group(cluster2: Any) -> None:
+    results = cluster2.results("bad_balance")
+    for result in results:
+        assert result["error"] == {
+            "type": "ValueError",
+            "message": "balance must have a multiple of group.size() partitions, one or more "
+            "per rank (partitions: 3, group.size(): 2)",
+        }
+    assert results[0]["reduced"] == results[1]["reduced"]
+
+
 def test_ranks_calling_different_methods_fail_instead_of_hanging(cluster2: Any) -> None:
     results = cluster2.results("mismatch")
     assert results[0]["error"]["type"] == "RuntimeError"
