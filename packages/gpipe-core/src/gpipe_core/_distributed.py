@@ -668,8 +668,8 @@ def gloo_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
 
 
 def lanes(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
-    """A second gloo group of ``group``'s ranks (a gloo group), for the messages to lower
-    ranks (None for a group of one), made once per group (see :func:`_gloo_copy`).
+    """A second gloo group of the ranks of ``group`` (a gloo group), for the messages to
+    lower ranks (None for a group of one), made once per group (see :func:`_gloo_copy`).
 
     gloo's connection between two processes serves one message at a time in both
     directions: with the messages of one direction on a connection of their own, a

@@ -269,8 +269,7 @@ class GPipe(nn.Module):
             processes: partition ``s`` runs on rank ``s % group.size()`` of the group,
             which keeps only its own partitions' layers (see :doc:`/distributed`). The
             messages between stages travel on gloo: on ``group`` if it uses gloo, else on
-            a gloo group of the same ranks, made here (NCCL's collectives stay free for
-            the model's own use). Then
+            a gloo group of the same ranks, made here (on every rank of ``group``). Then
             ``devices`` lists the devices of this rank's partitions (default: the CUDA
             device ``LOCAL_RANK`` when CUDA is available, else the CPU), and the other
             ranks' partitions show as ``meta`` in ``devices``.
