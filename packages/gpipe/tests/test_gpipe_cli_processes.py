@@ -192,6 +192,29 @@ def test_torchrun_starts_the_ranks() -> None:
     assert _value(out, "loss (1 process)") == _value(out, "loss")
 
 
+def test_torchrun_agents_meet_as_two_hosts_would() -> None:
+    """The docs' several-host command with both "hosts" here: two torchrun agents, one rank
+    each, meet at a c10d rendezvous on 127.0.0.1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+    torchrun += ["--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    torchrun += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex]
+    command = [*torchrun, "-m", "gpipe", "demo", "--processes", "2", *TINY]
+    agents = [Demo(command) for _ in range(2)]
+    try:
+        results = [agent.finish() for agent in agents]
+    finally:
+        for agent in agents:
+            agent.close()
+    assert [code for code, _, _ in results] == [0, 0], [err for _, _, err in results]
+    reports = [out for _, out, _ in results if "throughput (2 processes):" in out]
+    assert len(reports) == 1, results  # rank 0's agent reports, the other does not
+    assert _value(reports[0], "processes") == "2 (gloo), partition 0 -> rank 0, 1 -> rank 1"
+    assert _value(reports[0], "loss (1 process)") == _value(reports[0], "loss")
+
+
 FAILING = """
     import os
     import sys
