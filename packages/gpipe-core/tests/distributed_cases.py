@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpipe_checkpoint import is_recomputing
-from gpipe_core import GPipe, NoChunk
+from gpipe_core import Action, GPipe, NoChunk, Schedule
 from gpipe_skip import pop, skippable, stash
 
 WIDTH = 4
@@ -191,6 +191,22 @@ def local_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {name: p.grad for name, p in model.named_parameters()}
 
 
+class InOrderSchedule(Schedule):
+    """A schedule of the user's: every forward pass, then every backward pass in the
+    micro-batches' order (the built-in fill-drain runs them last first)."""
+
+    name = "in-order"
+
+    def actions(self, microbatches: int, partitions: int) -> list[list[Action]]:
+        order = [Action("forward", i) for i in range(microbatches)]
+        order += [Action("backward", i) for i in range(microbatches)]
+        return [list(order) for _ in range(partitions)]
+
+
+#: Schedules by name, beside the built-in ones (every rank makes its own instance).
+SCHEDULES: dict[str, Schedule] = {"in-order": InOrderSchedule()}
+
+
 # -- cases ---------------------------------------------------------------------------------
 
 
@@ -233,7 +249,7 @@ def case_step(
             x if first or give_all else None,
             y if last or give_all else None,
             nn.MSELoss(),
-            schedule=schedule,
+            schedule=SCHEDULES.get(schedule, schedule),
         )
         results.append(
             {

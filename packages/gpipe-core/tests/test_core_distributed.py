@@ -121,6 +121,12 @@ def test_step_matches_plain(
     check_steps(cases, results, **spec)
 
 
+def test_a_schedule_of_the_users_runs_across_ranks(cluster2: Any, cases: ModuleType) -> None:
+    spec = {"layers": SKIPS_AND_TUPLES, "seed": 5, "batches": [8, 5], "chunks": 4}
+    results = cluster2.results("step", balance=[3, 5], schedule="in-order", **spec)
+    check_steps(cases, results, **spec)
+
+
 def test_a_group_of_another_backend_carries_messages_on_gloo(
     cluster2: Any, cases: ModuleType
 ) -> None:
