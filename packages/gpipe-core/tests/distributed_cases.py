@@ -197,7 +197,11 @@ class InOrderSchedule(Schedule):
 
     name = "in-order"
 
+    def __init__(self) -> None:
+        self.asked = 0  # how many times a step asked for the actions
+
     def actions(self, microbatches: int, partitions: int) -> list[list[Action]]:
+        self.asked += 1
         order = [Action("forward", i) for i in range(microbatches)]
         order += [Action("backward", i) for i in range(microbatches)]
         return [list(order) for _ in range(partitions)]
@@ -205,6 +209,17 @@ class InOrderSchedule(Schedule):
 
 #: Schedules by name, beside the built-in ones (every rank makes its own instance).
 SCHEDULES: dict[str, Schedule] = {"in-order": InOrderSchedule()}
+
+
+def every_rank(backend: str | None) -> dist.ProcessGroup:
+    """WORLD, or (with ``backend``) a new group of every rank with that backend."""
+    if backend is None:
+        group = dist.group.WORLD
+    else:
+        group = dist.new_group(list(range(dist.get_world_size())), backend=backend)
+        assert str(dist.get_backend(group)) == backend
+    assert isinstance(group, dist.ProcessGroup)
+    return group
 
 
 # -- cases ---------------------------------------------------------------------------------
@@ -227,10 +242,9 @@ def case_step(
     """Steps of a pipeline across the group (WORLD, or a group of every rank with
     ``backend``); each rank's losses, gradients and buffers."""
     model = build(layers, seed)
-    group = dist.group.WORLD
-    if backend is not None:
-        group = dist.new_group(list(range(dist.get_world_size())), backend=backend)
-        assert str(dist.get_backend(group)) == backend
+    group = every_rank(backend)
+    custom = SCHEDULES.get(schedule)
+    asked = custom.asked if isinstance(custom, InOrderSchedule) else 0
     pipe = GPipe(
         model,
         balance,
@@ -263,7 +277,9 @@ def case_step(
         )
         for p in pipe.parameters():
             p.grad = None
-    return {"steps": results, "buffers": dict(pipe.state_dict())}
+    if isinstance(custom, InOrderSchedule):
+        asked = custom.asked - asked  # by these steps
+    return {"steps": results, "buffers": dict(pipe.state_dict()), "schedule_asked": asked}
 
 
 def case_forward(
@@ -524,9 +540,7 @@ def case_cuda(
 ) -> dict[str, Any]:
     """A step with the partitions on CUDA, on a group of every rank with ``backend`` (gloo
     carries the tensors through host memory, on a gloo group of its own for NCCL)."""
-    group = dist.group.WORLD
-    if backend != "gloo":
-        group = dist.new_group(list(range(dist.get_world_size())), backend=backend)
+    group = every_rank(None if backend == "gloo" else backend)
     pipe = GPipe(build(layers, seed), balance, chunks=2, group=group, timeout=60)
     x, y = data(seed, 4)
     losses = pipe.step(

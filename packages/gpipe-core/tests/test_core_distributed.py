@@ -124,6 +124,7 @@ def test_step_matches_plain(
 def test_a_schedule_of_the_users_runs_across_ranks(cluster2: Any, cases: ModuleType) -> None:
     spec = {"layers": SKIPS_AND_TUPLES, "seed": 5, "batches": [8, 5], "chunks": 4}
     results = cluster2.results("step", balance=[3, 5], schedule="in-order", **spec)
+    assert all(result["schedule_asked"] for result in results)  # the steps ran it
     check_steps(cases, results, **spec)
 
 
