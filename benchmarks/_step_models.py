@@ -215,17 +215,51 @@ class Sizes:
         return "; ".join(words[case] for case in cases) + "; no checkpointing in these cases"
 
 
-def sleep_case(n: int, m: int, seconds: float) -> Case:
-    """``n`` fixed-time stages, ``m`` micro-batches: the ideal step is ``2 (m + n - 1) t``."""
+def sleep_case(n: int, m: int, seconds: float, sleep: float | None = None) -> Case:
+    """``n`` fixed-time stages of ``t = seconds`` per direction, ``m`` micro-batches: the
+    ideal step is ``2 (m + n - 1) t``. Each stage sleeps ``sleep`` (default ``t``; see
+    :func:`calibrated_sleep`)."""
     return Case(
         f"fixed-time P{n} M{m}",
         "sleep",
-        {"n": n, "seconds": seconds},
+        {"n": n, "seconds": seconds if sleep is None else sleep},
         [1] * n,
         m,
         (m, 4),
         "mse",
         ideal=2 * (m + n - 1) * seconds,
+    )
+
+
+def calibrated_sleep(t: float, rounds: int = 3, tries: int = 5) -> tuple[float, float]:
+    """The sleep that makes a fixed-time stage take ``t`` here, and what a stage that
+    sleeps ``t`` takes, over ``t``.
+
+    A stage takes more than its sleep: the sleep overshoots, and the stage's own code (the
+    autograd function, the product) runs after it on a core that has just woken; on this
+    machine that adds 2 to 3 % to 20 ms, which no way of running the stages can avoid, so
+    that the ideal ``2 (m + n - 1) t`` would be out of reach by that much. Measured as
+    ``plain mb`` measures it, in this process (2 stages, 8 micro-batches, the forward and
+    backward of each one after the other), the sleep is shortened by the excess, averaged
+    over a few tries. The fixed-time tables show ``plain mb`` again in the same run: a stage's
+    time over ``t`` there checks the calibration (about 1.00).
+    """
+    n, m = 2, 8
+    sleep, excess = t, []  # what a stage took beyond its sleep, each try
+    for _ in range(tries):
+        run = plain_microbatched_runner(sleep_case(n, m, t, sleep))
+        run()  # warm-up
+        stage = statistics.median(run() for _ in range(rounds)) / (2 * n * m)
+        excess.append(stage - sleep)
+        sleep = max(0.0, t - statistics.fmean(excess))
+    return sleep, 1 + excess[0] / t
+
+
+def describe_sleep(t: float, sleep: float, alone: float) -> str:
+    """The calibration of :func:`calibrated_sleep`, in words."""
+    return (
+        f"fixed-time stages sleep {sleep * 1e3:.2f} ms per direction, so that a stage takes "
+        f"t = {t * 1e3:g} ms here (one that sleeps t takes {alone:.3f} t)"
     )
 
 
@@ -518,9 +552,10 @@ def print_fixed_time(
     time a stage takes on this machine, measured in the same run.
 
     ``plain mb`` runs the ``n m`` forwards and backwards of the stages one after the other,
-    so it takes ``2 n m`` times a stage's time: its ratio to ``2 n m t`` is what a stage
-    takes beyond ``t`` here (the sleep's overshoot and waking after it), which no way can
-    avoid; each way's time over the ideal scaled by that ratio is what the way adds.
+    so it takes ``2 n m`` times a stage's time: its ratio to ``2 n m t`` checks the sleep's
+    calibration (:func:`calibrated_sleep`): about 1.00, or what a stage takes beyond ``t``
+    here, which no way can avoid; each way's time over the ideal scaled by that ratio is
+    what the way adds.
     """
     rows = []
     for case in cases:

@@ -21,11 +21,12 @@ barrier and is timed from there to the last rank's end. Cases (the models of
 ``bench_step.py``, no checkpointing):
 
 - fixed-time stages at 2 and 4 processes, M8: each partition is an autograd function whose
-  forward and backward each sleep ``t`` (releasing the GIL), so the ideal step takes
-  ``2 (m + n - 1) t``; ratios are to that ideal (4 processes on 2 cores work: the sleeps
-  free the cores). ``plain mb`` (the stages on the micro-batches one after the other, in
-  this process) measures what a stage takes beyond ``t`` on this machine, and a second
-  table shows each way against the ideal scaled by it;
+  forward and backward each take ``t`` (a sleep, releasing the GIL), so the ideal step
+  takes ``2 (m + n - 1) t``; ratios are to that ideal (4 processes on 2 cores work: the
+  sleeps free the cores). The sleep is calibrated first, in this process, so that a stage
+  takes ``t`` here (as in ``bench_step.py``); ``plain mb`` (the stages on the micro-batches
+  one after the other, in this process) checks it in the same run, and a second table shows
+  each way against the ideal scaled by it;
 - an MLP and a transformer-block stack at 2 processes, M4: ratios to ``plain``, and gpipe's
   ``dist`` ways relative to pipelining's with the same schedule;
 - a tiny model (one ``Linear(4, 4)`` per partition) at 2 processes, M32: the overhead per
@@ -58,6 +59,8 @@ from _step_models import (
     Ranks,
     Runner,
     Sizes,
+    calibrated_sleep,
+    describe_sleep,
     failed,
     ideal_checks,
     measure,
@@ -144,6 +147,38 @@ class Ways:
         self.groups.clear()
 
 
+def print_bounds(cases: Sequence[Case], results: dict[str, dict[str, Any]]) -> None:
+    """Each compute-bound case's bound, and each pipelined way over it.
+
+    On ``n`` processes of one core each, ``n`` stages cannot do better than the work of the
+    micro-batches (``plain mb``: the same model on the same micro-batches, one after the
+    other, in one process) shared evenly, with only the pipeline's fill and drain idle:
+    ``plain mb * (m + n - 1) / (n m)``. A way at ``r`` times the bound can be beaten by at
+    most a factor ``r``: a target of ``0.90`` times pipelining's time is out of reach where
+    pipelining is within ``1 / 0.90 = 1.11`` times the bound.
+    """
+    rows = []
+    for case in cases:
+        r = results.get(case.name, {})
+        serial = r.get("plain mb")
+        if not isinstance(serial, float):
+            continue
+        n, m = len(case.balance), case.chunks
+        bound = serial * (m + n - 1) / (n * m)
+        row = [case.name, ms(bound)]
+        for way in RANK_WAYS:
+            value = r.get(way)
+            row.append(f"{value / bound:.3f}" if isinstance(value, float) else "-")
+        rows.append(row)
+    if rows:
+        print(
+            "Compute-bound cases: each way over the bound plain mb * (m + n - 1) / (n m), the "
+            "micro-batches' work shared evenly by the n processes (lower is better, 1.00 at best)"
+        )
+        print_table(["case", "bound ms", *RANK_WAYS], rows)
+        print()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds, smaller models")
@@ -162,6 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rounds = args.rounds or (3 if quick else 10)
     sizes = Sizes.of(quick)
     mlp, transformer, tiny = mlp_case(sizes), transformer_case(sizes), tiny_case()
+    chosen = [name.strip() for name in args.cases.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in CASES]
+    if unknown:
+        parser.error(f"unknown cases: {', '.join(unknown)} (known: {', '.join(CASES)})")
 
     print(
         f"Stages across processes: CPU, torch {torch.__version__}, intra-op threads "
@@ -174,23 +213,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  load average {load}; two threads run {parallel_speedup():.2f}x as fast as one on "
         "independent matmuls (2.00 on two idle cores; less when other processes use them)"
     )
+    sleep = sizes.sleep
+    if "fixed-time" in chosen:
+        sleep, alone = calibrated_sleep(sizes.sleep)
+        print(f"  {describe_sleep(sizes.sleep, sleep, alone)}")
     print()
 
-    chosen = [name.strip() for name in args.cases.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in CASES]
-    if unknown:
-        parser.error(f"unknown cases: {', '.join(unknown)} (known: {', '.join(CASES)})")
     # Each case with its ways and rounds: fixed-time steps are long (no plain: its ideal is
-    # known; plain mb measures a stage's time here), tiny ones short.
+    # known; plain mb measures a stage's time here), tiny ones short. plain mb also gives
+    # the compute-bound cases their bound (see print_bounds).
     others = [way for way in WAYS if way != "plain mb"]
     plan: list[tuple[Case, Sequence[str], int]] = []
-    fixed = [sleep_case(n, 8, sizes.sleep) for n in (2, 4)] if "fixed-time" in chosen else []
+    fixed = [sleep_case(n, 8, sizes.sleep, sleep) for n in (2, 4)] if "fixed-time" in chosen else []
     for case in fixed:
         plan.append((case, WAYS[1:], max(2, rounds // 2)))
-    if "mlp" in chosen:
-        plan.append((mlp, others, rounds))
-    if "transformer" in chosen:
-        plan.append((transformer, others, rounds))
+    computed = [case for key, case in (("mlp", mlp), ("transformer", transformer)) if key in chosen]
+    for case in computed:
+        plan.append((case, WAYS, rounds))
     if "tiny" in chosen:
         plan.append((tiny, others, rounds * 10))
 
@@ -232,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_table(["case", "reference", "ref ms", *WAYS], rows)
         print()
     print_fixed_time(fixed, results, WAYS)
+    print_bounds(computed, results)
 
     print("gpipe across processes relative to pipelining, same schedule (lower is better)")
     rows = []

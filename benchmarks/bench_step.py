@@ -20,12 +20,13 @@ them alike:
 A way that cannot run says why in a row of its own. Cases:
 
 - fixed-time stages (P2 M8, P4 M8): each partition is an autograd function whose forward and
-  backward each sleep ``t`` (releasing the GIL), so the ideal step takes
-  ``2 * (m + n - 1) * t``; ratios are to that ideal. A stage takes longer than ``t`` on a
-  real machine (the sleep overshoots, and the code after it runs on a core that has just
-  woken up): ``plain mb`` runs the stages one after the other, and its time over
-  ``2 * n * m * t`` says by how much; a second table shows each way against the ideal
-  scaled by it (what the way itself adds);
+  backward each take ``t`` (a sleep, releasing the GIL), so the ideal step takes
+  ``2 * (m + n - 1) * t``; ratios are to that ideal. A stage that sleeps ``t`` takes longer
+  than ``t`` on a real machine (the sleep overshoots, and the code after it runs on a core
+  that has just woken up), so the sleep is calibrated first, serially in this process, to
+  make a stage take ``t`` (the header says by how much it is shortened). ``plain mb`` runs
+  the stages one after the other in the same run, and its time over ``2 * n * m * t``
+  checks the calibration; a second table shows each way against the ideal scaled by it;
 - an MLP (P2 M4), a small ResNet-style CNN and a transformer-block stack (P2 M4): ratios to
   ``plain``; no checkpointing anywhere, so every way computes the same thing;
 - a tiny model (one ``Linear(4, 4)`` per partition, P2 M32): the overhead per task,
@@ -65,7 +66,9 @@ from _step_models import (
     Runner,
     SavedBytes,
     Sizes,
+    calibrated_sleep,
     cnn_case,
+    describe_sleep,
     ideal_checks,
     measure,
     mlp_case,
@@ -295,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"  two threads run {parallel_speedup():.2f}x as fast as one on independent matmuls "
         "(2.00 on two idle cores; less when other processes use them)"
     )
+    sleep, alone = calibrated_sleep(sizes.sleep)
+    print(f"  {describe_sleep(sizes.sleep, sleep, alone)}")
     if not HAS_STEP:
         print("  note: this gpipe has no GPipe.step; its columns say so")
     print()
@@ -305,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ideals: dict[str, float] = {}
     try:
         # Time cases ------------------------------------------------------------------------
-        fixed = [sleep_case(2, 8, sizes.sleep), sleep_case(4, 8, sizes.sleep)]
+        fixed = [sleep_case(n, 8, sizes.sleep, sleep) for n in (2, 4)]
         for case in [
             *fixed,
             mlp,
