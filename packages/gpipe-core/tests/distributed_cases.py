@@ -225,7 +225,31 @@ def every_rank(backend: str | None) -> dist.ProcessGroup:
 # -- cases ---------------------------------------------------------------------------------
 
 
-def case_step(
+def case_step(rank: int, *, inline_limit: int | None = None, **spec: Any) -> dict[str, Any]:
+    """:func:`steps` with ``spec``. With ``inline_limit``, the largest buffer posted for a
+    message is that, and each message sent is recorded, as ``(layout, bytes of its first
+    part, size of the buffer posted for it)``."""
+    if inline_limit is None:
+        return steps(rank, **spec)
+    import gpipe_core._distributed as wire
+
+    sent: list[tuple[str, int, int]] = []
+    real, limit = wire._message, wire.INLINE_LIMIT
+
+    def message(encoded: bytes, data: Any, capacity: int) -> list[torch.Tensor]:
+        parts = real(encoded, data, capacity)
+        sent.append((wire._LAYOUTS[int(parts[0][4])], len(parts[0]), capacity))
+        return parts
+
+    wire._message, wire.INLINE_LIMIT = message, inline_limit
+    try:
+        result = steps(rank, **spec)
+    finally:
+        wire._message, wire.INLINE_LIMIT = real, limit
+    return {**result, "sent": sent}
+
+
+def steps(
     rank: int,
     *,
     layers: tuple[str, ...],

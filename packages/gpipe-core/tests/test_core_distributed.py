@@ -151,6 +151,24 @@ def test_payloads_and_small_messages_in_one_step(
     check_steps(cases, results, **spec)
 
 
+def test_message_buffers_grow_with_the_messages(cluster2: Any, cases: ModuleType) -> None:
+    """The buffers posted ahead grow to the messages' size, up to a limit (here 8 KiB):
+    messages that did not fit their header then travel in one piece, messages over the
+    limit still travel with a payload, and small messages land in the grown buffers."""
+    from gpipe_core._distributed import HEADER_BYTES
+
+    limit = 8192
+    spec = {"layers": SKIPS_AND_TUPLES, "seed": 7, "batches": [2048, 4096, 7, 2048], "chunks": 16}
+    results = cluster2.results("step", balance=[4, 4], inline_limit=limit, **spec)
+    check_steps(cases, results, **spec)
+    sent = [message for result in results for message in result["sent"]]
+    assert all(capacity <= limit for _, _, capacity in sent)
+    grown = [size for layout, size, _ in sent if layout == "inline" and size > HEADER_BYTES]
+    assert grown, "no message travelled in one piece in a grown buffer"
+    assert any(layout in ("single", "packed") and cap == limit for layout, _, cap in sent)
+    assert any(layout == "inline" and 4 * size < cap for layout, size, cap in sent)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_looped_stages_and_deferred_batch_norm(
     cluster2: Any, cases: ModuleType, schedule: str

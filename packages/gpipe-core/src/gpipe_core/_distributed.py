@@ -5,22 +5,25 @@ process group, and :class:`DistributedTransport` carries the messages between st
 different ranks with point-to-point sends of ``torch.distributed`` on gloo (on a gloo
 group of the same ranks when the group uses another backend: see :func:`gloo_group`).
 
-**Channels.** Between two ranks, every message of a run starts with a fixed-size header
-(what the message is, its tensors' dtypes and shapes, and small tensors inline), in one
-ordered channel (the pipeline's tag); if needed, the rest of the metadata and one payload
-(the tensor itself, or the tensors packed into one buffer) follow in a second channel (the
-next tag). A receiver thread per peer reads the headers in order and files each message
-under its key (:class:`MessageKey`); a stage waits for its key in that mailbox. So the
-order in which stages send never has to match the order in which others receive, shapes
-may change from one run to the next, and every wait is a wait on a condition that a
-timeout, a cancellation or a failure ends.
+**Channels.** Between two ranks, every message of a run starts with a header (what the
+message is, its tensors' dtypes and shapes), followed in the same piece by its tensors when
+they fit, in one ordered channel (the pipeline's tag); if they do not fit, the rest of the
+metadata and one payload (the tensor itself, or the tensors packed into one buffer) follow
+in a second channel (the next tag). A receiver thread per peer reads the headers in order
+and files each message under its key (:class:`MessageKey`); a stage waits for its key in
+that mailbox. So the order in which stages send never has to match the order in which
+others receive, shapes may change from one run to the next, and every wait is a wait on a
+condition that a timeout, a cancellation or a failure ends.
 
-**Headers ahead.** gloo moves a message only once its receive is posted (the receiver
+**Buffers ahead.** gloo moves a message only once its receive is posted (the receiver
 tells the sender it is ready): a receive posted when the previous message is done costs a
 round trip between the processes per message, however many are queued. So each receiver
-thread keeps :data:`HEADERS_AHEAD` header receives posted while a run lasts, and a burst
-of small messages (activations of small micro-batches, gradients) streams; only a payload
-waits for its header.
+thread keeps :data:`HEADERS_AHEAD` receives posted while a run lasts, and a burst of
+messages streams; only a payload that did not fit waits for its header. gloo accepts a
+message shorter than the buffer posted for it, and the buffers grow with the messages
+(:class:`_Capacity`, up to :data:`INLINE_LIMIT`): once a message of some size has passed,
+the next ones of that size (the activations and gradients of the following micro-batches)
+travel in one piece, with no round trip.
 
 **A run** is bracketed on every rank by :meth:`DistributedTransport.begin` and
 :meth:`DistributedTransport.finish`. The last message of a run from each rank to each
@@ -64,9 +67,11 @@ __all__ = [
     "pipeline_tag",
 ]
 
-#: Bytes of the header that starts every message: its length, the pickled metadata,
-#: and small tensors inline.
+#: Bytes of the smallest buffer a receiver posts for a message: the header (the length and
+#: layout, the pickled metadata) and, when they fit, the tensors.
 HEADER_BYTES = 4096
+#: The largest buffer a receiver posts for a message (see :class:`_Capacity`).
+INLINE_LIMIT = 1 << 20
 _PREFIX = 8  # the metadata's length (4 bytes, little-endian), the layout, 3 bytes of padding
 #: How a message's tensors travel: none, in the header, as one payload of the tensor
 #: itself, or packed into one payload (the header's fifth byte).
@@ -194,6 +199,84 @@ def _unpack(buffer: Tensor, start: int, specs: _Specs) -> list[Tensor]:
     ]
 
 
+def _whole(length: int, sizes: Sequence[int]) -> int:
+    """The bytes of a message in one piece: the header with ``length`` bytes of metadata,
+    then tensors of ``sizes`` bytes, each aligned."""
+    return _placed(_PREFIX + length, sizes)[1]
+
+
+class _Capacity:
+    """The size of the buffer posted for each message that one rank sends another, which
+    the two ends work out alike from the messages before it.
+
+    The receiver posts the buffer of message ``k`` once it has read message
+    ``k - HEADERS_AHEAD``: the smallest power of two from :data:`HEADER_BYTES` that holds
+    each of the messages up to that one whole (one larger than :data:`INLINE_LIMIT` does not
+    count). The sender counts the same messages (all it sent but its last
+    ``HEADERS_AHEAD - 1``), so it knows the size of the buffer each message lands in, and
+    sends the message in one piece when it fits.
+
+    Args:
+        lag: how many of the latest messages counted do not count yet: the sender's
+            ``HEADERS_AHEAD - 1``, the receiver's 0.
+    """
+
+    __slots__ = ("lag", "largest", "recent", "size")
+
+    def __init__(self, lag: int) -> None:
+        self.lag = lag
+        self.recent: deque[int] = deque()
+        self.largest = 0
+        #: The size of the next buffer.
+        self.size = HEADER_BYTES
+
+    def count(self, whole: int) -> None:
+        """Count a message of ``whole`` bytes in one piece."""
+        self.recent.append(whole if whole <= INLINE_LIMIT else 0)
+        while len(self.recent) > self.lag:
+            self.largest = max(self.largest, self.recent.popleft())
+        while self.size < self.largest:
+            self.size *= 2
+
+
+def _message(encoded: bytes, data: Sequence[Tensor], capacity: int) -> list[Tensor]:
+    """The parts of a message, to be received into a buffer of ``capacity`` bytes: the
+    message in one piece when it fits; else its header (with the metadata ``encoded`` if it
+    fits), the metadata if not, then the tensors ``data`` (flat uint8) as one payload: the
+    tensor itself, or the tensors packed."""
+    sizes = [len(chunk) for chunk in data]
+    fits = _PREFIX + len(encoded) <= capacity  # the metadata, in the header
+    start = _PREFIX + len(encoded) if fits else _PREFIX
+    offsets, end = _placed(start, sizes)
+    if not data:
+        layout = "none"
+    elif fits and end <= capacity:
+        layout = "inline"
+    elif len(data) == 1:
+        layout = "single"
+    else:
+        layout = "packed"
+    raw = bytearray(end if layout == "inline" else start)
+    raw[0:4] = len(encoded).to_bytes(4, "little")
+    raw[4] = _LAYOUTS.index(layout)
+    header = torch.frombuffer(raw, dtype=torch.uint8)
+    parts = [header]
+    if fits:
+        raw[_PREFIX:start] = encoded
+    else:
+        parts.append(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
+    if layout == "inline":
+        _pack(header, offsets, data)
+    elif layout == "single":
+        parts.append(data[0])
+    elif layout == "packed":
+        offsets, total = _placed(0, sizes)
+        packed = torch.empty(total, dtype=torch.uint8)
+        _pack(packed, offsets, data)
+        parts.append(packed)
+    return parts
+
+
 class DistributedTransport(Transport):
     """Messages between stages on the ranks of a gloo process group.
 
@@ -254,10 +337,13 @@ class DistributedTransport(Transport):
         self.closed = False
         self.sends: list[tuple[int, dist.Work, Tensor]] = []
         self.sends_lock = threading.Lock()
-        # Each peer's header receives posted ahead, oldest first (its receiver thread's).
+        # Each peer's receives posted ahead, oldest first (its receiver thread's).
         self.headers: dict[int, deque[tuple[dist.Work, bytearray, Tensor]]] = {
             peer: deque() for peer in self.peers
         }
+        # The sizes of the buffers posted for the messages to each peer, and from it.
+        self.sent = {peer: _Capacity(HEADERS_AHEAD - 1) for peer in self.peers}
+        self.received = {peer: _Capacity(0) for peer in self.peers}
 
     # -- a run ----------------------------------------------------------------------
 
@@ -466,40 +552,17 @@ class DistributedTransport(Transport):
     # -- the wire ------------------------------------------------------------------------
 
     def _post(self, peer: int, meta: _Meta, tensors: Sequence[Tensor]) -> None:
-        """Send a message to ``peer``: its header, then what does not fit in it."""
+        """Send a message to ``peer``: in one piece when it fits the buffer posted for it,
+        else its header, then what does not fit in it."""
         data = [_bytes(tensor) for tensor in tensors]
         specs = [(tensor.dtype, tuple(tensor.shape)) for tensor in tensors]
-        sizes = [len(chunk) for chunk in data]
         encoded = pickle.dumps((self.run, meta, specs), protocol=pickle.HIGHEST_PROTOCOL)
-        raw = bytearray(HEADER_BYTES)
-        header = torch.frombuffer(raw, dtype=torch.uint8)
-        raw[0:4] = len(encoded).to_bytes(4, "little")
-        parts = [header]
-        if _PREFIX + len(encoded) <= HEADER_BYTES:
-            raw[_PREFIX : _PREFIX + len(encoded)] = encoded
-            start = _PREFIX + len(encoded)
-        else:
-            parts.append(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
-            start = HEADER_BYTES  # nothing fits inline
-        # How the tensors travel: in the header, as themselves (one large), or packed.
-        offsets, end = _placed(start, sizes)
-        if not data:
-            layout = "none"
-        elif end <= HEADER_BYTES:
-            layout = "inline"
-            _pack(header, offsets, data)
-        elif len(data) == 1:
-            layout = "single"
-            parts.append(data[0])
-        else:
-            layout = "packed"
-            offsets, total = _placed(0, sizes)
-            packed = torch.empty(total, dtype=torch.uint8)
-            _pack(packed, offsets, data)
-            parts.append(packed)
-        raw[4] = _LAYOUTS.index(layout)
+        whole = _whole(len(encoded), [len(chunk) for chunk in data])
         works: list[dist.Work] = []
-        with self.send_locks[peer]:
+        with self.send_locks[peer]:  # the messages' order: the sizes of their buffers
+            capacity = self.sent[peer]
+            parts = _message(encoded, data, capacity.size)
+            capacity.count(whole)
             for k, part in enumerate(parts):
                 tag = self.tag if k == 0 else self.tag + 1  # the header, then the payload
                 try:
@@ -573,26 +636,30 @@ class DistributedTransport(Transport):
         raw, header = self._next_header(peer)
         length = int.from_bytes(raw[0:4], "little")
         layout = _LAYOUTS[raw[4]]
-        if _PREFIX + length <= HEADER_BYTES:
+        if _PREFIX + length <= len(raw):
             encoded = bytes(raw[_PREFIX : _PREFIX + length])
-            start = _PREFIX + length
         else:
             extra = bytearray(length)
             self._recv(torch.frombuffer(extra, dtype=torch.uint8), peer)
-            encoded, start = bytes(extra), HEADER_BYTES
+            encoded = bytes(extra)
         sent_run, meta, specs = pickle.loads(encoded)
         if sent_run != run:
             raise RuntimeError(f"rank {peer} sent a message of run {sent_run} during run {run}")
+        sizes = _nbytes(specs)
+        self.received[peer].count(_whole(length, sizes))
         tensors: list[Tensor] = []
         if layout == "inline":
-            tensors = _unpack(header, start, specs)
+            tensors = _unpack(header, _PREFIX + length, specs)
+            if 2 * sum(sizes) < len(raw) and len(raw) > HEADER_BYTES:
+                # Views would keep the whole buffer, grown for larger messages, alive.
+                tensors = [tensor.clone() for tensor in tensors]
         elif layout == "single":
             dtype, shape = specs[0]
             tensor = torch.empty(shape, dtype=dtype)
             self._recv(tensor.reshape(-1).view(torch.uint8), peer)
             tensors = [tensor]
         elif layout == "packed":
-            _, total = _placed(0, _nbytes(specs))
+            _, total = _placed(0, sizes)
             packed = torch.empty(total, dtype=torch.uint8)
             self._recv(packed, peer)
             tensors = _unpack(packed, 0, specs)
@@ -615,11 +682,12 @@ class DistributedTransport(Transport):
         return True
 
     def _next_header(self, peer: int) -> tuple[bytearray, Tensor]:
-        """``peer``'s next header, with :data:`HEADERS_AHEAD` receives posted ahead of it
-        (each into a buffer of its own: the tensors inline in a header are views of it)."""
+        """``peer``'s next message (or its header), with :data:`HEADERS_AHEAD` receives
+        posted ahead of it (each into a buffer of its own, of the size
+        :class:`_Capacity` agrees on: the tensors inline in a message are views of it)."""
         posted = self.headers[peer]
         while len(posted) < HEADERS_AHEAD:
-            raw = bytearray(HEADER_BYTES)
+            raw = bytearray(self.received[peer].size)
             header = torch.frombuffer(raw, dtype=torch.uint8)
             lane, there = self.from_lane[peer]
             work = dist.irecv(header, group=lane, group_src=there, tag=self.tag)
