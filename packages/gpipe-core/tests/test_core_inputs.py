@@ -12,7 +12,6 @@ so that a convention lost at a partition boundary fails the comparison.
 from __future__ import annotations
 
 import copy
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from core_strategies import compositions
 from gpipe_core import GPipe, NoChunk, PipeSequential
 from gpipe_core._transport import LocalTransport, MessageKey
 from gpipe_microbatch import CPUStream
@@ -141,14 +141,6 @@ def run_plain(plain: nn.Sequential, convention: str, args: tuple[Any, ...]) -> A
     for layer in layers[1:]:
         output = layer(output)
     return output
-
-
-def compositions(layers: int, parts: int) -> list[list[int]]:
-    result = []
-    for cuts in itertools.combinations(range(1, layers), parts - 1):
-        bounds = [0, *cuts, layers]
-        result.append([b - a for a, b in itertools.pairwise(bounds)])
-    return result
 
 
 def loss_fn(output: tuple[Any, ...], target: tuple[Any, ...]) -> torch.Tensor:

@@ -10,7 +10,6 @@ integer tensors, one tensor stashed twice, eval mode and no_grad.
 from __future__ import annotations
 
 import copy
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from core_strategies import compositions
 from gpipe_core import GPipe
 from gpipe_skip import (
     Namespace,
@@ -65,15 +65,6 @@ def unet(depth: int, width: int, seed: int) -> nn.Sequential:
     bottleneck = nn.Sequential(nn.Linear(width, width), nn.ReLU())
     segment = nn.Linear(width, 2)
     return nn.Sequential(*encoders, bottleneck, *decoders, segment).double()
-
-
-def compositions(layers: int, parts: int) -> list[list[int]]:
-    """Every balance of ``layers`` layers into ``parts`` partitions."""
-    result = []
-    for cuts in itertools.combinations(range(1, layers), parts - 1):
-        bounds = [0, *cuts, layers]
-        result.append([b - a for a, b in itertools.pairwise(bounds)])
-    return result
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ nested in a partition.
 from __future__ import annotations
 
 import copy
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from core_strategies import compositions
 from gpipe_bn import DeferredBatchNorm
 from gpipe_core import GPipe, Losses
 from gpipe_skip import Namespace, current_skip_tracker, pop, skippable, stash
@@ -33,15 +33,6 @@ SETTINGS = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-
-
-def compositions(layers: int, parts: int) -> list[list[int]]:
-    """Every balance of ``layers`` layers into ``parts`` partitions."""
-    result = []
-    for cuts in itertools.combinations(range(1, layers), parts - 1):
-        bounds = [0, *cuts, layers]
-        result.append([b - a for a, b in itertools.pairwise(bounds)])
-    return result
 
 
 def mse_mean(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
