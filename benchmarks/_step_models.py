@@ -609,6 +609,8 @@ PIPELINING_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
 #: The ways a :class:`Ranks` group runs: ``pipe`` (torch.distributed.pipelining) and
 #: ``dist`` (gpipe's ``GPipe(..., group=...)``), each with a GPipe and a 1F1B schedule.
 RANK_WAYS = ("dist gpipe", "dist 1f1b", "pipe gpipe", "pipe 1f1b")
+#: ``dist`` ways with the ranks' agreement check of every run turned off, to measure it.
+UNCHECKED_WAYS = ("dist gpipe unchecked", "dist 1f1b unchecked")
 
 
 def pipelining_check() -> str | None:
@@ -680,10 +682,23 @@ def _gpipe_steps(
     x_or_none, y_or_none = (x if first else None), (y if last else None)
     loss_fn = case.loss_fn()
 
-    def step(schedule: str) -> Callable[[], object]:
-        return lambda: model.step(x_or_none, y_or_none, loss_fn, schedule=schedule)  # type: ignore[arg-type]
+    def step(schedule: str, checked: bool) -> Callable[[], object]:
+        import gpipe_core._gpipe as gpipe_module
 
-    return {way: (model, step(way.split()[1])) for way in RANK_WAYS[:2] if way in ways}
+        def run() -> object:
+            gpipe_module.CHECK_RUNS = checked
+            try:
+                return model.step(x_or_none, y_or_none, loss_fn, schedule=schedule)  # type: ignore[arg-type]
+            finally:
+                gpipe_module.CHECK_RUNS = True
+
+        return run
+
+    return {
+        way: (model, step(way.split()[1], "unchecked" not in way))
+        for way in (*RANK_WAYS[:2], *UNCHECKED_WAYS)
+        if way in ways
+    }
 
 
 def _rank_main(
@@ -762,9 +777,10 @@ class Ranks:
     ) -> None:
         import torch.multiprocessing as mp
 
-        unknown = [way for way in ways if way not in RANK_WAYS]
+        known = (*RANK_WAYS, *UNCHECKED_WAYS)
+        unknown = [way for way in ways if way not in known]
         if unknown:
-            raise ValueError(f"unknown ways: {unknown} (known: {list(RANK_WAYS)})")
+            raise ValueError(f"unknown ways: {unknown} (known: {list(known)})")
         context = mp.get_context("spawn")
         self.world = len(case.balance)
         self.timeout = timeout

@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _step_models import (
     RANK_WAYS,
+    UNCHECKED_WAYS,
     Case,
     Check,
     Ranks,
@@ -88,6 +89,20 @@ WAYS = ("plain", "plain mb", "step gpipe", "step 1f1b", *RANK_WAYS)
 TIMEOUT = 120.0
 
 
+def _check_cost(overhead: dict[str, float | None], schedule: str) -> float | None:
+    """What the ranks' agreement check adds per task (µs): checked minus unchecked."""
+    checked, unchecked = (
+        overhead.get(f"dist {schedule}"),
+        overhead.get(f"dist {schedule} unchecked"),
+    )
+    return None if checked is None or unchecked is None else checked - unchecked
+
+
+def _difference(overhead: dict[str, float | None], schedule: str) -> str:
+    cost = _check_cost(overhead, schedule)
+    return "-" if cost is None else f"{cost:+.1f} us per task"
+
+
 def _stepper(
     model: GPipe, x: torch.Tensor, y: torch.Tensor, loss_fn: Any, schedule: str
 ) -> Callable[[], object]:
@@ -118,7 +133,7 @@ class Ways:
             loss_fn = case.loss_fn()
             for way in local:
                 runners[way] = timed(model, _stepper(model, x, y, loss_fn, way.split()[1]))
-        remote = [way for way in ways if way in RANK_WAYS]
+        remote = [way for way in ways if way in (*RANK_WAYS, *UNCHECKED_WAYS)]
         reason = pipelining_check()
         if reason is not None:
             for way in remote:
@@ -231,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for case in computed:
         plan.append((case, WAYS, rounds))
     if "tiny" in chosen:
-        plan.append((tiny, others, rounds * 10))
+        plan.append((tiny, [*others, *UNCHECKED_WAYS], rounds * 10))
 
     ways = Ways(args.threads)
     results: dict[str, dict[str, Any]] = {}
@@ -293,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         r = results[tiny.name]
         plain = r["plain"]
         rows = []
-        for way in others[1:]:
+        for way in [*others[1:], *UNCHECKED_WAYS]:
             value = r.get(way)
             ok = isinstance(value, float) and isinstance(plain, float)
             per_task = (value - plain) / tasks * 1e6 if ok else None
@@ -305,6 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             + (f"plain {plain * 1e3:.2f} ms per step" if isinstance(plain, float) else "no plain")
         )
         print_table(["way", "us per task"], rows)
+        print(
+            "  the ranks' agreement check of every run: dist - dist unchecked, "
+            + ", ".join(f"{schedule} {_difference(overhead, schedule)}" for schedule in SCHEDULES)
+        )
         print()
 
     problems = {
@@ -334,6 +353,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{tiny.name}: dist {schedule} overhead per task <= 150 us",
                 overhead[f"dist {schedule}"],
                 150.0,
+            )
+        )
+    for schedule in SCHEDULES if tiny.name in results else ():
+        checks.append(
+            (
+                f"{tiny.name}: dist {schedule} agreement check <= 5 us per task",
+                _check_cost(overhead, schedule),
+                5.0,
             )
         )
     load = ", ".join(f"{value:.2f}" for value in os.getloadavg())

@@ -13,6 +13,7 @@ import os
 import pickle
 import struct
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -508,7 +509,11 @@ def case_load(
 
 
 def _error(caught: BaseException) -> dict[str, Any]:
-    return {"type": type(caught).__name__, "message": str(caught)}
+    try:
+        message = str(caught)
+    except Exception as unprintable:  # an Unprintable raised on this rank
+        message = f"(str() raised {type(unprintable).__name__})"
+    return {"type": type(caught).__name__, "message": message}
 
 
 def case_bad_balance(rank: int) -> dict[str, Any]:
@@ -577,6 +582,273 @@ def case_cuda(
         "devices": [str(d) for d in pipe.devices],
         "grads": {k: v.cpu() if v is not None else None for k, v in local_grads(pipe).items()},
     }
+
+
+# -- ranks that disagree, and the other ways a run across processes goes wrong --------------
+
+AGREE_LAYERS = ("linear", "tanh", "linear", "bn", "linear", "linear")
+AGREE_BALANCE = {2: [3, 3], 4: [2, 1, 1, 2]}
+
+
+def _timed(call: Callable[[], Any]) -> dict[str, Any]:
+    """``call()``'s error (type, message, the failing rank for a RemoteStageError) and how
+    long it took; an empty error when it returned."""
+    start = time.monotonic()
+    try:
+        call()
+    except Exception as caught:
+        outcome = _error(caught)
+        outcome["rank"] = getattr(caught, "rank", None)
+        outcome["is_value_error"] = isinstance(caught, ValueError)
+    else:
+        outcome = {}
+    return {"error": outcome, "seconds": time.monotonic() - start}
+
+
+def _train_alike(seed: int, timeout: float = 60) -> dict[str, Any]:
+    """A pipeline built alike on every rank, one step: its losses and gradients."""
+    world = dist.get_world_size()
+    pipe = GPipe(
+        build(AGREE_LAYERS, seed),
+        AGREE_BALANCE[world],
+        chunks=2,
+        group=dist.group.WORLD,
+        timeout=timeout,
+    )
+    x, y = data(seed, 4)
+    losses = pipe.step(x, y, nn.MSELoss())
+    return {
+        "reduced": losses.reduced().item(),
+        "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
+    }
+
+
+def case_disagree_build(rank: int, *, field: str, odd_rank: int) -> dict[str, Any]:
+    """``odd_rank`` builds the pipeline with another ``field``; then every rank builds it
+    alike and steps."""
+    world = dist.get_world_size()
+    layers, balance = AGREE_LAYERS, list(AGREE_BALANCE[world])
+    kwargs: dict[str, Any] = {"chunks": 2, "checkpoint": "except_last"}
+    odd = rank == odd_rank
+    if odd and field == "balance":
+        balance = [1, 2, 1, 2] if world == 4 else [2, 4]
+    elif odd and field == "layers":
+        layers = ("linear", "relu", *AGREE_LAYERS[2:])
+    elif odd and field == "chunks":
+        kwargs["chunks"] = 4
+    elif odd and field == "checkpoint":
+        kwargs["checkpoint"] = "never"
+    elif odd and field == "deferred_batch_norm":
+        kwargs["deferred_batch_norm"] = True
+    model = build(layers, 0)
+    before = [type(layer) for layer in model]
+    outcome = _timed(lambda: GPipe(model, balance, group=dist.group.WORLD, timeout=30, **kwargs))
+    # Nothing was changed before the ranks agreed: no layer converted or released.
+    outcome["unchanged"] = [type(layer) for layer in model] == before
+    return {**outcome, **_train_alike(9)}
+
+
+def case_disagree_run(rank: int, *, field: str, odd_rank: int) -> dict[str, Any]:
+    """``odd_rank`` runs a step with another ``field``; then every rank steps alike, on the
+    same pipeline."""
+    world = dist.get_world_size()
+    pipe = GPipe(
+        build(AGREE_LAYERS, 9),
+        AGREE_BALANCE[world],
+        chunks=2,
+        group=dist.group.WORLD,
+        timeout=30,
+    )
+    x, y = data(9, 4)
+    odd = rank == odd_rank
+    kwargs: dict[str, Any] = {}
+    grad = torch.enable_grad()
+    if odd and field == "schedule":
+        kwargs["schedule"] = "1f1b"
+    elif odd and field == "training mode":
+        pipe.eval()
+    elif odd and field == "grad mode":
+        grad = torch.no_grad()  # type: ignore[assignment]
+    elif odd and field == "reduction":
+        kwargs["reduction"] = "sum"
+    elif odd and field == "unpack_input":
+        kwargs["unpack_input"] = True
+    loss_fn = nn.MSELoss(reduction=kwargs.get("reduction", "mean"))
+
+    def step() -> None:
+        with grad:
+            pipe.step(x, y, loss_fn, **kwargs)
+
+    outcome = _timed(step)
+    grads = [p.grad for p in pipe.parameters()]
+    outcome["no_grads_changed"] = all(g is None for g in grads)
+    pipe.train()
+    for p in pipe.parameters():
+        p.grad = None
+    losses = pipe.step(x, y, nn.MSELoss())
+    return {
+        **outcome,
+        "reduced": losses.reduced().item(),
+        "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
+    }
+
+
+class Unprintable(Exception):
+    """An exception whose message cannot be printed."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no message")
+
+
+class Refuse(nn.Module):
+    """The identity, which raises when armed (``to``: when moved; ``forward``: when run),
+    with an exception that cannot be printed for ``unprintable``."""
+
+    def __init__(self, armed: str | None = None) -> None:
+        super().__init__()
+        self.armed = armed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed == "forward":
+            raise Fail("forward")
+        if self.armed == "unprintable":
+            raise Unprintable
+        return x
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        if self.armed == "to":
+            raise Fail("moving the layer")
+        return super()._apply(fn, recurse)
+
+
+def case_fail_build(rank: int, *, how: str, odd_rank: int) -> dict[str, Any]:
+    """The constructor fails on ``odd_rank`` only: on a bad argument, or in moving a layer
+    (after the ranks agreed); then every rank builds a pipeline alike and steps."""
+    layers = build(("linear", "tanh", "linear", "linear"), 0)
+    refuse = Refuse("to" if rank == odd_rank and how == "to" else None)
+    model = nn.Sequential(*layers[:3], refuse, *layers[3:])
+    chunks = 0 if rank == odd_rank and how == "argument" else 2
+    outcome = _timed(
+        lambda: GPipe(model, [2, 3], chunks=chunks, group=dist.group.WORLD, timeout=30)
+    )
+    return {**outcome, **_train_alike(9)}
+
+
+def case_fail_unprintable(rank: int, *, odd_rank: int) -> dict[str, Any]:
+    """A layer on ``odd_rank`` raises an exception whose ``str()`` raises; then a step."""
+    layers = build(("linear", "tanh", "linear", "linear"), 0)
+    refuse = Refuse("unprintable" if rank == odd_rank else None)
+    pipe = GPipe(
+        nn.Sequential(*layers[:3], refuse, *layers[3:]),
+        [2, 3],
+        chunks=2,
+        group=dist.group.WORLD,
+        timeout=30,
+    )
+    x, y = data(0, 4)
+    outcome = _timed(lambda: pipe.step(x, y, nn.MSELoss()))
+    outcome["type_name"] = outcome["error"].get("type")
+    refuse.armed = None
+    for p in pipe.parameters():
+        p.grad = None
+    return {**outcome, "reduced": pipe.step(x, y, nn.MSELoss()).reduced().item()}
+
+
+def case_concurrent(rank: int) -> dict[str, Any]:
+    """A second thread calls step() while the first thread's step runs; then a step."""
+    pipe = GPipe(build(AGREE_LAYERS, 9), [3, 3], chunks=2, group=dist.group.WORLD, timeout=30)
+    x, y = data(9, 4)
+    other: dict[str, Any] = {}
+
+    def second() -> None:
+        other.update(_timed(lambda: pipe.step(x, y, nn.MSELoss())))
+
+    def hook(*_: object) -> None:
+        if not other:
+            thread = threading.Thread(target=second)
+            thread.start()
+            thread.join()
+
+    handle = next(iter(pipe)).register_forward_hook(hook)
+    first = pipe.step(x, y, nn.MSELoss()).reduced().item()
+    handle.remove()
+    for p in pipe.parameters():
+        p.grad = None
+    losses = pipe.step(x, y, nn.MSELoss())
+    return {
+        "other": other,
+        "first": first,
+        "reduced": losses.reduced().item(),
+        "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
+    }
+
+
+def case_reentrant(rank: int, *, odd_rank: int) -> dict[str, Any]:
+    """A layer's hook on ``odd_rank`` calls the pipeline's step() again; then a step."""
+    pipe = GPipe(build(AGREE_LAYERS, 9), [3, 3], chunks=2, group=dist.group.WORLD, timeout=30)
+    x, y = data(9, 4)
+
+    def hook(*_: object) -> None:
+        pipe.step(x, y, nn.MSELoss())
+
+    handle = next(iter(pipe)).register_forward_hook(hook) if rank == odd_rank else None
+    outcome = _timed(lambda: pipe.step(x, y, nn.MSELoss()))
+    if handle is not None:
+        handle.remove()
+    for p in pipe.parameters():
+        p.grad = None
+    losses = pipe.step(x, y, nn.MSELoss())
+    return {
+        **outcome,
+        "reduced": losses.reduced().item(),
+        "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
+    }
+
+
+def case_copy(rank: int) -> dict[str, Any]:
+    """copy.deepcopy and pickling of a pipeline across processes; a copy of its layers."""
+    import copy
+    import io
+
+    pipe = GPipe(build(AGREE_LAYERS, 9), [3, 3], chunks=2, group=dist.group.WORLD, timeout=30)
+    outcomes = {
+        "deepcopy": _timed(lambda: copy.deepcopy(pipe)),
+        "save": _timed(lambda: torch.save(pipe, io.BytesIO())),
+    }
+    layers = copy.deepcopy(pipe.unwrap())
+    return {**outcomes, "layers": len(layers)}
+
+
+def case_never_steps(rank: int, *, late_rank: int, seconds: float) -> dict[str, Any]:
+    """``late_rank`` never calls step(): the others raise within the timeout (``seconds``)
+    and a little more, not twice it."""
+    pipe = GPipe(
+        build(("linear", "linear"), 0), [1, 1], chunks=2, group=dist.group.WORLD, timeout=seconds
+    )
+    x, y = data(0, 4)
+    if rank == late_rank:
+        time.sleep(2.5 * seconds)
+        return {}
+    return _timed(lambda: pipe.step(x, y, nn.MSELoss()))
+
+
+def case_strict_load(rank: int) -> dict[str, Any]:
+    """A checkpoint without a batch norm's ``num_batches_tracked``, and the keys of a layer
+    named ``partitions``, across ranks."""
+    from collections import OrderedDict
+
+    layers = build(AGREE_LAYERS, 9)
+    named = nn.Sequential(
+        OrderedDict(
+            (("partitions" if k == 0 else f"l{k}"), layer) for k, layer in enumerate(layers)
+        )
+    )
+    pipe = GPipe(named, [3, 3], chunks=2, group=dist.group.WORLD, timeout=30)
+    state = pipe.state_dict()
+    keys = list(state)
+    state.pop("l3.num_batches_tracked", None)
+    outcome = _timed(lambda: pipe.load_state_dict(state))
+    return {**outcome, "keys": keys}
 
 
 #: Pipelines dropped only when the process ends (see :func:`case_leave`).

@@ -8,8 +8,12 @@ destroyed after it; the tests that run ranks in processes of their own are in
 
 from __future__ import annotations
 
+import copy
 import datetime
+import io
 import socket
+import threading
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -24,10 +28,7 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
 
 
-@pytest.fixture
-def world() -> Iterator[dist.ProcessGroup]:
-    """torch.distributed initialized with a gloo group of this process alone."""
-    assert not dist.is_initialized(), "an earlier test left torch.distributed initialized"
+def _init_world() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -38,6 +39,13 @@ def world() -> Iterator[dist.ProcessGroup]:
         world_size=1,
         timeout=datetime.timedelta(seconds=60),
     )
+
+
+@pytest.fixture
+def world() -> Iterator[dist.ProcessGroup]:
+    """torch.distributed initialized with a gloo group of this process alone."""
+    assert not dist.is_initialized(), "an earlier test left torch.distributed initialized"
+    _init_world()
     try:
         group = dist.group.WORLD
         assert isinstance(group, dist.ProcessGroup)
@@ -71,8 +79,10 @@ def test_group_needs_balance(world: dist.ProcessGroup) -> None:
     [
         (0, ValueError, r"timeout must be positive \(timeout: 0\)"),
         (datetime.timedelta(seconds=-1), ValueError, r"timeout must be positive"),
-        ("60", TypeError, r"timeout must be seconds or a timedelta \(timeout: '60'\)"),
-        (True, TypeError, r"timeout must be seconds or a timedelta \(timeout: True\)"),
+        ("60", TypeError, r"timeout must be seconds, a timedelta or None.*\(timeout: '60'\)"),
+        (True, TypeError, r"timeout must be seconds, a timedelta or None.*\(timeout: True\)"),
+        (float("inf"), ValueError, r"timeout must be a finite number.*None for no bound"),
+        (float("nan"), ValueError, r"timeout must be positive \(timeout: nan\)"),
     ],
 )
 def test_bad_timeouts(
@@ -108,3 +118,62 @@ def test_a_nccl_data_group_for_partitions_on_the_cpu(
     pipe = GPipe(model, [1, 2], data_group=world)  # the same module, gloo: accepted
     x, y = torch.randn(4, 4), torch.randn(4, 2)
     assert len(pipe.step(x, y, nn.MSELoss())) == 1
+
+
+@pytest.mark.parametrize(
+    ("timeout", "seconds"),
+    [(None, None), (1e10, threading.TIMEOUT_MAX), (datetime.timedelta(days=1), 86400.0)],
+)
+def test_timeouts_without_a_bound_or_past_the_limit_step(
+    world: dist.ProcessGroup, timeout: object, seconds: float | None
+) -> None:
+    """None means no bound; a timeout past what the waits accept is clamped to it."""
+    pipe = GPipe(_model(), [1, 2], chunks=2, group=world, timeout=timeout)  # type: ignore[arg-type]
+    assert pipe._timeout == seconds
+    losses = pipe.step(torch.randn(4, 4), torch.randn(4, 2), nn.MSELoss(), schedule="1f1b")
+    assert len(losses) == 2 and all(torch.isfinite(loss) for loss in losses)
+
+
+def test_a_pipeline_across_processes_cannot_be_copied(world: dist.ProcessGroup) -> None:
+    pipe = GPipe(_model(), [1, 2], group=world)
+    message = r"GPipe across processes cannot be copied.*ranks: \[0\].*unwrap\(\).*state_dict"
+    with pytest.raises(TypeError, match=message):
+        copy.deepcopy(pipe)
+    with pytest.raises(TypeError, match=message):
+        torch.save(pipe, io.BytesIO())
+    plain = copy.deepcopy(pipe.unwrap())  # the way out the message names
+    x = torch.randn(3, 4)
+    pipe.eval()
+    torch.testing.assert_close(plain.eval()(x), pipe(x))
+
+
+def test_torchrun_without_init_process_group_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpipe_core._gpipe as module
+
+    monkeypatch.setattr(module, "_warned_without_process_group", False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.warns(UserWarning, match=r"one of 2 \(WORLD_SIZE=2\).*init_process_group.*group="):
+        GPipe(_model(), [1, 2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GPipe(_model(), [1, 2])  # once per process
+
+
+def test_no_warning_when_initialized_or_alone(
+    monkeypatch: pytest.MonkeyPatch, world: dist.ProcessGroup
+) -> None:
+    """Under the user's own data parallelism (initialized, group=None), and in a process
+    that is alone, building a pipeline in one process is what was asked."""
+    import gpipe_core._gpipe as module
+
+    monkeypatch.setattr(module, "_warned_without_process_group", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        GPipe(_model(), [1, 2])  # torch.distributed is initialized: the user's choice
+        dist.destroy_process_group()
+        try:
+            monkeypatch.setenv("WORLD_SIZE", "1")
+            GPipe(_model(), [1, 2])
+        finally:
+            _init_world()

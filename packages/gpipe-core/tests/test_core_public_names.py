@@ -24,6 +24,7 @@ PUBLIC_NAMES = [
     "PartitionSummary",
     "Phase",
     "PipeSequential",
+    "RanksDisagree",
     "RemoteStageError",
     "Schedule",
     "ScheduleError",

@@ -123,3 +123,44 @@ def test_unwrap_gives_the_trained_layers_in_order() -> None:
     assert all(a is b for a, b in zip(plain, pipe, strict=True))
     deployed = copy.deepcopy(plain)
     same_outputs(pipe, deployed)
+
+
+def test_strict_loading_reports_missing_keys_as_the_plain_model_does() -> None:
+    """The layers' versions travel with the state dict: a checkpoint without a batch norm's
+    ``num_batches_tracked`` is refused, as by the plain model (versions lost, batch norm
+    would take it for a checkpoint of torch < 0.4.1 and fill it in), under the plain key."""
+    state = trained([2, 3]).state_dict()
+    del state["2.1.num_batches_tracked"]
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "2\.1\.num_batches'):
+        model().load_state_dict(state)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "2\.1\.num_batches'):
+        GPipe(model(), [2, 3]).load_state_dict(state)
+
+
+def test_missing_and_unexpected_keys_have_the_plain_names() -> None:
+    state = trained([2, 3]).state_dict()
+    del state["4.bias"]
+    state["2.0.extra"] = torch.zeros(1)
+    plain = model().load_state_dict(state, strict=False)
+    pipe = GPipe(model(), [2, 3]).load_state_dict(state, strict=False)
+    assert pipe.missing_keys == plain.missing_keys == ["4.bias"]
+    assert pipe.unexpected_keys == plain.unexpected_keys == ["2.0.extra"]
+
+
+def test_a_layer_may_be_named_as_gpipe_names_its_own_parts() -> None:
+    def named() -> nn.Sequential:
+        torch.manual_seed(1)
+        return nn.Sequential(
+            OrderedDict(partitions=nn.Linear(4, 4), balance=nn.Tanh(), head=nn.Linear(4, 2))
+        )
+
+    pipe = GPipe(named(), [1, 2])
+    with torch.no_grad():
+        pipe[0].weight.add_(1.0)
+    state = round_trip(pipe.state_dict())
+    assert list(state) == list(named().state_dict())
+    other = GPipe(named(), [2, 1])
+    other.load_state_dict(state)
+    plain = named()
+    plain.load_state_dict(state)
+    same_outputs(pipe, other, plain)

@@ -23,6 +23,7 @@ NAMES = [
     "GPipe",
     "NoChunk",
     "PipeSequential",
+    "RanksDisagree",
     "RemoteStageError",
     "WithDevice",
     "__version__",

@@ -12,6 +12,7 @@ Example:
 from gpipe_microbatch import BalanceError, NoChunk
 
 from .__about__ import __version__
+from ._agreement import RanksDisagree
 from ._distributed import RemoteStageError
 from ._gpipe import CheckpointMode, GPipe
 from ._losses import Losses
@@ -51,6 +52,7 @@ __all__ = [
     "PartitionSummary",
     "Phase",
     "PipeSequential",
+    "RanksDisagree",
     "RemoteStageError",
     "Schedule",
     "ScheduleError",

@@ -55,6 +55,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._agreement import Fields, RanksDisagree, compare
+from ._errors import add_note, describe_error
 from ._schedule import Action
 from ._transport import Cancelled, Message, MessageKey, Transport, carried, outgoing
 
@@ -139,9 +141,8 @@ class RemoteStageError(RuntimeError):
         self.rank = rank
         self.where = where
         self.remote_traceback = remote_traceback
-        add_note = getattr(self, "add_note", None)  # Python 3.11+
-        if add_note is not None and remote_traceback:
-            add_note(f"The traceback on rank {rank}:\n{remote_traceback.rstrip()}")
+        if remote_traceback:
+            add_note(self, f"The traceback on rank {rank}:\n{remote_traceback.rstrip()}")
 
 
 @dataclass
@@ -150,9 +151,20 @@ class _Failure:
     where: str
     summary: str
     text: str
+    #: The failing rank's run fields, when it failed because they differ from the plan's.
+    fields: Fields | None = None
 
     def error(self) -> RemoteStageError:
         return RemoteStageError(self.rank, self.where, self.summary, self.text)
+
+
+class _Differs(ValueError):
+    """This rank's run fields differ from the first stage's rank's: the run fails on every
+    rank, which then raise the same :class:`~gpipe_core._agreement.RanksDisagree`."""
+
+    def __init__(self, fields: Fields, message: str) -> None:
+        super().__init__(message)
+        self.fields = fields
 
 
 def _aligned(offset: int) -> int:
@@ -285,7 +297,7 @@ class DistributedTransport(Transport):
         stage_ranks: the rank (in ``group``) of each stage.
         devices: the device of each stage of this rank (others: unused).
         timeout: seconds any wait may last before it fails with an error that says who
-            waits for what.
+            waits for what (None: no bound).
         tag: the point-to-point tag of this pipeline's headers (``tag + 1``: its
             payloads).
         downstream: a second process group of ``group``'s ranks (see :func:`lanes`):
@@ -299,7 +311,7 @@ class DistributedTransport(Transport):
         stage_ranks: Sequence[int],
         devices: Sequence[torch.device],
         *,
-        timeout: float,
+        timeout: float | None,
         tag: int,
         downstream: dist.ProcessGroup | None = None,
     ) -> None:
@@ -330,6 +342,13 @@ class DistributedTransport(Transport):
         self.told = False  # whether this rank has told the others of its failure
         self.mailbox: dict[MessageKey, Message] = {}
         self.plan: _Meta | None = None
+        #: The run's fields on the first stage's rank (sent with the plan), on this rank,
+        #: and on each peer (sent with its last message of the run).
+        self.plan_fields: Fields | None = None
+        self.fields: Fields | None = None
+        self.peer_fields: dict[int, Fields | None] = {}
+        #: When each peer was last heard from in this run (the run's start at first).
+        self.heard = dict.fromkeys(self.peers, 0.0)
         self.failures: list[_Failure] = []
         self.finished: dict[int, Any] = {}  # peer -> its payload
         self.served = dict.fromkeys(self.peers, 0)  # the last run each receiver served
@@ -364,9 +383,11 @@ class DistributedTransport(Transport):
             self.active = True
             self.cancelled = self.told = False
             self.mailbox.clear()
-            self.plan = None
+            self.plan = self.plan_fields = self.fields = None
+            self.peer_fields = {}
             self.failures = []
             self.finished = {}
+            self.heard = dict.fromkeys(self.peers, time.monotonic())
             self.cond.notify_all()
         for peer in self.peers:
             if peer not in self.threads:
@@ -382,6 +403,11 @@ class DistributedTransport(Transport):
     def finish(self, error: BaseException | None, payload: object = None) -> dict[int, Any]:
         """End the run on this rank and wait until every peer has ended it too.
 
+        A run that went well waits up to the timeout for each peer. A run that failed
+        waits for each peer until the timeout has passed since it was last heard from in
+        this run: a peer silent that long is counted as gone, so that a failed step raises
+        within the timeout of the wait that failed, not twice that.
+
         Args:
             error: what this rank raised in the run, if anything (the others are told,
                 unless they were already).
@@ -392,6 +418,8 @@ class DistributedTransport(Transport):
             Each peer's payload.
 
         Raises:
+            RanksDisagree: the ranks were called with different run fields (on every
+                rank, whatever else failed).
             RemoteStageError: this rank raised nothing, and a peer failed.
             TimeoutError: a peer did not end the run within the timeout.
         """
@@ -399,51 +427,98 @@ class DistributedTransport(Transport):
             self.tell(None, error)
         ok = error is None
         for peer in self.peers:
-            self._post_if_alive(peer, ("finished", ok, payload))
-        deadline = time.monotonic() + self.timeout
-        self._drain_sends(deadline)
+            self._post_if_alive(peer, ("finished", ok, payload, self.fields))
+        with self.cond:
+            failed = not ok or self.cancelled
+        deadlines = self._deadlines(failed)
+        self._drain_sends(deadlines)
         with self.cond:
             while True:
                 waiting = [p for p in self.peers if p not in self.finished and p not in self.dead]
                 if not waiting:
                     break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                now = time.monotonic()
+                late = [p for p in waiting if (d := deadlines[p]) is not None and d <= now]
+                if late:
                     self.active = False
                     self.dead.update(
                         (p, f"it did not finish run {self.run} within {self.timeout:g} s")
-                        for p in waiting
+                        for p in late
                     )
+                    self.cond.notify_all()
+                    if failed:
+                        continue  # the run raises its own error; these ranks are gone
                     raise TimeoutError(
-                        f"rank {self.rank} waited {self.timeout:g} s for ranks {waiting} to "
+                        f"rank {self.rank} waited {self.timeout:g} s for ranks {late} to "
                         "finish the run; is every rank calling the same method with the "
                         "same arguments?"
                     )
-                self.cond.wait(remaining)
+                bounds = [d - now for p in waiting if (d := deadlines[p]) is not None]
+                self.cond.wait(min(bounds) if bounds else None)
             self.active = False
             self.mailbox.clear()
             failures = sorted(self.failures, key=lambda failure: failure.rank)
             payloads = dict(self.finished)
+            fields = {self.rank: self.fields, **self.peer_fields}
+        disagreement = self._disagreement(error, failures, fields)
+        if disagreement is not None:
+            raise disagreement
         if error is None and failures:
             raise failures[0].error()
         return payloads
 
-    def send_plan(self, plan: _Meta) -> None:
-        """Give every peer the run's plan (its micro-batches' sizes), from the first
-        stage's rank."""
-        for peer in self.peers:
-            self._post(peer, ("plan", plan), [])
+    def _deadlines(self, failed: bool) -> dict[int, float | None]:
+        """When the end of the run stops waiting for each peer (None: never)."""
+        if self.timeout is None:
+            return dict.fromkeys(self.peers, None)
+        if not failed:
+            return dict.fromkeys(self.peers, time.monotonic() + self.timeout)
+        with self.cond:
+            return {peer: self.heard[peer] + self.timeout for peer in self.peers}
 
-    def receive_plan(self) -> _Meta:
-        """Wait for the run's plan from the first stage's rank.
+    def _disagreement(
+        self,
+        error: BaseException | None,
+        failures: Sequence[_Failure],
+        fields: dict[int, Fields | None],
+    ) -> RanksDisagree | None:
+        """The error every rank raises when a rank found that its run fields differ from
+        the plan's (None when none did): it names every rank's value, from the fields each
+        sent with its last message of the run (ranks that failed before they had their
+        fields aside)."""
+        if not isinstance(error, _Differs) and not any(f.fields for f in failures):
+            return None
+        known = {rank: values for rank, values in sorted(fields.items()) if values}
+        if self.plan_fields is not None:
+            known.setdefault(self.stage_ranks[0], self.plan_fields)
+        return compare(known)
+
+    def send_plan(self, plan: _Meta, fields: Fields) -> None:
+        """Give every peer the run's plan (its micro-batches' sizes) and this rank's run
+        fields, from the first stage's rank."""
+        self.plan_fields = self.fields = fields
+        for peer in self.peers:
+            self._post(peer, ("plan", plan, fields), [])
+
+    def receive_plan(self, fields: Fields) -> _Meta:
+        """Wait for the run's plan from the first stage's rank, and check that this rank's
+        run ``fields`` are the same as there.
 
         Raises:
             Cancelled: the run was cancelled (a peer failed) while waiting.
+            ValueError: this rank's ``fields`` differ (the run then fails on every rank
+                with the same :class:`~gpipe_core._agreement.RanksDisagree`).
         """
         with self.cond:
+            self.fields = fields
             self._wait(lambda: self.plan is not None, "the plan of the run", self.stage_ranks[0])
-            assert self.plan is not None
-            return self.plan
+            assert self.plan is not None and self.plan_fields is not None
+            plan, theirs = self.plan, self.plan_fields
+        if theirs != fields:
+            disagreement = compare({self.stage_ranks[0]: theirs, self.rank: fields})
+            if disagreement is not None:
+                raise _Differs(fields, str(disagreement))
+        return plan
 
     # -- the Transport interface ----------------------------------------------------
 
@@ -491,10 +566,14 @@ class DistributedTransport(Transport):
         else:
             j, act = action
             where = f"{act.kind} of micro-batch {act.microbatch} on partition {j}"
-        summary = f"{type(error).__name__}: {error}"
-        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        summary = describe_error(error)
+        try:
+            text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        except Exception:  # an exception that cannot be printed still travels
+            text = "".join(traceback.format_tb(error.__traceback__)) + summary
+        fields = error.fields if isinstance(error, _Differs) else None
         for peer in self.peers:
-            self._post_if_alive(peer, ("failed", where, summary, text))
+            self._post_if_alive(peer, ("failed", where, summary, text, fields))
 
     def fail(self, stage: int, action: Action | None, error: BaseException) -> None:
         self.tell((stage, action) if action is not None else None, error)
@@ -531,7 +610,7 @@ class DistributedTransport(Transport):
 
     def _wait(self, ready: Any, what: str, source: int) -> None:
         """Wait (holding ``cond``) until ``ready()``; ``what`` comes from rank ``source``."""
-        deadline = time.monotonic() + self.timeout
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while not ready():
             if self.cancelled:
                 raise Cancelled
@@ -542,6 +621,9 @@ class DistributedTransport(Transport):
                     "without sending it; is every rank calling the same method with the "
                     "same arguments?"
                 )
+            if deadline is None:
+                self.cond.wait()
+                continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(
@@ -588,18 +670,22 @@ class DistributedTransport(Transport):
         with contextlib.suppress(RuntimeError):
             self._post(peer, meta, [])
 
-    def _drain_sends(self, deadline: float) -> None:
-        """Wait until this run's sends have been received, their peer is gone, or
-        ``deadline`` has passed (then the peer counts as gone: gloo closes a connection
-        whose wait timed out)."""
+    def _drain_sends(self, deadlines: dict[int, float | None]) -> None:
+        """Wait until this run's sends have been received, their peer is gone, or the
+        peer's deadline has passed (then the peer counts as gone: gloo closes a
+        connection whose wait timed out)."""
         with self.sends_lock:
             sends, self.sends = self.sends, []
         for peer, work, _ in sends:
             if peer in self.dead:
                 continue
-            remaining = max(deadline - time.monotonic(), 0.001)
+            deadline = deadlines[peer]
             try:
-                work.wait(datetime.timedelta(seconds=remaining))
+                if deadline is None:
+                    work.wait()
+                else:
+                    remaining = max(deadline - time.monotonic(), 0.001)
+                    work.wait(datetime.timedelta(seconds=remaining))
             except RuntimeError as error:
                 with self.cond:
                     # The receiver thread may have said so already (the peer died).
@@ -665,15 +751,16 @@ class DistributedTransport(Transport):
             tensors = _unpack(packed, 0, specs)
         kind = meta[0]
         with self.cond:
+            self.heard[peer] = time.monotonic()
             if kind == "finished":
-                self.finished[peer] = meta[2]
+                self.finished[peer], self.peer_fields[peer] = meta[2], meta[3]
                 self.cond.notify_all()
                 return False
             if kind == "failed":
-                self.failures.append(_Failure(peer, meta[1], meta[2], meta[3]))
+                self.failures.append(_Failure(peer, *meta[1:]))
                 self.cancelled = True
             elif kind == "plan":
-                self.plan = meta[1]
+                self.plan, self.plan_fields = meta[1], meta[2]
             elif not self.cancelled:
                 _, key, atomic, present, requires_grad, others = meta
                 batch = carried(tensors, atomic)

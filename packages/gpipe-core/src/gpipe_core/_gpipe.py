@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import os
+import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
@@ -32,6 +35,8 @@ from gpipe_microbatch import (
 )
 from gpipe_skip import SkipLayout, inspect_skip_layout, verify_skippables
 
+from ._agreement import Construction, Fields, RanksDisagree, layer_fields, run_fields
+from ._errors import add_note
 from ._losses import Losses, LossFunction, Reduction
 from ._partition import (
     balance_from_placement,
@@ -115,23 +120,68 @@ def _actions(plan: Schedule, m: int, n: int, backward: bool) -> Sequence[Sequenc
     return check_actions(lists, m, backward=backward, partitions=n, schedule=plan)
 
 
-def _check_timeout(timeout: object, group: object) -> float:
-    """``timeout`` in seconds (only meaningful with a group)."""
-    if timeout is None:
-        return 1800.0
+#: Whether the ranks compare their run fields at every run (see :mod:`gpipe_core._agreement`);
+#: the benchmarks turn it off to measure what the check costs.
+CHECK_RUNS = True
+
+#: The default ``timeout``: the seconds any wait for another rank may last.
+DEFAULT_TIMEOUT = 1800.0
+#: The longest bounded timeout (a longer one is clamped to it): the longest wait Python's
+#: threading accepts, about 292 years.
+MAX_TIMEOUT = float(threading.TIMEOUT_MAX)
+
+
+def _check_timeout(timeout: object, group: object) -> float | None:
+    """``timeout`` in seconds, None for no bound (only meaningful with a group)."""
     if group is None:
-        raise ValueError(
-            f"timeout bounds the waits for other ranks and needs group (timeout: {timeout!r})"
-        )
+        if timeout is not None and timeout != DEFAULT_TIMEOUT:
+            raise ValueError(
+                f"timeout bounds the waits for other ranks and needs group (timeout: {timeout!r})"
+            )
+        return DEFAULT_TIMEOUT
+    if timeout is None:
+        return None
     if isinstance(timeout, datetime.timedelta):
         seconds = timeout.total_seconds()
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         seconds = float(timeout)
     else:
-        raise TypeError(f"timeout must be seconds or a timedelta (timeout: {timeout!r})")
+        raise TypeError(
+            f"timeout must be seconds, a timedelta or None for no bound (timeout: {timeout!r})"
+        )
     if not seconds > 0:
         raise ValueError(f"timeout must be positive (timeout: {timeout!r})")
-    return seconds
+    if not math.isfinite(seconds):
+        raise ValueError(
+            "timeout must be a finite number of seconds, or None for no bound "
+            f"(timeout: {timeout!r})"
+        )
+    return min(seconds, MAX_TIMEOUT)
+
+
+_warned_without_process_group = False
+
+
+def _warn_without_process_group() -> None:
+    """Warn (once per process) when the environment says this process is one of several
+    but ``torch.distributed`` is not initialized: every rank would then train the whole
+    model alone (a pipeline inside the user's own data parallelism is initialized)."""
+    global _warned_without_process_group
+    if _warned_without_process_group or (dist.is_available() and dist.is_initialized()):
+        return
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not world.isdigit() or int(world) < 2:
+        return
+    _warned_without_process_group = True
+    warnings.warn(
+        f"this process is one of {world} (WORLD_SIZE={world}) but torch.distributed is not "
+        "initialized, so this pipeline runs every partition in this process, as every "
+        "other process does; to run the partitions across the processes, call "
+        "torch.distributed.init_process_group() first and pass "
+        "group=torch.distributed.group.WORLD",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _stage_devices(devices: Iterable[Device] | None, local: Sequence[bool]) -> list[torch.device]:
@@ -277,19 +327,31 @@ class GPipe(nn.Module):
             which train on other data: after each :meth:`step`, the gradients of this
             process's parameters are averaged over it with one ``all_reduce`` per dtype
             (see :doc:`/distributed`). A NCCL group needs this rank's partitions on CUDA.
-        timeout: with ``group`` or ``data_group``, the seconds any wait for another rank
-            may last (default: 1800) before the run fails with an error saying who waits
-            for what.
+        timeout: with ``group`` or ``data_group``, the seconds (or a
+            :class:`~datetime.timedelta`) any wait for another rank may last, from the
+            constructor on, before the run fails with an error saying who waits for what
+            (default: 1800; ``None``: no bound). A failed step raises within the timeout
+            of the wait that failed, plus the time to tell the other ranks.
+
+    Across processes, the ranks compare what they build and, at every run, how they are
+    called; where they differ, every rank raises the same
+    :class:`~gpipe_core.RanksDisagree` (see :doc:`/distributed`). Such a pipeline runs one
+    call at a time, from one thread per rank, and cannot be copied or pickled (copy
+    :meth:`unwrap` or save :meth:`~torch.nn.Module.state_dict` instead).
 
     Raises:
         TypeError: ``module`` is not an :class:`~torch.nn.Sequential`, its skippable
             layers do not pair up (see :func:`gpipe_skip.verify_skippables`), or a
             :class:`~gpipe_core.WithDevice` is nested in a layer.
         BalanceError: ``balance`` does not split ``module`` into non-empty partitions.
-        ValueError: too few devices, bad ``chunks`` or ``checkpoint``, a parameter
-            shared by partitions on different devices, a
+        ValueError: too few devices, bad ``chunks``, ``checkpoint`` or ``timeout``, a
+            parameter shared by partitions on different devices, a
             :class:`~gpipe_core.WithDevice` layer in a partition on another device, or a
             NCCL ``data_group`` for partitions that are not on CUDA.
+        RanksDisagree: across processes, the ranks would build different pipelines.
+        RemoteStageError: across processes, another rank's constructor failed.
+        TimeoutError: across processes, a rank did not build the pipeline within
+            ``timeout``.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
@@ -317,9 +379,44 @@ class GPipe(nn.Module):
         deferred_batch_norm: bool = False,
         group: dist.ProcessGroup | None = None,
         data_group: dist.ProcessGroup | None = None,
-        timeout: float | datetime.timedelta | None = None,
+        timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
     ) -> None:
         super().__init__()
+        construction: Construction | None = None
+        if group is None:
+            _warn_without_process_group()
+        else:
+            from ._distributed import check_group, pipeline_tag
+
+            # Before anything can fail on one rank only: the ranks then count their
+            # pipelines on the group alike, and tell each other of a failure.
+            check_group(group)
+            construction = Construction(group, pipeline_tag(group))
+        try:
+            self._build(
+                module, balance, devices, chunks, checkpoint, deferred_batch_norm,
+                group, data_group, timeout, construction,
+            )  # fmt: skip
+        except BaseException as error:
+            if construction is not None:
+                construction.failed(error)
+            raise
+
+    def _build(
+        self,
+        module: nn.Sequential,
+        balance: Iterable[int] | None,
+        devices: Iterable[Device] | None,
+        chunks: int,
+        checkpoint: CheckpointMode,
+        deferred_batch_norm: bool,
+        group: dist.ProcessGroup | None,
+        data_group: dist.ProcessGroup | None,
+        timeout: float | datetime.timedelta | None,
+        construction: Construction | None,
+    ) -> None:
+        """The constructor's work: the checks, which change nothing; across processes the
+        ranks' agreement on what they build; then the partitions."""
         check_module(module)
         if not isinstance(deferred_batch_norm, bool):
             raise TypeError(
@@ -334,16 +431,14 @@ class GPipe(nn.Module):
         self._data_group = data_group
         self._timeout = _check_timeout(timeout, group if group is not None else data_group)
         if group is not None or data_group is not None:
-            from ._distributed import check_group, gloo_group, lanes, pipeline_tag
+            from ._distributed import check_group, gloo_group, lanes
         if data_group is not None:
             check_group(data_group, "data_group")
-        if group is not None:
-            check_group(group)
-            if balance is None:
-                raise TypeError(
-                    "balance must be given with group (balance: None): it says which layers "
-                    "each rank runs"
-                )
+        if group is not None and balance is None:
+            raise TypeError(
+                "balance must be given with group (balance: None): it says which layers "
+                "each rank runs"
+            )
         if balance is None and devices is None:
             balance, devices = balance_from_placement(module)
         elif balance is None:
@@ -365,11 +460,6 @@ class GPipe(nn.Module):
                 )
             self._rank = group.rank()
             self.stage_ranks = [j % size for j in range(n)]
-            self._tag = pipeline_tag(group)
-            # Every rank of the group makes them, here: constructing the pipeline is
-            # collective over the group, as its steps are.
-            self._wire = gloo_group(group)
-            self._downstream = lanes(self._wire)
         local = [rank == self._rank for rank in self.stage_ranks]
         self.devices = (
             _stage_devices(devices, local) if group is not None else resolve_devices(devices, n)
@@ -383,9 +473,31 @@ class GPipe(nn.Module):
                     f"devices of this rank: {on_host}); use a gloo group, or one of "
                     "init_process_group('cpu:gloo,cuda:nccl')"
                 )
-        if deferred_batch_norm:
+        if deferred_batch_norm or construction is not None:
             # Every check that could refuse the module first: a refused module is unchanged.
             check_split(module, self.balance, self.devices)
+        if construction is not None:
+            assert group is not None
+            fields = (
+                ("the module's type", type(module).__qualname__),
+                *layer_fields(placed_layers(module)),
+                ("balance", self.balance),
+                ("chunks", self.chunks),
+                ("checkpoint", self.checkpoint),
+                ("deferred_batch_norm", deferred_batch_norm),
+                ("the rank of each partition", self.stage_ranks),
+                (
+                    "the device types of each rank's partitions",
+                    sorted({d.type for d, mine in zip(self.devices, local, strict=True) if mine}),
+                ),
+            )
+            construction.agree(fields, self._timeout)
+            self._tag = construction.tag
+            # Every rank of the group makes them, here: constructing the pipeline is
+            # collective over the group, as its steps are.
+            self._wire = gloo_group(group)
+            self._downstream = lanes(self._wire)
+        if deferred_batch_norm:
             convert_deferred_batch_norm(module, self.chunks)  # in place: module is a container
         # Deferred batch norms, converted here or by hand, see each forward call as one
         # mini-batch; models without them skip the walk over their modules in forward.
@@ -412,6 +524,10 @@ class GPipe(nn.Module):
         # Checkpoints use the plain module's keys, whatever the balance.
         self.register_state_dict_post_hook(_plain_keys)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_pre_hook(_partition_keys)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_post_hook(_reported_keys)  # type: ignore[no-untyped-call]
+        self._loading: list[tuple[str, int, int]] = []  # (prefix, keys reported) per load
+        if construction is not None:
+            construction.agree((), self._timeout)  # every rank has built its partitions
 
     def _init_runtime(self) -> None:
         """The state that is not copied or pickled: copy streams, worker threads, and the
@@ -419,6 +535,9 @@ class GPipe(nn.Module):
         self._copy_streams: list[list[AbstractStream]] = [[] for _ in self.devices]
         self._pool = self._new_pool()
         self._transport: DistributedTransport | None = None
+        # The thread whose run across processes holds the pipeline (see _session).
+        self._run_lock = threading.Lock()
+        self._running: int | None = None
 
     def _new_pool(self) -> WorkerPool:
         pool = WorkerPool(self.stage_ranks.count(self._rank))
@@ -449,11 +568,17 @@ class GPipe(nn.Module):
         return self._transport
 
     def __getstate__(self) -> dict[str, Any]:
+        if self._group is not None:
+            ranks = dist.get_process_group_ranks(self._group)
+            raise TypeError(
+                "a GPipe across processes cannot be copied or pickled: it holds a process "
+                f"group (ranks: {ranks}) and this rank's partitions only; copy the layers "
+                "instead, copy.deepcopy(pipe.unwrap()), or save pipe.state_dict()"
+            )
         # Threads, locks and CUDA streams cannot be copied or pickled; a copy gets its own.
         state: dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
-        state.pop("_pool", None)
-        state.pop("_copy_streams", None)
-        state.pop("_transport", None)
+        for runtime in ("_pool", "_copy_streams", "_transport", "_run_lock", "_running"):
+            state.pop(runtime, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -619,20 +744,22 @@ class GPipe(nn.Module):
         """
         if self._group is None:
             return self._forward(inputs)
-        if self.training and torch.is_grad_enabled():
-            raise RuntimeError(
-                "GPipe across processes runs forward() for inference only (eval mode or "
-                "torch.no_grad()): autograd cannot reach across processes; train with "
-                "step(input, target, loss_fn), which runs every backward pass "
-                f"(training: {self.training}, grad enabled: {torch.is_grad_enabled()})"
-            )
         with self._session():
+            # Inside the run, so that the other ranks learn of the refusal at once.
+            if self.training and torch.is_grad_enabled():
+                raise RuntimeError(
+                    "GPipe across processes runs forward() for inference only (eval mode or "
+                    "torch.no_grad()): autograd cannot reach across processes; train with "
+                    "step(input, target, loss_fn), which runs every backward pass "
+                    f"(training: {self.training}, grad enabled: {torch.is_grad_enabled()})"
+                )
             return self._forward(inputs)
 
     def _forward(self, inputs: tuple[Any, ...]) -> Any:
         n = len(self.partitions)
         value: object = None
         unpack, what = False, "input"
+        fields = run_fields("forward", training=self.training)
         if self._local(0):
             value, unpack, what = _positional(inputs)
             self._check_input_device(value, what)
@@ -640,7 +767,7 @@ class GPipe(nn.Module):
                 scatter(value, self.chunks, what=what)  # the same checks
                 # An empty nn.Sequential is the identity (on what the first layer would see).
                 return scatter(value, 1, what=what)[0].value
-        batches, sizes = self._microbatches(value, what)
+        batches, sizes = self._microbatches(value, what, fields)
         m = len(sizes)
         actions = _builtin_actions(GPipeSchedule, m, n, False)
         # In eval mode the output still has a graph (when grad mode is on); nothing is
@@ -665,17 +792,20 @@ class GPipe(nn.Module):
                     )
         return gather(outputs)
 
-    def _microbatches(self, value: object, what: str) -> tuple[list[Batch], list[int]]:
+    def _microbatches(
+        self, value: object, what: str, fields: Fields
+    ) -> tuple[list[Batch], list[int]]:
         """The micro-batches of ``value`` (named ``what`` in errors) and their sizes, on
         the first partition's rank; on other ranks, no micro-batches, and their sizes from
-        that rank."""
+        that rank. Across processes, the run's ``fields`` go with the sizes, and the other
+        ranks check that theirs are the same (see :mod:`gpipe_core._agreement`)."""
         if self._local(0):
             batches = scatter(value, self.chunks, what=what)
             sizes = _sizes(value, batches)
             if self._group is not None:
-                self._distributed().send_plan((sizes,))
+                self._distributed().send_plan((sizes,), fields if CHECK_RUNS else ())
             return batches, sizes
-        (sizes,) = self._distributed().receive_plan()
+        (sizes,) = self._distributed().receive_plan(fields if CHECK_RUNS else ())
         return [], list(sizes)
 
     @contextmanager
@@ -684,25 +814,50 @@ class GPipe(nn.Module):
 
         The ``with`` block's error is told to the other ranks, which raise a
         :class:`RemoteStageError` naming this rank; if another rank fails, the block's
-        waits end and the ``with`` statement raises that error.
+        waits end and the ``with`` statement raises that error. Ranks called with
+        different run fields all raise the same :class:`ValueError`.
+
+        One run at a time: a call from another thread while a run lasts, or from inside
+        the run (a layer or hook calling the pipeline again), is refused at once, on this
+        rank only, and the pipeline stays usable.
         """
-        transport = self._distributed()
-        transport.begin()
-        session = _Session()
+        self._pool.refuse_reentry()
+        current = threading.current_thread()
+        if self._running == current.ident:
+            raise RuntimeError(
+                "a GPipe module was called from inside its own run (a layer or a hook of the "
+                "module called it, or its step, again); across processes every rank must "
+                f"run the same calls in the same order, so this is refused (thread: "
+                f"{current.name})"
+            )
+        if not self._run_lock.acquire(blocking=False):
+            raise RuntimeError(
+                "a GPipe module across processes runs one call at a time, and another thread "
+                f"is running one (thread: {current.name}); every rank must make the same calls "
+                "in the same order, so call step() and forward() from one thread per rank"
+            )
         try:
-            yield session
-        except Cancelled:
-            transport.finish(None)  # raises the failing rank's error
-            raise RuntimeError("the run was cancelled on this rank") from None
-        except BaseException as error:
+            self._running = current.ident
+            transport = self._distributed()
+            transport.begin()
+            session = _Session()
             try:
-                transport.finish(error)
-            except Exception as also:  # the local error stays the one raised
-                add_note = getattr(error, "add_note", None)
-                if add_note is not None:
-                    add_note(f"(ending the run on the other ranks failed too: {also})")
-            raise
-        session.payloads = transport.finish(None, session.payload)
+                yield session
+            except Cancelled:
+                transport.finish(None)  # raises the failing rank's error
+                raise RuntimeError("the run was cancelled on this rank") from None
+            except BaseException as error:
+                try:
+                    transport.finish(error)
+                except RanksDisagree as disagreement:
+                    raise disagreement from None  # the same error on every rank
+                except Exception as also:  # the local error stays the one raised
+                    add_note(error, f"(ending the run on the other ranks failed too: {also})")
+                raise
+            session.payloads = transport.finish(None, session.payload)
+        finally:
+            self._running = None
+            self._run_lock.release()
 
     def _checkpoint_stop(self, m: int) -> int:
         """How many of ``m`` micro-batches are checkpointed in training."""
@@ -892,9 +1047,7 @@ class GPipe(nn.Module):
             try:
                 self._average_gradients(failed=True)
             except Exception as also:
-                add_note = getattr(error, "add_note", None)
-                if add_note is not None:
-                    add_note(f"(telling the data-parallel replicas failed too: {also})")
+                add_note(error, f"(telling the data-parallel replicas failed too: {also})")
             raise
         self._average_gradients(failed=False)
         return losses
@@ -950,16 +1103,18 @@ class GPipe(nn.Module):
             if not flats:
                 flat[-1] = 1.0 if failed else 0.0
             flats.append((flat, group_parameters))
-        timeout = datetime.timedelta(seconds=self._timeout)
         works = [dist.all_reduce(flat, group=group, async_op=True) for flat, _ in flats]
         for work in works:
             assert work is not None
             try:
-                work.wait(timeout)
+                if self._timeout is None:
+                    work.wait()
+                else:
+                    work.wait(datetime.timedelta(seconds=self._timeout))
             except RuntimeError as error:
                 raise TimeoutError(
                     "the data-parallel replicas did not all end the step within "
-                    f"{self._timeout:g} s, or one is gone ({error})"
+                    f"{self._timeout} s, or one is gone ({error})"
                 ) from error
         failures = int(flats[0][0][-1].item())
         if failures:
@@ -1013,8 +1168,17 @@ class GPipe(nn.Module):
                 f"(checkpointing: {is_checkpointing()}, recomputing: {is_recomputing()})"
             )
         backward = self.training and torch.is_grad_enabled()
+        fields = run_fields(
+            "step",
+            schedule=schedule,
+            reduction=reduction,
+            unpack_input=unpack_input,
+            training=self.training,
+        )
         input_leaves = _Leaves(input, backward) if first else None
-        batches, sizes = self._microbatches(input_leaves.value if input_leaves else None, "input")
+        batches, sizes = self._microbatches(
+            input_leaves.value if input_leaves else None, "input", fields
+        )
         losses: LossSpec | None = None
         target_leaves: _Leaves | None = None
         if last:
@@ -1103,23 +1267,34 @@ class _Session:
 
 def _plain_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, _: object) -> None:
     """State dict hook: ``partitions.J.<layer>.<rest>`` becomes ``<layer>.<rest>``, the plain
-    module's key (layers keep their names in the partitions)."""
+    module's key (layers keep their names in the partitions), in the metadata too."""
     head = prefix + "partitions."
     for key in [key for key in state_dict if key.startswith(head)]:
         state_dict[prefix + key[len(head) :].partition(".")[2]] = state_dict.pop(key)
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
-        for key in [key for key in metadata if key.startswith(head[:-1])]:
+        for key in [key for key in metadata if key == head[:-1] or key.startswith(head)]:
             plain = key[len(head) :].partition(".")[2]
             value = metadata.pop(key)
             if plain:  # not the partitions themselves
                 metadata[prefix + plain] = value
 
 
-def _partition_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: object) -> None:
-    """Load pre-hook: plain keys (``<layer>.<rest>``) go to their partition; the keys of
-    earlier versions (``partitions.J.<layer>.<rest>``) are taken as they are. Across
-    processes, the keys of the layers other ranks run are left to them (dropped here)."""
+def _partition_keys(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: object,
+    strict: object,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: object,
+) -> None:
+    """Load pre-hook: plain keys (``<layer>.<rest>``) go to their partition, with their
+    metadata (the layers' versions) when the state dict carries it; the keys of torchgpipe
+    (``partitions.J.<layer>.<rest>``) are taken as they are unless ``partitions`` is a
+    layer's name. Across processes, the keys of the layers other ranks run are left to
+    them (dropped here)."""
     pipe = cast(GPipe, module)
     owner = {
         name: j for j, partition in enumerate(pipe._partition_list()) for name in partition._modules
@@ -1128,7 +1303,34 @@ def _partition_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
         rest = key[len(prefix) :]
         layer = rest.partition(".")[0]
         j = owner.get(layer)
-        if j is not None and not rest.startswith("partitions."):
+        if j is not None:
             state_dict[f"{prefix}partitions.{j}.{rest}"] = state_dict.pop(key)
         elif layer in pipe._remote_layers:
             del state_dict[key]
+    # The load reads each module's metadata (its version) under the module's key: the
+    # layers' entries are copied to where the partitions hold them. Only a state dict
+    # loaded into this module itself carries the metadata here; in a larger module,
+    # torch hands this module its keys without it.
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        for key in [key for key in metadata if key.startswith(prefix) or not prefix]:
+            rest = key[len(prefix) :]
+            j = owner.get(rest.partition(".")[0])
+            if j is not None:
+                metadata[f"{prefix}partitions.{j}.{rest}"] = metadata[key]
+    # Where the keys reported by the layers begin: _reported_keys names them plainly.
+    pipe._loading.append((prefix, len(missing_keys), len(unexpected_keys)))
+
+
+def _reported_keys(module: nn.Module, incompatible: Any) -> None:
+    """Load post-hook: the missing and unexpected keys the layers reported
+    (``partitions.J.<layer>.<rest>``) are named with the plain module's keys."""
+    prefix, missing, unexpected = cast(GPipe, module)._loading.pop()
+    head = prefix + "partitions."
+    for keys, start in (
+        (incompatible.missing_keys, missing),
+        (incompatible.unexpected_keys, unexpected),
+    ):
+        for i in range(start, len(keys)):
+            if keys[i].startswith(head):
+                keys[i] = prefix + keys[i][len(head) :].partition(".")[2]

@@ -2,7 +2,8 @@
 
 This is the facade over the gpipe distributions: everything a user needs, under one name.
 ``gpipe.GPipe``, ``gpipe.NoChunk``, ``gpipe.PipeSequential``, ``gpipe.WithDevice``,
-``gpipe.BalanceError``, ``gpipe.RemoteStageError``, ``gpipe.is_checkpointing`` and
+``gpipe.BalanceError``, ``gpipe.RanksDisagree``, ``gpipe.RemoteStageError``,
+``gpipe.is_checkpointing`` and
 ``gpipe.is_recomputing`` are here; ``gpipe.skip``, ``gpipe.bn``, ``gpipe.balance``,
 ``gpipe.timeline`` and ``gpipe.schedule`` re-export the rest, and ``python -m gpipe demo``
 runs the demo.
@@ -19,7 +20,14 @@ Example:
 
 from gpipe_balance import BalanceError
 from gpipe_checkpoint import is_checkpointing, is_recomputing
-from gpipe_core import GPipe, NoChunk, PipeSequential, RemoteStageError, WithDevice
+from gpipe_core import (
+    GPipe,
+    NoChunk,
+    PipeSequential,
+    RanksDisagree,
+    RemoteStageError,
+    WithDevice,
+)
 
 from . import balance, bn, schedule, skip, timeline  # the facade modules gpipe.<name>
 from .__about__ import __version__
@@ -29,6 +37,7 @@ __all__ = [
     "GPipe",
     "NoChunk",
     "PipeSequential",
+    "RanksDisagree",
     "RemoteStageError",
     "WithDevice",
     "__version__",

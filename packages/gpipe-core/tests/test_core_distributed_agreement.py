@@ -1,0 +1,235 @@
+"""Across processes, nothing silently wrong and nothing that waits for the timeout.
+
+Ranks set up differently (another balance, chunks, schedule; one rank in eval mode or
+under ``torch.no_grad()``) all raise the same ``ValueError`` naming the field and each
+rank's value; a constructor that fails on one rank, an exception that cannot be printed,
+two threads or a re-entrant hook, and a rank that never steps end on every rank within
+the timeout, with a clear error; after each, the next step gives the plain model's numbers.
+The ranks are processes started by the ``cluster2``/``new_cluster`` fixtures (see
+``distributed_cases.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+#: Every error here comes at once, well within the ranks' timeout (30 s): a wait for the
+#: timeout would take longer than this.
+PROMPT = 20.0
+
+
+@pytest.fixture(scope="module")
+def cases(load_cases: Callable[[], ModuleType]) -> ModuleType:
+    return load_cases()
+
+
+@pytest.fixture(scope="module")
+def cluster4(new_cluster_module: Callable[[int], Any]) -> Any:
+    return new_cluster_module(4)
+
+
+def check_alike(cases: ModuleType, results: list[dict[str, Any]], seed: int = 9) -> None:
+    """The step after the failure: the plain model's loss and gradients on every rank."""
+    model = cases.build(cases.AGREE_LAYERS, seed)
+    x, y = cases.data(seed, 4)
+    per_micro = [
+        nn.MSELoss()(model(xi), yi) * len(xi) / 4 for xi, yi in zip(x.chunk(2), y.chunk(2))
+    ]
+    torch.autograd.backward(per_micro)
+    expected = {name: p.grad for name, p in model.named_parameters()}
+    grads: dict[str, torch.Tensor] = {}
+    for result in results:
+        torch.testing.assert_close(result["reduced"], sum(loss.item() for loss in per_micro))
+        grads.update({name.split(".", 2)[2]: g for name, g in result["grads"].items()})
+    assert grads.keys() == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+
+
+def same_value_error(results: list[dict[str, Any]], message: str) -> None:
+    """Every rank raised the same ValueError, ``message``, at once."""
+    for rank, result in enumerate(results):
+        error = result["error"]
+        assert error.get("is_value_error"), (rank, error)
+        assert error["type"] == "RanksDisagree", (rank, error)
+        assert error["message"] == message, (rank, error["message"])
+        assert result["seconds"] < PROMPT, (rank, result["seconds"])
+
+
+# -- the ranks agree when the pipeline is built ------------------------------------------------
+
+BUILD_MESSAGES = {
+    "balance": "balance differs across ranks (rank 0: [3, 3], rank 1: [2, 4])",
+    "chunks": "chunks differs across ranks (rank 0: 2, rank 1: 4)",
+    "checkpoint": "checkpoint differs across ranks (rank 0: 'except_last', rank 1: 'never')",
+    "deferred_batch_norm": (
+        "deferred_batch_norm differs across ranks (rank 0: False, rank 1: True)"
+    ),
+    "layers": "layer 1 differs across ranks (rank 0: '1': Tanh(), rank 1: '1': ReLU())",
+}
+
+
+@pytest.mark.parametrize("field", sorted(BUILD_MESSAGES))
+def test_ranks_built_differently_all_raise_the_same_error(
+    cluster2: Any, cases: ModuleType, field: str
+) -> None:
+    results = cluster2.results("disagree_build", field=field, odd_rank=1)
+    same_value_error(results, BUILD_MESSAGES[field])
+    assert all(result["unchanged"] for result in results)  # nothing changed before the check
+    check_alike(cases, results)
+
+
+@pytest.mark.parametrize(
+    ("field", "message"),
+    [
+        (
+            "balance",
+            "balance differs across ranks (ranks 0, 1, 3: [2, 1, 1, 2], rank 2: [1, 2, 1, 2])",
+        ),
+        ("chunks", "chunks differs across ranks (ranks 0, 1, 3: 2, rank 2: 4)"),
+    ],
+)
+def test_four_ranks_built_differently(
+    cluster4: Any, cases: ModuleType, field: str, message: str
+) -> None:
+    results = cluster4.results("disagree_build", field=field, odd_rank=2)
+    same_value_error(results, message)
+    check_alike(cases, results)
+
+
+# -- the ranks agree at every run ---------------------------------------------------------------
+
+RUN_MESSAGES = {
+    "schedule": "schedule differs across ranks (rank 0: 'gpipe', rank 1: '1f1b')",
+    "training mode": "training mode differs across ranks (rank 0: True, rank 1: False)",
+    "grad mode": "grad mode differs across ranks (rank 0: True, rank 1: False)",
+    "reduction": "reduction differs across ranks (rank 0: 'mean', rank 1: 'sum')",
+    "unpack_input": "unpack_input differs across ranks (rank 0: False, rank 1: True)",
+}
+
+
+@pytest.mark.parametrize("field", sorted(RUN_MESSAGES))
+def test_ranks_stepping_differently_all_raise_the_same_error(
+    cluster2: Any, cases: ModuleType, field: str
+) -> None:
+    """One rank in eval mode or under no_grad, or called with another schedule, reduction
+    or unpack_input: every rank raises before any gradient is computed."""
+    results = cluster2.results("disagree_run", field=field, odd_rank=1)
+    same_value_error(results, RUN_MESSAGES[field])
+    assert all(result["no_grads_changed"] for result in results)
+    check_alike(cases, results)
+
+
+@pytest.mark.parametrize("odd_rank", [0, 3])
+def test_four_ranks_stepping_differently(cluster4: Any, cases: ModuleType, odd_rank: int) -> None:
+    """The rank that differs is the first partition's (whose values the others compare
+    with) or another one: the same message either way."""
+    results = cluster4.results("disagree_run", field="training mode", odd_rank=odd_rank)
+    values = {
+        0: "rank 0: False, ranks 1, 2, 3: True",
+        3: "ranks 0, 1, 2: True, rank 3: False",
+    }[odd_rank]
+    same_value_error(results, f"training mode differs across ranks ({values})")
+    check_alike(cases, results)
+
+
+def test_ranks_calling_different_methods(cluster2: Any) -> None:
+    results = cluster2.results("mismatch")
+    message = "the method called differs across ranks (rank 0: 'step', rank 1: 'forward')"
+    for result in results:
+        assert result["error"] == {"type": "RanksDisagree", "message": message}
+    assert results[0]["reduced"] == results[1]["reduced"]  # the next step runs
+
+
+# -- failures that reach every rank at once -----------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["argument", "to"])
+def test_a_constructor_failing_on_one_rank_fails_every_rank(
+    cluster2: Any, cases: ModuleType, how: str
+) -> None:
+    results = cluster2.results("fail_build", how=how, odd_rank=1)
+    failed, other = results[1], results[0]
+    if how == "argument":
+        assert failed["error"]["type"] == "ValueError", failed
+        assert "chunks" in failed["error"]["message"]
+    else:
+        assert failed["error"]["type"] == "Fail", failed
+    assert other["error"]["type"] == "RemoteStageError", other
+    assert other["error"]["rank"] == 1
+    assert other["error"]["message"].startswith("rank 1 of the pipeline failed in building")
+    for result in results:
+        assert result["seconds"] < PROMPT, result
+    check_alike(cases, results)
+
+
+def test_an_exception_that_cannot_be_printed_still_reaches_every_rank(cluster2: Any) -> None:
+    results = cluster2.results("fail_unprintable", odd_rank=1)
+    assert results[1]["error"]["type"] == "Unprintable", results[1]
+    error = results[0]["error"]
+    assert error["type"] == "RemoteStageError", error
+    assert "Unprintable: <the message could not be printed: RuntimeError>" in error["message"]
+    assert results[0]["seconds"] < PROMPT
+    assert results[0]["reduced"] == results[1]["reduced"]
+
+
+def test_a_second_thread_is_refused_and_the_first_runs(cluster2: Any, cases: ModuleType) -> None:
+    results = cluster2.results("concurrent")
+    for result in results:
+        error = result["other"]["error"]
+        assert error["type"] == "RuntimeError", error
+        assert "runs one call at a time, and another thread is running one" in error["message"]
+        assert result["other"]["seconds"] < PROMPT
+    assert results[0]["first"] == results[1]["first"]
+    check_alike(cases, results)
+
+
+def test_a_hook_calling_the_pipeline_again_fails_the_run_not_the_pipeline(
+    cluster2: Any, cases: ModuleType
+) -> None:
+    results = cluster2.results("reentrant", odd_rank=0)
+    assert results[0]["error"]["type"] == "RuntimeError", results[0]
+    assert "called from inside its own run" in results[0]["error"]["message"]
+    assert results[1]["error"]["type"] == "RemoteStageError", results[1]
+    assert results[1]["error"]["rank"] == 0
+    check_alike(cases, results)
+
+
+def test_copies_of_a_pipeline_across_processes_are_refused(cluster2: Any) -> None:
+    results = cluster2.results("copy")
+    for result in results:
+        for how in ("deepcopy", "save"):
+            error = result[how]["error"]
+            assert error["type"] == "TypeError", error
+            assert re.search(
+                r"cannot be copied or pickled.*ranks: \[0, 1\].*unwrap\(\)", error["message"]
+            )
+        assert result["layers"] == 3  # this rank's layers copy
+
+
+def test_a_rank_that_never_steps_fails_the_others_within_the_timeout(
+    new_cluster: Callable[[int], Any],
+) -> None:
+    """Within the timeout and a little more (telling the others), not twice the timeout."""
+    seconds = 4.0
+    results = new_cluster(2).results("never_steps", late_rank=1, seconds=seconds)
+    outcome = results[0]
+    assert outcome["error"]["type"] == "TimeoutError", outcome
+    assert "rank 0 waited 4 s for the gradients of micro-batch" in outcome["error"]["message"]
+    assert seconds <= outcome["seconds"] < 1.5 * seconds, outcome["seconds"]
+
+
+def test_strict_loading_and_layer_names_across_ranks(cluster2: Any) -> None:
+    results = cluster2.results("strict_load")
+    assert results[0]["keys"][:2] == ["partitions.weight", "partitions.bias"]
+    assert results[0]["error"] == {}  # rank 0's layers are all there
+    error = results[1]["error"]
+    assert error["type"] == "RuntimeError", error
+    assert 'Missing key(s) in state_dict: "l3.num_batches_tracked"' in error["message"]
