@@ -20,6 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from core_strategies import compositions
+from gpipe_checkpoint import is_recomputing
 from gpipe_core import GPipe
 
 MODES = ("always", "except_last", "never")
@@ -146,6 +148,91 @@ def test_equivalence_fixed_cases(
         seed=7,
     )
     assert_same_run(spec, assert_matches_plain)
+
+
+# -- random draws that depend on the input --------------------------------------------------
+
+
+class RowDropout(nn.Module):
+    """Dropout of the rows whose first feature is positive, others kept as they are: a
+    micro-batch without such rows draws nothing. Records the masks of its first passes
+    (in micro-batch order) or applies given masks in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drawn: list[torch.Tensor] = []
+        self.given: list[torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.given is not None:
+            return x * self.given.pop(0)
+        mask = torch.ones_like(x)
+        rows = x[:, 0] > 0
+        if bool(rows.any()):
+            mask[rows] = (torch.rand_like(x[rows]) >= 0.5).to(x.dtype) * 2
+        if not is_recomputing():
+            self.drawn.append(mask)
+        return x * mask
+
+
+@dataclass(frozen=True)
+class DrawSpec:
+    layers: tuple[str, ...]
+    balance: tuple[int, ...]
+    chunks: int
+    batch: int
+    checkpoint: str
+    path: str  # forward(), or step() with a schedule
+    seed: int
+
+
+@st.composite
+def draw_specs(draw: st.DrawFn) -> DrawSpec:
+    depth = draw(st.integers(1, 5))
+    layers = tuple(draw(st.lists(st.sampled_from(["linear", "tanh", "rows"]), min_size=depth,
+                                 max_size=depth)))  # fmt: skip
+    parts = draw(st.integers(1, min(3, depth)))
+    return DrawSpec(
+        layers=layers,
+        balance=tuple(draw(st.sampled_from(compositions(depth, parts)))),
+        chunks=draw(st.integers(1, 5)),
+        batch=draw(st.integers(1, 10)),
+        checkpoint=draw(st.sampled_from(MODES)),
+        path=draw(st.sampled_from(["forward", "gpipe", "1f1b"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=draw_specs())
+def test_draws_that_depend_on_the_input_are_replayed(spec: DrawSpec) -> None:
+    # The plain model, run micro-batch by micro-batch with the masks the pipeline drew in
+    # its forward passes, gives the pipeline's gradients: each recomputation replayed the
+    # draws of its own first pass, whichever micro-batches drew.
+    torch.manual_seed(spec.seed)
+    width = 3
+    kinds = {"linear": lambda: nn.Linear(width, width), "tanh": nn.Tanh, "rows": RowDropout}
+    model = nn.Sequential(*(kinds[kind]() for kind in spec.layers)).double()
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, list(spec.balance), chunks=spec.chunks, checkpoint=spec.checkpoint)
+    x = torch.randn(spec.batch, width, dtype=torch.float64)
+    weight = torch.randn(spec.batch, width, dtype=torch.float64)
+    x_pipe = x.clone().requires_grad_()
+    if spec.path == "forward":
+        (pipe(x_pipe) * weight).sum().backward()
+    else:
+        pipe.step(x_pipe, weight, lambda out, w: (out * w).sum(), schedule=spec.path,
+                  reduction="sum")  # fmt: skip
+    for mine, theirs in zip(plain, pipe, strict=True):
+        if isinstance(mine, RowDropout):
+            assert isinstance(theirs, RowDropout)
+            mine.given = list(theirs.drawn)
+    x_plain = x.clone().requires_grad_()
+    for micro, w in zip(x_plain.chunk(spec.chunks), weight.chunk(spec.chunks), strict=True):
+        (plain(micro) * w).sum().backward()
+    torch.testing.assert_close(x_pipe.grad, x_plain.grad)
+    for mine, theirs in zip(plain.parameters(), pipe.parameters(), strict=True):
+        torch.testing.assert_close(theirs.grad, mine.grad)
 
 
 def test_module_is_not_copied_so_plain_and_pipe_share_layers() -> None:
