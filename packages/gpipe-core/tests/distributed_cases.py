@@ -9,12 +9,14 @@ path to build the same models and inputs as the ranks, and compare with the plai
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pickle
 import struct
 import sys
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
@@ -146,6 +148,19 @@ class Unmask(nn.Module):
         return x / scale
 
 
+#: Weak references to what :class:`Watch` layers returned (see :func:`case_failure_frees`).
+WATCHED: list[weakref.ref[torch.Tensor]] = []
+
+
+class Watch(nn.Module):
+    """Scales its input, keeping a weak reference to its output (an activation)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 1.5
+        WATCHED.append(weakref.ref(y))
+        return y
+
+
 def inputs_model(seed: int) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(Masked(), Unmask(), nn.Linear(WIDTH, WIDTH)).double()
@@ -174,6 +189,8 @@ def build(layers: tuple[str, ...], seed: int) -> nn.Sequential:
             made.append(Join())
         elif kind == "trap":
             made.append(Trap())
+        elif kind == "watch":
+            made.append(Watch())
         else:
             raise ValueError(f"unknown layer kind: {kind}")
     return nn.Sequential(*made).double()
@@ -400,6 +417,60 @@ def case_failure(
         "reduced": losses.reduced().item(),
         "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
     }
+
+
+def _fail_once(pipe: GPipe, path: str, phase: str, rank: int, trap_rank: int) -> str:
+    """Run ``pipe`` once, failing in ``phase`` on ``trap_rank``; the error's type. Keeps
+    no reference to the input or to the error."""
+    x, y = data(0, 8)
+    x.requires_grad_(path != "forward")
+    WATCHED.append(weakref.ref(x))
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if phase == "loss" and rank == trap_rank:
+            raise Fail("loss")
+        return nn.functional.mse_loss(output, target)
+
+    loss_fn.reduction = "mean"  # type: ignore[attr-defined]
+    try:
+        if path == "forward":
+            with torch.no_grad():
+                pipe(x)
+        else:
+            pipe.step(x, y, loss_fn, schedule=path)
+    except Exception as error:
+        return type(error).__name__
+    return "no error"
+
+
+def case_failure_frees(
+    rank: int, *, path: str, phase: str, trap_rank: int, checkpoint: str
+) -> dict[str, Any]:
+    """A run that fails on ``trap_rank``, with the cycle collector off: how many of the
+    input and the activations (:class:`Watch`) each rank still holds right after."""
+    layers = ("linear", "watch", "trap", "linear", "watch", "trap")
+    pipe = GPipe(
+        build(layers, 0),
+        [3, 3],
+        chunks=4,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+        group=dist.group.WORLD,
+        timeout=30,
+    )
+    if rank == trap_rank and phase != "loss":
+        for trap in pipe.modules():
+            if isinstance(trap, Trap):
+                trap.armed = (phase, 1)
+    gc.collect()
+    WATCHED.clear()
+    gc.disable()
+    try:
+        error = _fail_once(pipe, path, phase, rank, trap_rank)
+        alive = sum(ref() is not None for ref in WATCHED)
+    finally:
+        gc.enable()
+    watched, _ = len(WATCHED), WATCHED.clear()
+    return {"error": error, "alive": alive, "watched": watched}
 
 
 def case_die(rank: int, *, dying_rank: int) -> dict[str, Any]:

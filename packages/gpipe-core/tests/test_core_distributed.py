@@ -313,6 +313,30 @@ def test_a_failing_rank_fails_every_rank_then_the_next_step_runs(
         torch.testing.assert_close(grads[name], p.grad, msg=name)
 
 
+@pytest.mark.parametrize(
+    ("path", "phase", "trap_rank", "checkpoint"),
+    [
+        ("forward", "forward", 1, "never"),
+        ("gpipe", "forward", 1, "except_last"),
+        ("gpipe", "loss", 1, "always"),
+        ("1f1b", "backward", 0, "never"),
+    ],
+)
+def test_a_failed_run_frees_its_tensors_on_every_rank(
+    cluster2: Any, path: str, phase: str, trap_rank: int, checkpoint: str
+) -> None:
+    # With the cycle collector off on every rank, only reference counts free the input and
+    # the activations: neither the error nor the runner may hold them in a cycle.
+    results = cluster2.results(
+        "failure_frees", path=path, phase=phase, trap_rank=trap_rank, checkpoint=checkpoint
+    )
+    for rank, result in enumerate(results):
+        expected = "Fail" if rank == trap_rank else "RemoteStageError"
+        assert result["error"] == expected, (rank, result)
+        assert result["watched"] > 1, (rank, result)
+        assert result["alive"] == 0, (rank, result)
+
+
 def test_a_dying_rank_fails_the_others_and_later_steps(new_cluster: Callable[[int], Any]) -> None:
     cluster = new_cluster(2)
     replies = cluster.run("die", dying_rank=1, timeout=90)

@@ -42,7 +42,7 @@ from ._partition import (
     resolve_devices,
     split_module,
 )
-from ._runner import run
+from ._runner import add_note, run
 from ._schedule import (
     Action,
     GPipeSchedule,
@@ -698,9 +698,7 @@ class GPipe(nn.Module):
             try:
                 transport.finish(error)
             except Exception as also:  # the local error stays the one raised
-                add_note = getattr(error, "add_note", None)
-                if add_note is not None:
-                    add_note(f"(ending the run on the other ranks failed too: {also})")
+                add_note(error, f"(ending the run on the other ranks failed too: {also})")
             raise
         session.payloads = transport.finish(None, session.payload)
 
@@ -892,9 +890,7 @@ class GPipe(nn.Module):
             try:
                 self._average_gradients(failed=True)
             except Exception as also:
-                add_note = getattr(error, "add_note", None)
-                if add_note is not None:
-                    add_note(f"(telling the data-parallel replicas failed too: {also})")
+                add_note(error, f"(telling the data-parallel replicas failed too: {also})")
             raise
         self._average_gradients(failed=False)
         return losses
