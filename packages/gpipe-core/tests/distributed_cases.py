@@ -18,7 +18,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -159,6 +159,43 @@ class Watch(nn.Module):
         y = x * 1.5
         WATCHED.append(weakref.ref(y))
         return y
+
+
+class NamedPair(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+class ToMax(nn.Module):
+    """A tensor in, ``torch.return_types.max`` out."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return torch.stack([x, -x], dim=2).max(dim=2)
+
+
+class FromMax(nn.Module):
+    """``torch.return_types.max`` in, read by name; a namedtuple out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, result: Any) -> NamedPair:
+        return NamedPair(self.linear(result.values), result.indices.to(result.values.dtype))
+
+
+class MixPair(nn.Module):
+    """A namedtuple in and out, read by name."""
+
+    def forward(self, pair: NamedPair) -> NamedPair:
+        return NamedPair(pair.a + pair.b, pair.b)
+
+
+def tuples_model(seed: int) -> nn.Sequential:
+    """Tuple subclasses between partitions 1, 2 and 3 of ``[1, 1, 1, 1]`` (on ranks 1, 0,
+    1 of two) and at the output."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), ToMax(), FromMax(), MixPair()).double()
 
 
 def inputs_model(seed: int) -> nn.Sequential:
@@ -348,6 +385,37 @@ def case_inputs(rank: int, *, seed: int, chunks: int) -> dict[str, Any]:
     pipe.eval()
     output = pipe(x, NoChunk(mask), 0.5) if first else pipe()
     return {"reduced": losses.reduced().item(), "grads": grads, "output": output}
+
+
+def case_tuple_types(rank: int, *, checkpoint: str, schedule: str) -> dict[str, Any]:
+    """A step and inference with tuple subclasses between the ranks and at the output."""
+    pipe = GPipe(
+        tuples_model(0),
+        [1, 1, 1, 1],
+        chunks=3,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+        group=dist.group.WORLD,
+        timeout=60,
+    )
+    x, y = data(0, 6)
+    seen: list[str] = []
+
+    def loss_fn(output: NamedPair, target: torch.Tensor) -> torch.Tensor:
+        seen.append(type(output).__name__)
+        return nn.functional.mse_loss(output.a, target)
+
+    loss_fn.reduction = "mean"  # type: ignore[attr-defined]
+    losses = pipe.step(x, y, loss_fn, schedule=schedule)
+    grads = {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()}
+    pipe.eval()
+    with torch.no_grad():
+        output = pipe(x)
+    return {
+        "reduced": losses.reduced().item(),
+        "grads": grads,
+        "seen": seen,
+        "output": None if output is None else (type(output).__name__, output.a.clone()),
+    }
 
 
 def case_forward_in_training(rank: int) -> str:

@@ -487,6 +487,30 @@ def test_inputs_of_any_kind_across_ranks(cluster2: Any, cases: ModuleType) -> No
     torch.testing.assert_close(results[1]["output"], plain(x))
 
 
+@pytest.mark.parametrize(("checkpoint", "schedule"), [("always", "gpipe"), ("except_last", "1f1b")])
+def test_tuple_subclasses_keep_their_type_across_ranks(
+    cluster2: Any, cases: ModuleType, checkpoint: str, schedule: str
+) -> None:
+    # torch.return_types.max from rank 1 to rank 0, a namedtuple back to rank 1 and out.
+    results = cluster2.results("tuple_types", checkpoint=checkpoint, schedule=schedule)
+    model = cases.tuples_model(0)
+    x, y = cases.data(0, 6)
+    loss = nn.MSELoss()(model(x).a, y)
+    loss.backward()
+    grads: dict[str, torch.Tensor] = {}
+    for result in results:
+        torch.testing.assert_close(result["reduced"], loss.item())
+        grads.update({plain_name(k): v for k, v in result["grads"].items()})
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    # The last partition runs on rank 1: its loss and output see the namedtuple.
+    assert results[1]["seen"] == ["NamedPair"] * 3
+    kind, output = results[1]["output"]
+    assert kind == "NamedPair"
+    torch.testing.assert_close(output, model(x).a)
+    assert results[0]["output"] is None
+
+
 def test_ranks_exit_cleanly_with_a_pipeline_alive(new_cluster: Callable[[int], Any]) -> None:
     """A process that exits while a pipeline across processes is alive exits with 0 (the
     transport's threads end before the interpreter shuts down, not during it, which aborted

@@ -12,7 +12,7 @@ import copy
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -23,6 +23,7 @@ from torch import nn
 from core_strategies import compositions
 from gpipe_checkpoint import is_recomputing
 from gpipe_core import GPipe
+from gpipe_skip import pop, skippable, stash
 
 MODES = ("always", "except_last", "never")
 KINDS = ("linear", "relu", "tanh", "layernorm", "identity", "relu_inplace")
@@ -273,6 +274,110 @@ class Merge(nn.Module):
     def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         a, b = pair
         return self.linear(a) * torch.tanh(b)
+
+
+class Pair(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+class MaxOfPair(nn.Module):
+    """A namedtuple in, what ``torch.max(dim=1)`` returns out."""
+
+    def forward(self, pair: Pair) -> Any:
+        stacked = torch.stack([pair.a, pair.b * 2], dim=2)
+        return stacked.max(dim=2)
+
+
+class FromMax(nn.Module):
+    """``torch.return_types.max`` in (read by name), a namedtuple out."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, result: Any) -> Pair:
+        return Pair(self.linear(result.values), result.indices.to(result.values.dtype))
+
+
+@pytest.mark.parametrize("path", ["forward", "gpipe", "1f1b"])
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("balance", [[1, 1, 1], [2, 1], [1, 2], [3]])
+def test_tuple_subclasses_keep_their_type(balance: list[int], checkpoint: str, path: str) -> None:
+    # Namedtuples and torch.return_types at the input, between partitions and at the
+    # output: layers read their fields by name, and the output has the plain model's type.
+    torch.manual_seed(0)
+    model = nn.Sequential(MaxOfPair(), FromMax(4), MaxOfPair()).double()
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, balance, chunks=3, checkpoint=checkpoint)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    value = Pair(x.clone().requires_grad_(), x.clone() * 0.5)
+    plain_value = Pair(x.clone().requires_grad_(), x.clone() * 0.5)
+    expected = plain(plain_value)
+    if path == "forward":
+        output = pipe(value)
+        assert type(output) is type(expected)
+        torch.testing.assert_close(output.values, expected.values)
+        torch.testing.assert_close(output.indices, expected.indices)
+        output.values.sum().backward()
+    else:
+        seen: list[type] = []
+
+        def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+            seen.append(type(out))
+            return (out.values * target).sum()
+
+        pipe.step(value, torch.ones(7, 4, dtype=torch.float64), loss_fn, schedule=path,
+                  reduction="sum")  # fmt: skip
+        assert set(seen) == {type(expected)}
+    expected.values.sum().backward()
+    torch.testing.assert_close(value.a.grad, plain_value.a.grad)
+    for mine, theirs in zip(pipe.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+@skippable(stash=["a"])
+class StashA(nn.Module):
+    def forward(self, pair: Pair) -> Any:
+        yield stash("a", pair.a)
+        return Pair(pair.a * 2, pair.b)
+
+
+@skippable(pop=["a"])
+class PopA(nn.Module):
+    def forward(self, pair: Pair) -> Any:
+        a = yield pop("a")
+        return Pair(pair.a + a, pair.b)
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("balance", [[1, 1, 1], [2, 1], [3]])
+def test_a_namedtuple_through_skippable_layers(
+    balance: list[int], checkpoint: str, assert_matches_plain: Callable[..., Any]
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(StashA(), ToPairOf(4), PopA()).double()
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, balance, chunks=3, checkpoint=checkpoint)
+    output, _ = assert_matches_plain(
+        pipe,
+        plain,
+        torch.randn(7, 4, dtype=torch.float64),
+        feed=lambda x: Pair(x, x * 0.5),
+        loss=lambda out: out.a.sum() + out.b.sum(),
+    )
+    assert type(output) is Pair
+
+
+class ToPairOf(nn.Module):
+    """A namedtuple in and out, its fields read by name."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, pair: Pair) -> Pair:
+        return Pair(self.linear(pair.a), torch.tanh(pair.b))
 
 
 @pytest.mark.parametrize("checkpoint", MODES)

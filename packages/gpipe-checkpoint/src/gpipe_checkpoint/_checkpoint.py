@@ -52,8 +52,8 @@ Function = Callable[[Any], object]
 _Saved = tuple[RNGStates, ThreadState]
 
 # The values of an output that are not tensors, and where they go: (atomic, present,
-# others), kept without the output's tensors.
-_Layout = tuple[bool, tuple[bool, ...], tuple[object, ...]]
+# others, the type of the output tuple), kept without the output's tensors.
+_Layout = tuple[bool, tuple[bool, ...], tuple[object, ...], type[tuple[Any, ...]]]
 
 
 def _call(function: Function, batch: Batch, tensors: tuple[Tensor, ...]) -> Batch:
@@ -146,7 +146,7 @@ class Checkpointing:
         # checkpoint phase returns next to the outputs.
         self.armed = False
         self.phony: Tensor | None = None
-        self.output_layout: _Layout = (True, (True,), ())
+        self.output_layout: _Layout = (True, (True,), (), tuple)
         # Kept by the checkpoint phase for every recomputation (a graph may be
         # differentiated more than once with retain_graph=True).
         self.saved: _Saved | None = None
@@ -172,13 +172,13 @@ class Checkpointing:
                 "of a checkpointed block); pass copy_input=True, make that layer "
                 "out-of-place, or turn checkpointing off for this block"
             )
-        self.output_layout = (output.atomic, output.present, output.others)
+        self.output_layout = (output.atomic, output.present, output.others, output.kind)
         return output.tensors
 
     def _output(self, tensors: Iterable[Tensor]) -> Batch:
         """The checkpoint phase's output with ``tensors`` as its tensors."""
-        atomic, present, others = self.output_layout
-        return Batch.from_parts(atomic, present, tensors, others)
+        atomic, present, others, kind = self.output_layout
+        return Batch.from_parts(atomic, present, tensors, others, kind)
 
     def _run_recompute_phase(self, input: tuple[Tensor, ...]) -> Batch:
         """Run the function again on ``input``, with autograd, as the checkpoint phase ran."""

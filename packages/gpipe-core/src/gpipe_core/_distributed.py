@@ -454,8 +454,9 @@ class DistributedTransport(Transport):
         *,
         atomic: bool = False,
         needs_grad: bool = False,
+        kind: type[tuple[Any, ...]] = tuple,
     ) -> None:
-        message = outgoing(values, atomic, needs_grad, detach=True)
+        message = outgoing(values, atomic, needs_grad, detach=True, kind=kind)
         target = self.stage_ranks[key.target]
         if target == self.rank:
             with self.cond:
@@ -464,7 +465,7 @@ class DistributedTransport(Transport):
             return
         if self.cancelled:
             return  # the run is over: nobody waits for it
-        meta = ("data", key, atomic, message.present, message.requires_grad, message.others)
+        meta = ("data", key, atomic, message.present, message.requires_grad, message.others, kind)
         self._post(target, meta, message.tensors.tensors)
 
     def receive(self, key: MessageKey) -> Message:
@@ -675,9 +676,9 @@ class DistributedTransport(Transport):
             elif kind == "plan":
                 self.plan = meta[1]
             elif not self.cancelled:
-                _, key, atomic, present, requires_grad, others = meta
+                _, key, atomic, present, requires_grad, others, kind = meta
                 batch = carried(tensors, atomic)
-                self.mailbox[key] = Message(atomic, present, requires_grad, batch, others)
+                self.mailbox[key] = Message(atomic, present, requires_grad, batch, others, kind)
             self.cond.notify_all()
         return True
 

@@ -27,6 +27,7 @@ from gpipe_microbatch import (
     check_module,
     current_stream,
     gather,
+    make_tuple,
     new_stream,
     scatter,
 )
@@ -216,7 +217,7 @@ class _Leaves:
                 else item
                 for item in items
             )
-            self.value = cut if isinstance(value, tuple) else cut[0]
+            self.value = make_tuple(type(value), cut) if isinstance(value, tuple) else cut[0]
 
     def backward(self) -> None:
         pairs = [

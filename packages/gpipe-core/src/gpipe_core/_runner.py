@@ -225,7 +225,7 @@ class _Executor:
         else:
             message = transport.receive(MessageKey("activations", i, j - 1, j))
             values = stage.accept(message.values(), message.requires_grad)
-            batch = Batch(values[0] if message.atomic else tuple(values))
+            batch = Batch(message.value(values))
         skips: dict[SkipKey, Tensor | None] = {}
         for source, keys in stage.pops.items():
             message = transport.receive(MessageKey("skips", i, source, j))
@@ -240,6 +240,7 @@ class _Executor:
                 output.values,
                 atomic=output.atomic,
                 needs_grad=needs_grad,
+                kind=output.kind,
             )
         for target, keys in stage.stashes.items():
             values = [stashed[key] for key in keys]
