@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable
@@ -342,3 +343,58 @@ def test_draws_of_some_micro_batches_only_are_replayed(path: str, draws_in: int)
         torch.testing.assert_close(x.grad, output.detach() / x.detach())
         drawn = output.detach() != x.detach()
         assert drawn[4:].any() if draws_in == 1 else drawn[:4].any()
+
+
+class Hooked(nn.Module):
+    """Registers a hook on an activation (``gated``: not in the checkpoint phase)."""
+
+    def __init__(self, gated: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.gated = gated
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        if not (self.gated and is_checkpointing()):
+            h.register_hook(lambda grad: self.seen.append(grad.detach().clone()))
+        return torch.tanh(h)
+
+
+def run_hooked(pipe: GPipe, path: str, x: torch.Tensor) -> None:
+    if path == "forward":
+        pipe(x).sum().backward()
+    else:
+        pipe.step(x, torch.zeros(len(x)), lambda out, _: out.sum(), schedule=path, reduction="sum")
+
+
+@pytest.mark.parametrize("path", ["forward", "gpipe", "1f1b"])
+def test_a_hook_in_the_checkpoint_phase_is_refused_with_what_to_do(path: str) -> None:
+    pipe = GPipe(nn.Sequential(Hooked(gated=False), nn.Linear(4, 4)), [1, 1], chunks=2)
+    with pytest.raises(RuntimeError, match="checkpoint phase") as caught:
+        run_hooked(pipe, path, torch.randn(4, 4))
+    message = str(caught.value)
+    assert "gpipe.is_checkpointing()" in message and "gpipe.is_recomputing()" in message
+    assert "checkpoint='never'" in message
+
+
+@pytest.mark.parametrize("path", ["forward", "gpipe", "1f1b"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_hook_gated_on_the_phase_sees_the_plain_gradients(path: str, checkpoint: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Hooked(gated=True), nn.Linear(4, 4))
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, [1, 1], chunks=2, checkpoint=checkpoint)
+    x = torch.randn(4, 4)
+    run_hooked(pipe, path, x)
+    for micro in x.chunk(2):
+        plain(micro).sum().backward()
+    hooked, expected = pipe[0], plain[0]
+    assert isinstance(hooked, Hooked) and isinstance(expected, Hooked)
+    assert len(hooked.seen) == 2  # once per micro-batch, in the backward pass
+
+    def key(grad: torch.Tensor) -> float:  # the micro-batches' order may differ
+        return float(grad.sum())
+
+    for got, want in zip(sorted(hooked.seen, key=key), sorted(expected.seen, key=key), strict=True):
+        torch.testing.assert_close(got, want)
