@@ -198,6 +198,16 @@ def tuples_model(seed: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(WIDTH, WIDTH), ToMax(), FromMax(), MixPair()).double()
 
 
+class ToSparse(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to_sparse()
+
+
+class ToDense(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to_dense()
+
+
 def inputs_model(seed: int) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(Masked(), Unmask(), nn.Linear(WIDTH, WIDTH)).double()
@@ -416,6 +426,19 @@ def case_tuple_types(rank: int, *, checkpoint: str, schedule: str) -> dict[str, 
         "seen": seen,
         "output": None if output is None else (type(output).__name__, output.a.clone()),
     }
+
+
+def case_sparse(rank: int) -> dict[str, Any]:
+    """A sparse tensor from partition 0 (rank 0) to partition 1 (rank 1): the error."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), ToSparse(), ToDense(), nn.Linear(WIDTH, WIDTH))
+    pipe = GPipe(model.double(), [2, 2], chunks=2, group=dist.group.WORLD, timeout=30)
+    x, y = data(0, 4)
+    try:
+        pipe.step(x, y, nn.MSELoss())
+    except Exception as caught:
+        return {"type": type(caught).__name__, "message": str(caught)}
+    return {"type": None, "message": ""}
 
 
 def case_forward_in_training(rank: int) -> str:

@@ -511,6 +511,15 @@ def test_tuple_subclasses_keep_their_type_across_ranks(
     assert results[0]["output"] is None
 
 
+def test_a_sparse_tensor_between_ranks_is_refused_naming_the_partition(cluster2: Any) -> None:
+    sender, receiver = cluster2.results("sparse")
+    assert sender["type"] == "TypeError", sender
+    assert "from partition 0 to partition 1" in sender["message"]
+    assert "layout torch.sparse_coo" in sender["message"]
+    assert receiver["type"] == "RemoteStageError", receiver
+    assert "layout torch.sparse_coo" in receiver["message"]
+
+
 def test_ranks_exit_cleanly_with_a_pipeline_alive(new_cluster: Callable[[int], Any]) -> None:
     """A process that exits while a pipeline across processes is alive exits with 0 (the
     transport's threads end before the interpreter shuts down, not during it, which aborted

@@ -465,6 +465,7 @@ class DistributedTransport(Transport):
             return
         if self.cancelled:
             return  # the run is over: nobody waits for it
+        _check_strided(key, message.tensors.tensors)
         meta = ("data", key, atomic, message.present, message.requires_grad, message.others, kind)
         self._post(target, meta, message.tensors.tensors)
 
@@ -754,6 +755,23 @@ def _lane(
 ) -> tuple[dist.ProcessGroup, int]:
     """``lane`` and the rank there of ``group``'s rank ``peer``."""
     return lane, dist.get_group_rank(lane, dist.get_global_rank(group, peer))
+
+
+def _check_strided(key: MessageKey, tensors: Sequence[Tensor]) -> None:
+    """Refuse a message to another rank holding a tensor that is not dense (a sparse
+    tensor, say), which travels as the bytes of its storage.
+
+    Raises:
+        TypeError: such a tensor, named by the partition that sends it and its layout.
+    """
+    for k, tensor in enumerate(tensors):
+        if tensor.layout != torch.strided:
+            raise TypeError(
+                f"{_describe(key)} hold a tensor of layout {tensor.layout}, which cannot be "
+                "sent to another rank (only dense, torch.strided tensors cross ranks); make "
+                "it dense (.to_dense()) at the end of the partition "
+                f"(tensor {k} of the message: layout {tensor.layout}, shape {tuple(tensor.shape)})"
+            )
 
 
 def _describe(key: MessageKey) -> str:
