@@ -466,6 +466,16 @@ def test_partitions_on_cuda(
             torch.testing.assert_close(grad, model.get_parameter(plain_name(name)).grad)
 
 
+def assert_ranks_match(results: list[dict[str, Any]], model: nn.Module, loss: torch.Tensor) -> None:
+    """The ranks' reduced loss is ``loss``, and their gradients together are ``model``'s."""
+    grads: dict[str, torch.Tensor] = {}
+    for result in results:
+        torch.testing.assert_close(result["reduced"], loss.item())
+        grads.update({plain_name(k): v for k, v in result["grads"].items()})
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
 def test_inputs_of_any_kind_across_ranks(cluster2: Any, cases: ModuleType) -> None:
     results = cluster2.results("inputs", seed=12, chunks=3)
     model = cases.inputs_model(12)
@@ -477,12 +487,7 @@ def test_inputs_of_any_kind_across_ranks(cluster2: Any, cases: ModuleType) -> No
 
     loss = nn.MSELoss()(plain(x), y)
     loss.backward()
-    grads: dict[str, torch.Tensor] = {}
-    for result in results:
-        torch.testing.assert_close(result["reduced"], loss.item())
-        grads.update({plain_name(k): v for k, v in result["grads"].items()})
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    assert_ranks_match(results, model, loss)
     assert results[0]["output"] is None
     torch.testing.assert_close(results[1]["output"], plain(x))
 
@@ -497,12 +502,7 @@ def test_tuple_subclasses_keep_their_type_across_ranks(
     x, y = cases.data(0, 6)
     loss = nn.MSELoss()(model(x).a, y)
     loss.backward()
-    grads: dict[str, torch.Tensor] = {}
-    for result in results:
-        torch.testing.assert_close(result["reduced"], loss.item())
-        grads.update({plain_name(k): v for k, v in result["grads"].items()})
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    assert_ranks_match(results, model, loss)
     # The last partition runs on rank 1: its loss and output see the namedtuple.
     assert results[1]["seen"] == ["NamedPair"] * 3
     kind, output = results[1]["output"]

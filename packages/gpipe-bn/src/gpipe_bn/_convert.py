@@ -65,15 +65,22 @@ def _deferred(module: _BatchNorm, dim: int, chunks: int) -> DeferredBatchNorm:
         chunks=chunks,
         dim=dim,
     )
-    # The same tensors: parameters stay leaves with their requires_grad, optimizers that
-    # hold them keep working, and device and dtype are those of the original.
+    _take_tensors(layer, module)
+    return layer
+
+
+def _take_tensors(layer: _BatchNorm, module: _BatchNorm) -> None:
+    """Give ``layer`` ``module``'s parameters and buffers, and its training mode.
+
+    The same tensors: parameters stay leaves with their requires_grad, optimizers that hold
+    them keep working, and device and dtype are those of the original.
+    """
     for name in ("weight", "bias"):
         layer._parameters[name] = module._parameters.get(name)
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         layer._buffers[name] = module._buffers.get(name)
     layer._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
     layer.train(module.training)
-    return layer
 
 
 def convert_deferred_batch_norm(module: nn.Module, chunks: int = 1) -> nn.Module:
@@ -157,12 +164,7 @@ def _plain(layer: DeferredBatchNorm) -> _BatchNorm:
         layer.track_running_stats,
         device="meta",  # replaced below, without allocating
     )
-    for name in ("weight", "bias"):
-        plain._parameters[name] = layer._parameters.get(name)
-    for name in ("running_mean", "running_var", "num_batches_tracked"):
-        plain._buffers[name] = layer._buffers.get(name)
-    plain._non_persistent_buffers_set = set(layer._non_persistent_buffers_set)
-    plain.train(layer.training)
+    _take_tensors(plain, layer)
     return plain
 
 
