@@ -429,6 +429,25 @@ def test_tuples_and_outputs_without_grad() -> None:
     assert balance_by_size(2, first, pair, chunks=3) == [1, 1]
 
 
+def test_tuple_subclasses_reach_the_layers_with_their_type() -> None:
+    # torch.return_types.max between layers, and a namedtuple as the sample.
+    class ToMax(nn.Module):
+        def forward(self, x: Tensor) -> Any:
+            return torch.stack([x, -x], dim=2).max(dim=2)
+
+    class FromMax(nn.Module):
+        def forward(self, result: Any) -> Tensor:
+            return result.values * result.indices
+
+    model = nn.Sequential(nn.Linear(4, 4), ToMax(), FromMax())
+    assert len(profile_times(model, torch.randn(3, 4), timeout=0)) == 3
+    assert len(profile_sizes(model, torch.randn(3, 4))) == 3
+    sample = torch.randn(3, 4).max(dim=1)
+    first = nn.Sequential(FromMax(), nn.Linear(3, 3))
+    assert len(profile_times(first, sample, timeout=0)) == 2
+    assert len(profile_sizes(first, sample)) == 2
+
+
 # A skip connection kept in thread-local state, the way skippable layers work outside a
 # pipeline; the namespace object is compared by identity.
 _stash = threading.local()

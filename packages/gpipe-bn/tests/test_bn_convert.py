@@ -11,7 +11,12 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize, spectral_norm, weight_norm
 
-from gpipe_bn import DeferredBatchNorm, convert_deferred_batch_norm, mini_batch
+from gpipe_bn import (
+    DeferredBatchNorm,
+    convert_deferred_batch_norm,
+    convert_plain_batch_norm,
+    mini_batch,
+)
 
 
 class Block(nn.Module):
@@ -204,3 +209,40 @@ def test_bad_chunks(chunks: object) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         convert_deferred_batch_norm(model, chunks)  # type: ignore[arg-type]
     assert type(model[0]) is nn.BatchNorm1d  # nothing was converted
+
+
+@pytest.mark.parametrize(
+    ("dim", "kind", "shape"),
+    [
+        (1, nn.BatchNorm1d, (4, 3)),
+        (2, nn.BatchNorm2d, (4, 3, 2, 2)),
+        (3, nn.BatchNorm3d, (4, 3, 1, 2, 2)),
+        (None, None, (4, 3, 2)),
+    ],
+)
+def test_plain_layers_hold_the_deferred_layers_tensors(
+    dim: int | None, kind: type[nn.Module] | None, shape: tuple[int, ...]
+) -> None:
+    deferred = DeferredBatchNorm(3, momentum=None, chunks=2, dim=dim)
+    x = torch.randn(*shape)
+    with mini_batch(deferred):
+        for micro in x.chunk(2):
+            deferred(micro)
+    block = nn.Sequential(nn.Identity(), nn.Sequential(deferred))
+    plain = convert_plain_batch_norm(block)
+    layer = plain[1][0]
+    assert kind is None or type(layer) is kind
+    assert not isinstance(layer, DeferredBatchNorm)
+    assert layer.weight is deferred.weight and layer.running_var is deferred.running_var
+    assert layer.momentum is None and layer.eps == deferred.eps
+    # The model itself is left as it is; modules without deferred layers are its own.
+    assert block[1][0] is deferred and plain is not block and plain[0] is block[0]
+    assert list(plain.state_dict()) == list(block.state_dict())
+    layer(x)  # updates the statistics at once, in the deferred layer's tensors too
+    assert int(deferred.num_batches_tracked) == 2
+    assert convert_plain_batch_norm(nn.Linear(2, 2)).__class__ is nn.Linear
+
+
+def test_converting_to_plain_refuses_what_is_not_a_module() -> None:
+    with pytest.raises(TypeError, match=r"module must be an nn.Module \(module: str\)"):
+        convert_plain_batch_norm("bn")  # type: ignore[arg-type]

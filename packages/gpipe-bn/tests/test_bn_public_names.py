@@ -7,7 +7,13 @@ from types import ModuleType
 
 import gpipe_bn
 
-NAMES = ["DeferredBatchNorm", "__version__", "convert_deferred_batch_norm", "mini_batch"]
+NAMES = [
+    "DeferredBatchNorm",
+    "__version__",
+    "convert_deferred_batch_norm",
+    "convert_plain_batch_norm",
+    "mini_batch",
+]
 
 
 def test_public_names(public_names: Callable[[ModuleType, list[str], list[str]], None]) -> None:

@@ -625,3 +625,28 @@ def test_second_order_gradients_are_refused() -> None:
     assert isinstance(y, torch.Tensor)
     with pytest.raises(RuntimeError, match="second-order gradients"):
         torch.autograd.grad(y.pow(2).sum(), list(layer.parameters()), create_graph=True)
+
+
+def test_a_tuple_subclass_output_keeps_its_type_through_both_phases() -> None:
+    # torch.max(dim=...) returns torch.return_types.max: the checkpoint phase's output and
+    # the recomputed one are of that type, as the function's own output.
+    x = torch.randn(3, 4, requires_grad=True)
+    for detached in (False, True):
+        chk = Checkpointing(lambda t: (t * 2).max(dim=1), Batch(x))
+        output = chk.checkpoint(detached=detached)
+        assert type(output.value) is type(x.max(dim=1))
+        if detached:
+            assert type(chk.recompute().value) is type(x.max(dim=1))
+
+
+def test_a_hook_registered_in_the_checkpoint_phase_is_refused_with_what_to_do() -> None:
+    def hooked(x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        h.register_hook(lambda grad: grad)
+        return h.sin()
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"checkpoint phase.*is_checkpointing\(\)") as caught:
+        checkpoint(hooked, x)
+    assert "checkpoint='never'" in str(caught.value)
+    assert isinstance(caught.value.__cause__, RuntimeError)

@@ -9,6 +9,7 @@ path to build the same models and inputs as the ranks, and compare with the plai
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pickle
 import struct
@@ -16,8 +17,9 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -147,6 +149,66 @@ class Unmask(nn.Module):
         return x / scale
 
 
+#: Weak references to what :class:`Watch` layers returned (see :func:`case_failure_frees`).
+WATCHED: list[weakref.ref[torch.Tensor]] = []
+
+
+class Watch(nn.Module):
+    """Scales its input, keeping a weak reference to its output (an activation)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 1.5
+        WATCHED.append(weakref.ref(y))
+        return y
+
+
+class NamedPair(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+class ToMax(nn.Module):
+    """A tensor in, ``torch.return_types.max`` out."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return torch.stack([x, -x], dim=2).max(dim=2)
+
+
+class FromMax(nn.Module):
+    """``torch.return_types.max`` in, read by name; a namedtuple out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, result: Any) -> NamedPair:
+        return NamedPair(self.linear(result.values), result.indices.to(result.values.dtype))
+
+
+class MixPair(nn.Module):
+    """A namedtuple in and out, read by name."""
+
+    def forward(self, pair: NamedPair) -> NamedPair:
+        return NamedPair(pair.a + pair.b, pair.b)
+
+
+def tuples_model(seed: int) -> nn.Sequential:
+    """Tuple subclasses between partitions 1, 2 and 3 of ``[1, 1, 1, 1]`` (on ranks 1, 0,
+    1 of two) and at the output."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), ToMax(), FromMax(), MixPair()).double()
+
+
+class ToSparse(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to_sparse()
+
+
+class ToDense(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to_dense()
+
+
 def inputs_model(seed: int) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(Masked(), Unmask(), nn.Linear(WIDTH, WIDTH)).double()
@@ -175,6 +237,8 @@ def build(layers: tuple[str, ...], seed: int) -> nn.Sequential:
             made.append(Join())
         elif kind == "trap":
             made.append(Trap())
+        elif kind == "watch":
+            made.append(Watch())
         else:
             raise ValueError(f"unknown layer kind: {kind}")
     return nn.Sequential(*made).double()
@@ -334,6 +398,50 @@ def case_inputs(rank: int, *, seed: int, chunks: int) -> dict[str, Any]:
     return {"reduced": losses.reduced().item(), "grads": grads, "output": output}
 
 
+def case_tuple_types(rank: int, *, checkpoint: str, schedule: str) -> dict[str, Any]:
+    """A step and inference with tuple subclasses between the ranks and at the output."""
+    pipe = GPipe(
+        tuples_model(0),
+        [1, 1, 1, 1],
+        chunks=3,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+        group=dist.group.WORLD,
+        timeout=60,
+    )
+    x, y = data(0, 6)
+    seen: list[str] = []
+
+    def loss_fn(output: NamedPair, target: torch.Tensor) -> torch.Tensor:
+        seen.append(type(output).__name__)
+        return nn.functional.mse_loss(output.a, target)
+
+    loss_fn.reduction = "mean"  # type: ignore[attr-defined]
+    losses = pipe.step(x, y, loss_fn, schedule=schedule)
+    grads = {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()}
+    pipe.eval()
+    with torch.no_grad():
+        output = pipe(x)
+    return {
+        "reduced": losses.reduced().item(),
+        "grads": grads,
+        "seen": seen,
+        "output": None if output is None else (type(output).__name__, output.a.clone()),
+    }
+
+
+def case_sparse(rank: int) -> dict[str, Any]:
+    """A sparse tensor from partition 0 (rank 0) to partition 1 (rank 1): the error."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), ToSparse(), ToDense(), nn.Linear(WIDTH, WIDTH))
+    pipe = GPipe(model.double(), [2, 2], chunks=2, group=dist.group.WORLD, timeout=30)
+    x, y = data(0, 4)
+    try:
+        pipe.step(x, y, nn.MSELoss())
+    except Exception as caught:
+        return {"type": type(caught).__name__, "message": str(caught)}
+    return {"type": None, "message": ""}
+
+
 def case_forward_in_training(rank: int) -> str:
     pipe = GPipe(build(("linear", "linear"), 0), [1, 1], group=dist.group.WORLD, timeout=60)
     try:
@@ -401,6 +509,60 @@ def case_failure(
         "reduced": losses.reduced().item(),
         "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
     }
+
+
+def _fail_once(pipe: GPipe, path: str, phase: str, rank: int, trap_rank: int) -> str:
+    """Run ``pipe`` once, failing in ``phase`` on ``trap_rank``; the error's type. Keeps
+    no reference to the input or to the error."""
+    x, y = data(0, 8)
+    x.requires_grad_(path != "forward")
+    WATCHED.append(weakref.ref(x))
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if phase == "loss" and rank == trap_rank:
+            raise Fail("loss")
+        return nn.functional.mse_loss(output, target)
+
+    loss_fn.reduction = "mean"  # type: ignore[attr-defined]
+    try:
+        if path == "forward":
+            with torch.no_grad():
+                pipe(x)
+        else:
+            pipe.step(x, y, loss_fn, schedule=path)
+    except Exception as error:
+        return type(error).__name__
+    return "no error"
+
+
+def case_failure_frees(
+    rank: int, *, path: str, phase: str, trap_rank: int, checkpoint: str
+) -> dict[str, Any]:
+    """A run that fails on ``trap_rank``, with the cycle collector off: how many of the
+    input and the activations (:class:`Watch`) each rank still holds right after."""
+    layers = ("linear", "watch", "trap", "linear", "watch", "trap")
+    pipe = GPipe(
+        build(layers, 0),
+        [3, 3],
+        chunks=4,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+        group=dist.group.WORLD,
+        timeout=30,
+    )
+    if rank == trap_rank and phase != "loss":
+        for trap in pipe.modules():
+            if isinstance(trap, Trap):
+                trap.armed = (phase, 1)
+    gc.collect()
+    WATCHED.clear()
+    gc.disable()
+    try:
+        error = _fail_once(pipe, path, phase, rank, trap_rank)
+        alive = sum(ref() is not None for ref in WATCHED)
+    finally:
+        gc.enable()
+    watched, _ = len(WATCHED), WATCHED.clear()
+    return {"error": error, "alive": alive, "watched": watched}
 
 
 def case_die(rank: int, *, dying_rank: int) -> dict[str, Any]:

@@ -454,3 +454,43 @@ def test_one_batch_norm_at_two_places_is_refused() -> None:
     assert model[0] is shared and model[2] is shared  # unchanged
     # Without deferred batch norm it runs, as nn.BatchNorm would.
     GPipe(model, [2, 2], chunks=2)(torch.randn(4, 4))
+
+
+class BNBlock(nn.Module):
+    """A layer holding a batch norm (unwrap must reach it without changing the block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.linear(x))
+
+
+def test_unwrap_gives_plain_batch_norm_with_the_statistics() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), BNBlock())
+    pipe = GPipe(model, [2, 1], chunks=4, deferred_batch_norm=True)
+    pipe(torch.randn(16, 3)).sum().backward()
+    plain = pipe.unwrap()
+    # Plain layers, on the deferred layers' very parameters and statistics.
+    assert type(plain[1]) is nn.BatchNorm1d and type(plain[2].bn) is nn.BatchNorm1d
+    assert plain[1].weight is pipe[1].weight and plain[2].bn.bias is pipe[2].bn.bias
+    assert plain[1].running_mean is pipe[1].running_mean
+    assert int(plain[1].num_batches_tracked) == 1
+    assert plain[2].linear is pipe[2].linear
+    assert list(plain.state_dict()) == list(pipe.state_dict())
+    # The pipeline keeps its deferred layers.
+    assert isinstance(pipe[1], DeferredBatchNorm) and isinstance(pipe[2].bn, DeferredBatchNorm)
+    # A copy trained alone updates its statistics on every call, as nn.BatchNorm does.
+    alone = copy.deepcopy(plain)
+    reference = copy.deepcopy(alone)
+    x = torch.randn(8, 3)
+    alone(x)
+    assert int(alone[1].num_batches_tracked) == 2
+    expected = nn.BatchNorm1d(3)
+    expected.load_state_dict(reference[1].state_dict())
+    expected(reference[0](x))
+    torch.testing.assert_close(alone[1].running_mean, expected.running_mean)
+    assert int(pipe[1].num_batches_tracked) == 1  # the copy is a model of its own

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable
@@ -289,3 +290,111 @@ def test_dropout_switched_on_after_the_first_run(
         output.sum().backward()
         assert 0 < (output == 0).sum() < output.numel()
         torch.testing.assert_close(x.grad, output.detach() / x.detach())
+
+
+class DrawsWherePositive(nn.Module):
+    """Multiplies by a fresh uniform mask the rows whose first feature is positive (and
+    draws nothing for a micro-batch without such rows): its draws depend on its input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x[:, 0] > 0
+        if not bool(rows.any()):
+            return x * 1.0
+        mask = torch.ones_like(x)
+        mask[rows] = torch.rand_like(x[rows]) + 0.5
+        return x * mask
+
+
+def positive_in_second_half(rows: int, width: int) -> torch.Tensor:
+    """Rows whose first feature is positive in the second half only (micro-batch 1 of 2)."""
+    x = torch.rand(rows, width, dtype=torch.float64) + 0.5
+    x[: rows // 2, 0] = -x[: rows // 2, 0]
+    return x
+
+
+@pytest.mark.parametrize("path", ["forward", "gpipe", "1f1b"])
+@pytest.mark.parametrize("draws_in", [0, 1])
+def test_draws_of_some_micro_batches_only_are_replayed(path: str, draws_in: int) -> None:
+    # out = mask * x elementwise with the mask drawn in the forward pass, so
+    # d(out.sum())/dx = out / x: micro-batch 1 draws (and micro-batch 0 does not, or the
+    # other way round), so whether the partition draws cannot be learned from one of them.
+    torch.manual_seed(draws_in)
+    pipe = GPipe(nn.Sequential(DrawsWherePositive(), Nap()), [1, 1], chunks=2, checkpoint="always")
+    for _ in range(3):
+        x = positive_in_second_half(8, 4)
+        if draws_in == 0:
+            x = x.flip(0)
+        x.requires_grad_()
+        if path == "forward":
+            output = pipe(x)
+            output.sum().backward()
+        else:
+            outputs: dict[int, torch.Tensor] = {}
+
+            def loss(
+                out: torch.Tensor, rows: torch.Tensor, outputs: dict[int, torch.Tensor] = outputs
+            ) -> torch.Tensor:
+                outputs[int(rows[0])] = out.detach()  # the loss may run out of order
+                return out.sum()
+
+            pipe.step(x, torch.arange(8), loss, schedule=path, reduction="sum")
+            output = torch.cat([outputs[row] for row in sorted(outputs)])
+        assert x.grad is not None
+        torch.testing.assert_close(x.grad, output.detach() / x.detach())
+        drawn = output.detach() != x.detach()
+        assert drawn[4:].any() if draws_in == 1 else drawn[:4].any()
+
+
+class Hooked(nn.Module):
+    """Registers a hook on an activation (``gated``: not in the checkpoint phase)."""
+
+    def __init__(self, gated: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.gated = gated
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        if not (self.gated and is_checkpointing()):
+            h.register_hook(lambda grad: self.seen.append(grad.detach().clone()))
+        return torch.tanh(h)
+
+
+def run_hooked(pipe: GPipe, path: str, x: torch.Tensor) -> None:
+    if path == "forward":
+        pipe(x).sum().backward()
+    else:
+        pipe.step(x, torch.zeros(len(x)), lambda out, _: out.sum(), schedule=path, reduction="sum")
+
+
+@pytest.mark.parametrize("path", ["forward", "gpipe", "1f1b"])
+def test_a_hook_in_the_checkpoint_phase_is_refused_with_what_to_do(path: str) -> None:
+    pipe = GPipe(nn.Sequential(Hooked(gated=False), nn.Linear(4, 4)), [1, 1], chunks=2)
+    with pytest.raises(RuntimeError, match="checkpoint phase") as caught:
+        run_hooked(pipe, path, torch.randn(4, 4))
+    message = str(caught.value)
+    assert "gpipe.is_checkpointing()" in message and "gpipe.is_recomputing()" in message
+    assert "checkpoint='never'" in message
+
+
+@pytest.mark.parametrize("path", ["forward", "gpipe", "1f1b"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_hook_gated_on_the_phase_sees_the_plain_gradients(path: str, checkpoint: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Hooked(gated=True), nn.Linear(4, 4))
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, [1, 1], chunks=2, checkpoint=checkpoint)
+    x = torch.randn(4, 4)
+    run_hooked(pipe, path, x)
+    for micro in x.chunk(2):
+        plain(micro).sum().backward()
+    hooked, expected = pipe[0], plain[0]
+    assert isinstance(hooked, Hooked) and isinstance(expected, Hooked)
+    assert len(hooked.seen) == 2  # once per micro-batch, in the backward pass
+
+    def key(grad: torch.Tensor) -> float:  # the micro-batches' order may differ
+        return float(grad.sum())
+
+    for got, want in zip(sorted(hooked.seen, key=key), sorted(expected.seen, key=key), strict=True):
+        torch.testing.assert_close(got, want)

@@ -45,7 +45,10 @@ class WaitFor(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("checkpoint", MODES)
+# Without checkpointing only: in a checkpointed run, forward passes on one device take
+# turns with its generator lock (whether a partition draws random numbers may depend on
+# its input), so partition 0 cannot run while partition 1 waits inside a forward pass.
+@pytest.mark.parametrize("checkpoint", ["never"])
 def test_a_partition_runs_ahead_of_a_busy_next_partition(
     checkpoint: str, assert_matches_plain: Callable[..., object]
 ) -> None:

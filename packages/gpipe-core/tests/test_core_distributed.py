@@ -313,6 +313,30 @@ def test_a_failing_rank_fails_every_rank_then_the_next_step_runs(
         torch.testing.assert_close(grads[name], p.grad, msg=name)
 
 
+@pytest.mark.parametrize(
+    ("path", "phase", "trap_rank", "checkpoint"),
+    [
+        ("forward", "forward", 1, "never"),
+        ("gpipe", "forward", 1, "except_last"),
+        ("gpipe", "loss", 1, "always"),
+        ("1f1b", "backward", 0, "never"),
+    ],
+)
+def test_a_failed_run_frees_its_tensors_on_every_rank(
+    cluster2: Any, path: str, phase: str, trap_rank: int, checkpoint: str
+) -> None:
+    # With the cycle collector off on every rank, only reference counts free the input and
+    # the activations: neither the error nor the runner may hold them in a cycle.
+    results = cluster2.results(
+        "failure_frees", path=path, phase=phase, trap_rank=trap_rank, checkpoint=checkpoint
+    )
+    for rank, result in enumerate(results):
+        expected = "Fail" if rank == trap_rank else "RemoteStageError"
+        assert result["error"] == expected, (rank, result)
+        assert result["watched"] > 1, (rank, result)
+        assert result["alive"] == 0, (rank, result)
+
+
 def test_a_dying_rank_fails_the_others_and_later_steps(new_cluster: Callable[[int], Any]) -> None:
     cluster = new_cluster(2)
     replies = cluster.run("die", dying_rank=1, timeout=90)
@@ -433,6 +457,16 @@ def test_partitions_on_cuda(
             torch.testing.assert_close(grad, model.get_parameter(plain_name(name)).grad)
 
 
+def assert_ranks_match(results: list[dict[str, Any]], model: nn.Module, loss: torch.Tensor) -> None:
+    """The ranks' reduced loss is ``loss``, and their gradients together are ``model``'s."""
+    grads: dict[str, torch.Tensor] = {}
+    for result in results:
+        torch.testing.assert_close(result["reduced"], loss.item())
+        grads.update({plain_name(k): v for k, v in result["grads"].items()})
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
 def test_inputs_of_any_kind_across_ranks(cluster2: Any, cases: ModuleType) -> None:
     results = cluster2.results("inputs", seed=12, chunks=3)
     model = cases.inputs_model(12)
@@ -444,14 +478,37 @@ def test_inputs_of_any_kind_across_ranks(cluster2: Any, cases: ModuleType) -> No
 
     loss = nn.MSELoss()(plain(x), y)
     loss.backward()
-    grads: dict[str, torch.Tensor] = {}
-    for result in results:
-        torch.testing.assert_close(result["reduced"], loss.item())
-        grads.update({plain_name(k): v for k, v in result["grads"].items()})
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    assert_ranks_match(results, model, loss)
     assert results[0]["output"] is None
     torch.testing.assert_close(results[1]["output"], plain(x))
+
+
+@pytest.mark.parametrize(("checkpoint", "schedule"), [("always", "gpipe"), ("except_last", "1f1b")])
+def test_tuple_subclasses_keep_their_type_across_ranks(
+    cluster2: Any, cases: ModuleType, checkpoint: str, schedule: str
+) -> None:
+    # torch.return_types.max from rank 1 to rank 0, a namedtuple back to rank 1 and out.
+    results = cluster2.results("tuple_types", checkpoint=checkpoint, schedule=schedule)
+    model = cases.tuples_model(0)
+    x, y = cases.data(0, 6)
+    loss = nn.MSELoss()(model(x).a, y)
+    loss.backward()
+    assert_ranks_match(results, model, loss)
+    # The last partition runs on rank 1: its loss and output see the namedtuple.
+    assert results[1]["seen"] == ["NamedPair"] * 3
+    kind, output = results[1]["output"]
+    assert kind == "NamedPair"
+    torch.testing.assert_close(output, model(x).a)
+    assert results[0]["output"] is None
+
+
+def test_a_sparse_tensor_between_ranks_is_refused_naming_the_partition(cluster2: Any) -> None:
+    sender, receiver = cluster2.results("sparse")
+    assert sender["type"] == "TypeError", sender
+    assert "from partition 0 to partition 1" in sender["message"]
+    assert "layout torch.sparse_coo" in sender["message"]
+    assert receiver["type"] == "RemoteStageError", receiver
+    assert "layout torch.sparse_coo" in receiver["message"]
 
 
 def test_ranks_exit_cleanly_with_a_pipeline_alive(new_cluster: Callable[[int], Any]) -> None:

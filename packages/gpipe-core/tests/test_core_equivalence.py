@@ -12,7 +12,7 @@ import copy
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -20,7 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from core_strategies import compositions
+from gpipe_checkpoint import is_recomputing
 from gpipe_core import GPipe
+from gpipe_skip import pop, skippable, stash
 
 MODES = ("always", "except_last", "never")
 KINDS = ("linear", "relu", "tanh", "layernorm", "identity", "relu_inplace")
@@ -148,6 +151,91 @@ def test_equivalence_fixed_cases(
     assert_same_run(spec, assert_matches_plain)
 
 
+# -- random draws that depend on the input --------------------------------------------------
+
+
+class RowDropout(nn.Module):
+    """Dropout of the rows whose first feature is positive, others kept as they are: a
+    micro-batch without such rows draws nothing. Records the masks of its first passes
+    (in micro-batch order) or applies given masks in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drawn: list[torch.Tensor] = []
+        self.given: list[torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.given is not None:
+            return x * self.given.pop(0)
+        mask = torch.ones_like(x)
+        rows = x[:, 0] > 0
+        if bool(rows.any()):
+            mask[rows] = (torch.rand_like(x[rows]) >= 0.5).to(x.dtype) * 2
+        if not is_recomputing():
+            self.drawn.append(mask)
+        return x * mask
+
+
+@dataclass(frozen=True)
+class DrawSpec:
+    layers: tuple[str, ...]
+    balance: tuple[int, ...]
+    chunks: int
+    batch: int
+    checkpoint: str
+    path: str  # forward(), or step() with a schedule
+    seed: int
+
+
+@st.composite
+def draw_specs(draw: st.DrawFn) -> DrawSpec:
+    depth = draw(st.integers(1, 5))
+    layers = tuple(draw(st.lists(st.sampled_from(["linear", "tanh", "rows"]), min_size=depth,
+                                 max_size=depth)))  # fmt: skip
+    parts = draw(st.integers(1, min(3, depth)))
+    return DrawSpec(
+        layers=layers,
+        balance=tuple(draw(st.sampled_from(compositions(depth, parts)))),
+        chunks=draw(st.integers(1, 5)),
+        batch=draw(st.integers(1, 10)),
+        checkpoint=draw(st.sampled_from(MODES)),
+        path=draw(st.sampled_from(["forward", "gpipe", "1f1b"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=draw_specs())
+def test_draws_that_depend_on_the_input_are_replayed(spec: DrawSpec) -> None:
+    # The plain model, run micro-batch by micro-batch with the masks the pipeline drew in
+    # its forward passes, gives the pipeline's gradients: each recomputation replayed the
+    # draws of its own first pass, whichever micro-batches drew.
+    torch.manual_seed(spec.seed)
+    width = 3
+    kinds = {"linear": lambda: nn.Linear(width, width), "tanh": nn.Tanh, "rows": RowDropout}
+    model = nn.Sequential(*(kinds[kind]() for kind in spec.layers)).double()
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, list(spec.balance), chunks=spec.chunks, checkpoint=spec.checkpoint)
+    x = torch.randn(spec.batch, width, dtype=torch.float64)
+    weight = torch.randn(spec.batch, width, dtype=torch.float64)
+    x_pipe = x.clone().requires_grad_()
+    if spec.path == "forward":
+        (pipe(x_pipe) * weight).sum().backward()
+    else:
+        pipe.step(x_pipe, weight, lambda out, w: (out * w).sum(), schedule=spec.path,
+                  reduction="sum")  # fmt: skip
+    for mine, theirs in zip(plain, pipe, strict=True):
+        if isinstance(mine, RowDropout):
+            assert isinstance(theirs, RowDropout)
+            mine.given = list(theirs.drawn)
+    x_plain = x.clone().requires_grad_()
+    for micro, w in zip(x_plain.chunk(spec.chunks), weight.chunk(spec.chunks), strict=True):
+        (plain(micro) * w).sum().backward()
+    torch.testing.assert_close(x_pipe.grad, x_plain.grad)
+    for mine, theirs in zip(plain.parameters(), pipe.parameters(), strict=True):
+        torch.testing.assert_close(theirs.grad, mine.grad)
+
+
 def test_module_is_not_copied_so_plain_and_pipe_share_layers() -> None:
     # The equivalence tests compare against a deepcopy; this checks that GPipe uses (and
     # trains) the very layers it was given.
@@ -186,6 +274,110 @@ class Merge(nn.Module):
     def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         a, b = pair
         return self.linear(a) * torch.tanh(b)
+
+
+class Pair(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+class MaxOfPair(nn.Module):
+    """A namedtuple in, what ``torch.max(dim=1)`` returns out."""
+
+    def forward(self, pair: Pair) -> Any:
+        stacked = torch.stack([pair.a, pair.b * 2], dim=2)
+        return stacked.max(dim=2)
+
+
+class FromMax(nn.Module):
+    """``torch.return_types.max`` in (read by name), a namedtuple out."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, result: Any) -> Pair:
+        return Pair(self.linear(result.values), result.indices.to(result.values.dtype))
+
+
+@pytest.mark.parametrize("path", ["forward", "gpipe", "1f1b"])
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("balance", [[1, 1, 1], [2, 1], [1, 2], [3]])
+def test_tuple_subclasses_keep_their_type(balance: list[int], checkpoint: str, path: str) -> None:
+    # Namedtuples and torch.return_types at the input, between partitions and at the
+    # output: layers read their fields by name, and the output has the plain model's type.
+    torch.manual_seed(0)
+    model = nn.Sequential(MaxOfPair(), FromMax(4), MaxOfPair()).double()
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, balance, chunks=3, checkpoint=checkpoint)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    value = Pair(x.clone().requires_grad_(), x.clone() * 0.5)
+    plain_value = Pair(x.clone().requires_grad_(), x.clone() * 0.5)
+    expected = plain(plain_value)
+    if path == "forward":
+        output = pipe(value)
+        assert type(output) is type(expected)
+        torch.testing.assert_close(output.values, expected.values)
+        torch.testing.assert_close(output.indices, expected.indices)
+        output.values.sum().backward()
+    else:
+        seen: list[type] = []
+
+        def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+            seen.append(type(out))
+            return (out.values * target).sum()
+
+        pipe.step(value, torch.ones(7, 4, dtype=torch.float64), loss_fn, schedule=path,
+                  reduction="sum")  # fmt: skip
+        assert set(seen) == {type(expected)}
+    expected.values.sum().backward()
+    torch.testing.assert_close(value.a.grad, plain_value.a.grad)
+    for mine, theirs in zip(pipe.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+@skippable(stash=["a"])
+class StashA(nn.Module):
+    def forward(self, pair: Pair) -> Any:
+        yield stash("a", pair.a)
+        return Pair(pair.a * 2, pair.b)
+
+
+@skippable(pop=["a"])
+class PopA(nn.Module):
+    def forward(self, pair: Pair) -> Any:
+        a = yield pop("a")
+        return Pair(pair.a + a, pair.b)
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("balance", [[1, 1, 1], [2, 1], [3]])
+def test_a_namedtuple_through_skippable_layers(
+    balance: list[int], checkpoint: str, assert_matches_plain: Callable[..., Any]
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(StashA(), ToPairOf(4), PopA()).double()
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, balance, chunks=3, checkpoint=checkpoint)
+    output, _ = assert_matches_plain(
+        pipe,
+        plain,
+        torch.randn(7, 4, dtype=torch.float64),
+        feed=lambda x: Pair(x, x * 0.5),
+        loss=lambda out: out.a.sum() + out.b.sum(),
+    )
+    assert type(output) is Pair
+
+
+class ToPairOf(nn.Module):
+    """A namedtuple in and out, its fields read by name."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, pair: Pair) -> Pair:
+        return Pair(self.linear(pair.a), torch.tanh(pair.b))
 
 
 @pytest.mark.parametrize("checkpoint", MODES)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import gc
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -280,3 +282,66 @@ def test_exception_next_to_dropout_releases_the_generator(checkpoint: str) -> No
     output.sum().backward()
     # Explode scales by 1.5; dropout masks must be those of the forward pass.
     torch.testing.assert_close(x.grad, output.detach() / x.detach())
+
+
+# -- what a failed run leaves behind ----------------------------------------------------------
+
+
+class Watched(nn.Module):
+    """Scales its input, keeping a weak reference to each output (an activation)."""
+
+    def __init__(self, refs: list[weakref.ref[torch.Tensor]]) -> None:
+        super().__init__()
+        self.refs = refs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 1.5
+        self.refs.append(weakref.ref(y))
+        return y
+
+
+def run_and_fail(pipe: GPipe, path: str, where: str, refs: list[weakref.ref[Any]]) -> None:
+    """A run of ``pipe`` that raises :class:`Boom` (in a layer or the loss); the input's and
+    target's weak references go to ``refs``. Holds no reference to them afterwards."""
+    x = torch.randn(8, 4, requires_grad=True)
+    y = torch.randn(8, 4)
+    refs += [weakref.ref(x), weakref.ref(y)]
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if where == "loss":
+            explode("loss")
+        return (output - target).pow(2).sum()
+
+    try:
+        if path == "forward":
+            pipe(x)
+        else:
+            pipe.step(x, y, loss_fn, schedule=path)
+    except Boom:
+        pass  # not bound to a name: nothing here holds the error
+    else:
+        raise AssertionError("the run did not fail")
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize(
+    ("path", "where"),
+    [("forward", "layer"), ("gpipe", "layer"), ("gpipe", "loss"), ("1f1b", "loss")],
+)
+def test_a_failed_run_frees_its_tensors_at_once(path: str, where: str, checkpoint: str) -> None:
+    # With the cycle collector off, only reference counts free the input and the
+    # activations: the error must not sit in a reference cycle that holds them.
+    refs: list[weakref.ref[Any]] = []
+    layers: list[nn.Module] = [nn.Linear(4, 4), Watched(refs), nn.Linear(4, 4), Watched(refs)]
+    if where == "layer":
+        layers.append(Explode(on_call=2))
+    pipe = GPipe(nn.Sequential(*layers), [2, len(layers) - 2], chunks=4, checkpoint=checkpoint)
+    gc.collect()
+    gc.disable()
+    try:
+        run_and_fail(pipe, path, where, refs)
+        alive = [k for k, ref in enumerate(refs) if ref() is not None]
+    finally:
+        gc.enable()
+    assert len(refs) > 4  # the input, the target, and activations of several micro-batches
+    assert alive == []

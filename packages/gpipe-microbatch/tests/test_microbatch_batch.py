@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpipe_microbatch import Batch, check, gather, scatter
+from gpipe_microbatch import Batch, check, gather, make_tuple, scatter
 
 SETTINGS = settings(max_examples=40, deadline=None)
 
@@ -353,3 +354,39 @@ def test_scatter_into_one_micro_batch_keeps_the_input_itself(batch_size: int, ch
 def test_scatter_into_several_micro_batches_gives_views() -> None:
     x = torch.randn(4, 3)
     assert all(b.tensor._base is x for b in scatter(x, 2))
+
+
+# -- tuple subclasses --------------------------------------------------------------------------
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    label: str
+
+
+def test_scatter_and_gather_keep_a_namedtuple() -> None:
+    value = Pair(torch.arange(6.0), "a")
+    batches = scatter(value, chunks=3)
+    assert all(type(batch.value) is Pair and batch.kind is Pair for batch in batches)
+    assert batches[1].value.x.tolist() == [2.0, 3.0]
+    assert type(scatter(value, chunks=1)[0].value) is Pair
+    gathered = gather(batches)
+    assert type(gathered) is Pair
+    assert gathered.label == ["a", "a", "a"]
+
+
+def test_batches_made_from_parts_keep_the_tuple_type() -> None:
+    result = torch.tensor([[1.0, 3.0], [4.0, 2.0]]).max(dim=1)
+    batch = Batch(result)
+    assert type(batch.with_tensors([torch.zeros(2), torch.ones(2)]).value) is type(result)
+    again = Batch.from_parts(False, batch.present, batch.tensors, batch.others, batch.kind)
+    assert type(again.value) is type(result)
+    assert again.value.indices.tolist() == [1, 0]
+    assert type(Batch((torch.zeros(1), 2)).value) is tuple
+
+
+def test_make_tuple_builds_each_kind_of_tuple() -> None:
+    assert make_tuple(Pair, [torch.zeros(1), "b"]).label == "b"
+    kind = type(torch.zeros(2, 2).max(dim=1))
+    assert make_tuple(kind, (torch.zeros(2), torch.ones(2))).values.tolist() == [0.0, 0.0]
+    assert make_tuple(tuple, iter([1, 2])) == (1, 2)

@@ -31,6 +31,7 @@ NAMES = [
     "get_phony",
     "is_cuda",
     "join",
+    "make_tuple",
     "new_stream",
     "normalize_device",
     "record_stream",

@@ -10,7 +10,12 @@ import gpipe_bn
 
 
 def test_every_name_is_the_same_object() -> None:
-    assert gpipe.bn.__all__ == ["DeferredBatchNorm", "convert_deferred_batch_norm", "mini_batch"]
+    assert gpipe.bn.__all__ == [
+        "DeferredBatchNorm",
+        "convert_deferred_batch_norm",
+        "convert_plain_batch_norm",
+        "mini_batch",
+    ]
     for name in gpipe.bn.__all__:
         assert getattr(gpipe.bn, name) is getattr(gpipe_bn, name), name
     assert set(gpipe.bn.__all__) == set(gpipe_bn.__all__) - {"__version__"}

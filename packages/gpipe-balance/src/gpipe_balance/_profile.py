@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from numbers import Real
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -129,11 +129,12 @@ class _Alias(torch.autograd.Function):
         return grad
 
 
-def _layer_input(values: tuple[Tensor, ...], atomic: bool) -> tuple[list[Tensor], TensorOrTensors]:
-    """Leaves cut from ``values`` (keeping ``requires_grad``) and the input made of them."""
+def _layer_input(batch: Batch) -> tuple[list[Tensor], TensorOrTensors]:
+    """Leaves cut from ``batch``'s tensors (keeping ``requires_grad``) and the input made
+    of them (of the batch's tuple type)."""
     leaves: list[Tensor] = []
     inputs: list[Tensor] = []
-    for value in values:
+    for value in batch:
         leaf = value.detach()
         if value.requires_grad:
             leaf.requires_grad_()
@@ -142,13 +143,13 @@ def _layer_input(values: tuple[Tensor, ...], atomic: bool) -> tuple[list[Tensor]
         else:
             inputs.append(leaf)
         leaves.append(leaf)
-    return leaves, inputs[0] if atomic else tuple(inputs)
+    return leaves, cast(TensorOrTensors, batch.with_tensors(inputs).value)
 
 
 def _first_input(sample: Batch) -> Batch:
     """A copy of the sample, so that layers that work in place leave the user's sample alone."""
     copies = [t.detach().clone().requires_grad_(t.requires_grad) for t in sample]
-    return Batch(copies[0] if sample.atomic else tuple(copies))
+    return sample.with_tensors(copies)
 
 
 def _check_real(value: object, name: str) -> float:
@@ -306,7 +307,7 @@ def _time_pass(
     times: list[float] = []
     batch = _first_input(sample)
     for index, layer in enumerate(_layer_copies(module, device)):
-        leaves, input = _layer_input(batch.tensors, batch.atomic)
+        leaves, input = _layer_input(batch)
 
         _synchronize(device)
         began = time.perf_counter()
@@ -438,7 +439,7 @@ def profile_sizes(
                     saved += _storage_bytes(tensor)
                 return tensor
 
-            _, input_value = _layer_input(batch.tensors, batch.atomic)
+            _, input_value = _layer_input(batch)
             with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
                 output = layer(input_value)
             batch = Batch(check(output, f"output of layer {index}"))

@@ -2,7 +2,8 @@
 
 * :class:`DeferredBatchNorm`: normalizes each micro-batch like ``nn.BatchNorm{1,2,3}d`` and
   updates the running statistics once per mini-batch, as the whole mini-batch would.
-* :func:`convert_deferred_batch_norm`: replaces the batch normalization layers of a model.
+* :func:`convert_deferred_batch_norm`: replaces the batch normalization layers of a model;
+  :func:`convert_plain_batch_norm` gives the model back with plain ones.
 * :func:`mini_batch`: the forward passes in its body are the micro-batches of one mini-batch.
 
 Example:
@@ -19,6 +20,12 @@ Example:
 
 from .__about__ import __version__
 from ._batchnorm import DeferredBatchNorm, mini_batch
-from ._convert import convert_deferred_batch_norm
+from ._convert import convert_deferred_batch_norm, convert_plain_batch_norm
 
-__all__ = ["DeferredBatchNorm", "__version__", "convert_deferred_batch_norm", "mini_batch"]
+__all__ = [
+    "DeferredBatchNorm",
+    "__version__",
+    "convert_deferred_batch_norm",
+    "convert_plain_batch_norm",
+    "mini_batch",
+]

@@ -1,8 +1,10 @@
-"""Replace the batch normalization layers of a model with :class:`DeferredBatchNorm`."""
+"""Replace the batch normalization layers of a model with :class:`DeferredBatchNorm`, and back."""
 
 from __future__ import annotations
 
-from torch import nn
+from typing import Any
+
+from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
@@ -10,7 +12,7 @@ from gpipe_microbatch import check_chunks
 
 from ._batchnorm import DeferredBatchNorm, batch_norm_places
 
-__all__ = ["convert_deferred_batch_norm"]
+__all__ = ["convert_deferred_batch_norm", "convert_plain_batch_norm"]
 
 # What an nn.BatchNorm{1,2,3}d holds (None where it has no affine or running statistics).
 _PARAMETERS = {"weight", "bias"}
@@ -63,15 +65,22 @@ def _deferred(module: _BatchNorm, dim: int, chunks: int) -> DeferredBatchNorm:
         chunks=chunks,
         dim=dim,
     )
-    # The same tensors: parameters stay leaves with their requires_grad, optimizers that
-    # hold them keep working, and device and dtype are those of the original.
+    _take_tensors(layer, module)
+    return layer
+
+
+def _take_tensors(layer: _BatchNorm, module: _BatchNorm) -> None:
+    """Give ``layer`` ``module``'s parameters and buffers, and its training mode.
+
+    The same tensors: parameters stay leaves with their requires_grad, optimizers that hold
+    them keep working, and device and dtype are those of the original.
+    """
     for name in ("weight", "bias"):
         layer._parameters[name] = module._parameters.get(name)
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         layer._buffers[name] = module._buffers.get(name)
     layer._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
     layer.train(module.training)
-    return layer
 
 
 def convert_deferred_batch_norm(module: nn.Module, chunks: int = 1) -> nn.Module:
@@ -133,3 +142,92 @@ def convert_deferred_batch_norm(module: nn.Module, chunks: int = 1) -> nn.Module
         return new
 
     return convert(module)
+
+
+class _BatchNormAnyDim(_BatchNorm):
+    """Plain batch normalization of any input with at least two dimensions (what a
+    :class:`DeferredBatchNorm` with ``dim=None`` accepts)."""
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected an input with at least 2 dimensions (got {input.dim()}D)")
+
+
+def _plain(layer: DeferredBatchNorm) -> _BatchNorm:
+    """The ``nn.BatchNorm{d}d`` holding ``layer``'s parameters and buffers."""
+    kind = {dim: kind for kind, dim in _DIMS}.get(layer.dim or 0, _BatchNormAnyDim)
+    plain = kind(
+        layer.num_features,
+        layer.eps,
+        layer.momentum,
+        layer.affine,
+        layer.track_running_stats,
+        device="meta",  # replaced below, without allocating
+    )
+    _take_tensors(plain, layer)
+    return plain
+
+
+def convert_plain_batch_norm(module: nn.Module) -> nn.Module:
+    """``module`` with every :class:`DeferredBatchNorm` as a plain batch normalization layer.
+
+    The converse of :func:`convert_deferred_batch_norm`, without changing ``module``: each
+    deferred layer is replaced by a new ``nn.BatchNorm{dim}d`` (``dim=None``: a plain batch
+    norm of any input with at least two dimensions) holding the **same** parameter and
+    buffer tensors, so it has the running statistics the deferred layer has committed, and
+    training it trains the deferred layer's parameters and updates its running statistics
+    (once per call, as ``nn.BatchNorm`` does). Statistics of micro-batches not committed
+    yet (outside :func:`~gpipe_bn.mini_batch`) are not carried. Every module on the way to
+    a deferred layer is a shallow copy (its own dictionary of submodules); the others are
+    the module's own. ``copy.deepcopy`` of the result is a model of its own.
+
+    Args:
+        module: the model.
+
+    Returns:
+        The model with plain batch normalization layers (``module`` itself when it holds
+        no deferred layer).
+
+    Raises:
+        TypeError: ``module`` is not an :class:`~torch.nn.Module`.
+
+    Example:
+        >>> from torch import nn
+        >>> deferred = convert_deferred_batch_norm(nn.Sequential(nn.BatchNorm1d(4)), chunks=2)
+        >>> plain = convert_plain_batch_norm(deferred)
+        >>> type(plain[0]).__name__, type(deferred[0]).__name__
+        ('BatchNorm1d', 'DeferredBatchNorm')
+        >>> plain[0].weight is deferred[0].weight
+        True
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module (module: {type(module).__name__})")
+    converted: dict[int, nn.Module] = {}
+
+    def convert(node: nn.Module) -> nn.Module:
+        if id(node) in converted:
+            return converted[id(node)]
+        new: nn.Module = node
+        if isinstance(node, DeferredBatchNorm):
+            new = _plain(node)
+        else:
+            children = {
+                name: convert(child) for name, child in node._modules.items() if child is not None
+            }
+            if any(child is not node._modules[name] for name, child in children.items()):
+                new = _shallow_copy(node)
+                new._modules.update(children)
+        converted[id(node)] = new
+        return new
+
+    return convert(module)
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    """A module of ``module``'s class sharing its attributes, with a dictionary of
+    submodules of its own."""
+    copy: nn.Module = object.__new__(type(module))
+    state: dict[str, Any] = dict(module.__dict__)
+    state["_modules"] = dict(module._modules)
+    copy.__dict__.update(state)
+    return copy

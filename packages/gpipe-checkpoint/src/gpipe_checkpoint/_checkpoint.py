@@ -51,9 +51,12 @@ Function = Callable[[Any], object]
 # thread state the first pass ran under.
 _Saved = tuple[RNGStates, ThreadState]
 
+# What torch says when a hook is registered on a tensor that does not require grad.
+_HOOK_REFUSED = "cannot register a hook on a tensor that doesn't require gradient"
+
 # The values of an output that are not tensors, and where they go: (atomic, present,
-# others), kept without the output's tensors.
-_Layout = tuple[bool, tuple[bool, ...], tuple[object, ...]]
+# others, the type of the output tuple), kept without the output's tensors.
+_Layout = tuple[bool, tuple[bool, ...], tuple[object, ...], type[tuple[Any, ...]]]
 
 
 def _call(function: Function, batch: Batch, tensors: tuple[Tensor, ...]) -> Batch:
@@ -146,7 +149,7 @@ class Checkpointing:
         # checkpoint phase returns next to the outputs.
         self.armed = False
         self.phony: Tensor | None = None
-        self.output_layout: _Layout = (True, (True,), ())
+        self.output_layout: _Layout = (True, (True,), (), tuple)
         # Kept by the checkpoint phase for every recomputation (a graph may be
         # differentiated more than once with retain_graph=True).
         self.saved: _Saved | None = None
@@ -159,8 +162,20 @@ class Checkpointing:
         self.saved = (save_rng_states(input[0].device), ThreadState.capture())
         arguments = _copies(input) if self.copy_input else input
         versions = [tensor._version for tensor in arguments]
-        with torch.no_grad(), enable_checkpointing():
-            output = _call(self.function, self.batch, arguments)
+        try:
+            with torch.no_grad(), enable_checkpointing():
+                output = _call(self.function, self.batch, arguments)
+        except RuntimeError as error:
+            if _HOOK_REFUSED not in str(error):
+                raise
+            raise RuntimeError(
+                "a checkpointed function registered a hook on a tensor (tensor.register_hook) "
+                "in its checkpoint phase, which runs without autograd, so the tensor does not "
+                "require grad; register the hook only when is_checkpointing() is False "
+                "(gpipe.is_checkpointing(); the recomputation, where gpipe.is_recomputing() is "
+                "True, registers it and backward calls it), or turn checkpointing off for this "
+                f"block (GPipe(..., checkpoint='never')) (error: {error})"
+            ) from error
         self.input_modified = any(
             tensor._version != version for tensor, version in zip(arguments, versions, strict=False)
         )
@@ -172,13 +187,13 @@ class Checkpointing:
                 "of a checkpointed block); pass copy_input=True, make that layer "
                 "out-of-place, or turn checkpointing off for this block"
             )
-        self.output_layout = (output.atomic, output.present, output.others)
+        self.output_layout = (output.atomic, output.present, output.others, output.kind)
         return output.tensors
 
     def _output(self, tensors: Iterable[Tensor]) -> Batch:
         """The checkpoint phase's output with ``tensors`` as its tensors."""
-        atomic, present, others = self.output_layout
-        return Batch.from_parts(atomic, present, tensors, others)
+        atomic, present, others, kind = self.output_layout
+        return Batch.from_parts(atomic, present, tensors, others, kind)
 
     def _run_recompute_phase(self, input: tuple[Tensor, ...]) -> Batch:
         """Run the function again on ``input``, with autograd, as the checkpoint phase ran."""

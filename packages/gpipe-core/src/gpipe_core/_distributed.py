@@ -529,8 +529,9 @@ class DistributedTransport(Transport):
         *,
         atomic: bool = False,
         needs_grad: bool = False,
+        kind: type[tuple[Any, ...]] = tuple,
     ) -> None:
-        message = outgoing(values, atomic, needs_grad, detach=True)
+        message = outgoing(values, atomic, needs_grad, detach=True, kind=kind)
         target = self.stage_ranks[key.target]
         if target == self.rank:
             with self.cond:
@@ -539,7 +540,8 @@ class DistributedTransport(Transport):
             return
         if self.cancelled:
             return  # the run is over: nobody waits for it
-        meta = ("data", key, atomic, message.present, message.requires_grad, message.others)
+        _check_strided(key, message.tensors.tensors)
+        meta = ("data", key, atomic, message.present, message.requires_grad, message.others, kind)
         self._post(target, meta, message.tensors.tensors)
 
     def receive(self, key: MessageKey) -> Message:
@@ -762,9 +764,9 @@ class DistributedTransport(Transport):
             elif kind == "plan":
                 self.plan, self.plan_fields = meta[1], meta[2]
             elif not self.cancelled:
-                _, key, atomic, present, requires_grad, others = meta
+                _, key, atomic, present, requires_grad, others, kind = meta
                 batch = carried(tensors, atomic)
-                self.mailbox[key] = Message(atomic, present, requires_grad, batch, others)
+                self.mailbox[key] = Message(atomic, present, requires_grad, batch, others, kind)
             self.cond.notify_all()
         return True
 
@@ -840,6 +842,23 @@ def _lane(
 ) -> tuple[dist.ProcessGroup, int]:
     """``lane`` and the rank there of ``group``'s rank ``peer``."""
     return lane, dist.get_group_rank(lane, dist.get_global_rank(group, peer))
+
+
+def _check_strided(key: MessageKey, tensors: Sequence[Tensor]) -> None:
+    """Refuse a message to another rank holding a tensor that is not dense (a sparse
+    tensor, say), which travels as the bytes of its storage.
+
+    Raises:
+        TypeError: such a tensor, named by the partition that sends it and its layout.
+    """
+    for k, tensor in enumerate(tensors):
+        if tensor.layout != torch.strided:
+            raise TypeError(
+                f"{_describe(key)} hold a tensor of layout {tensor.layout}, which cannot be "
+                "sent to another rank (only dense, torch.strided tensors cross ranks); make "
+                "it dense (.to_dense()) at the end of the partition "
+                f"(tensor {k} of the message: layout {tensor.layout}, shape {tuple(tensor.shape)})"
+            )
 
 
 def _describe(key: MessageKey) -> str:

@@ -5,6 +5,8 @@ This module knows nothing of pipelines: it formats and annotates exceptions.
 
 from __future__ import annotations
 
+import sys
+
 __all__ = ["add_note", "describe_error"]
 
 
@@ -26,5 +28,5 @@ def add_note(error: BaseException, note: str) -> None:
     method held there would tie the exception, its traceback and every tensor the frames
     hold into a reference cycle.
     """
-    if hasattr(error, "add_note"):
-        getattr(error, "add_note")(note)  # noqa: B009 (absent on Python 3.10)
+    if sys.version_info >= (3, 11):
+        error.add_note(note)

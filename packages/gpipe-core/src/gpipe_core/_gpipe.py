@@ -18,7 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpipe_bn import DeferredBatchNorm, convert_deferred_batch_norm, mini_batch
+from gpipe_bn import (
+    DeferredBatchNorm,
+    convert_deferred_batch_norm,
+    convert_plain_batch_norm,
+    mini_batch,
+)
 from gpipe_checkpoint import is_checkpointing, is_recomputing
 from gpipe_microbatch import (
     AbstractStream,
@@ -30,6 +35,7 @@ from gpipe_microbatch import (
     check_module,
     current_stream,
     gather,
+    make_tuple,
     new_stream,
     scatter,
 )
@@ -266,7 +272,7 @@ class _Leaves:
                 else item
                 for item in items
             )
-            self.value = cut if isinstance(value, tuple) else cut[0]
+            self.value = make_tuple(type(value), cut) if isinstance(value, tuple) else cut[0]
 
     def backward(self) -> None:
         pairs = [
@@ -599,6 +605,12 @@ class GPipe(nn.Module):
         serve alone. Its :meth:`~torch.nn.Module.state_dict` has the same keys as this
         module's. A wrapped :class:`~gpipe_core.PipeSequential` comes back as one.
 
+        A :class:`~gpipe_bn.DeferredBatchNorm` (``deferred_batch_norm=True``) comes back
+        as a plain ``nn.BatchNorm{d}d`` holding the same parameters and running
+        statistics (see :func:`~gpipe_bn.convert_plain_batch_norm`; a layer holding one
+        is a shallow copy), so that the model alone updates its statistics on every call;
+        the pipeline keeps its deferred layers.
+
         Example:
             >>> import copy
             >>> pipe = GPipe(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), [2, 1])
@@ -610,7 +622,7 @@ class GPipe(nn.Module):
         kind = PipeSequential if self._unpacks else nn.Sequential
         return kind(
             OrderedDict(
-                (name, layer)
+                (name, convert_plain_batch_norm(layer))
                 for partition in self._partition_list()
                 for name, layer in partition._modules.items()
                 if layer is not None

@@ -33,6 +33,7 @@ from torch import Tensor
 from gpipe_microbatch import Batch, ThreadState, is_cuda, use_device, use_stream
 from gpipe_skip import SkipKey
 
+from ._errors import add_note
 from ._schedule import Action, simulate
 from ._stage import Stage
 from ._transport import Cancelled, MessageKey, Transport
@@ -203,9 +204,8 @@ class _Executor:
             raise
         except Exception as error:
             # Where it happened, as a note: the type and the traceback stay the error's own.
-            add_note = getattr(error, "add_note", None)  # Python 3.11+
-            if add_note is not None:
-                add_note(f"(in {action.kind} of micro-batch {action.microbatch} on partition {j})")
+            where = f"(in {action.kind} of micro-batch {action.microbatch} on partition {j})"
+            add_note(error, where)
             raise
 
     def forward(self, j: int, i: int) -> None:
@@ -215,7 +215,7 @@ class _Executor:
         else:
             message = transport.receive(MessageKey("activations", i, j - 1, j))
             values = stage.accept(message.values(), message.requires_grad)
-            batch = Batch(values[0] if message.atomic else tuple(values))
+            batch = Batch(message.value(values))
         skips: dict[SkipKey, Tensor | None] = {}
         for source, keys in stage.pops.items():
             message = transport.receive(MessageKey("skips", i, source, j))
@@ -230,6 +230,7 @@ class _Executor:
                 output.values,
                 atomic=output.atomic,
                 needs_grad=needs_grad,
+                kind=output.kind,
             )
         for target, keys in stage.stashes.items():
             values = [stashed[key] for key in keys]

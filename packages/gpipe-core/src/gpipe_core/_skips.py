@@ -15,19 +15,21 @@ never through the stages in between.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch import Tensor, nn
 
-from gpipe_microbatch import Batch, check_output
+from gpipe_microbatch import Batch, check_output, make_tuple
 from gpipe_skip import SkipKey, SkipTracker, use_skip_tracker
 
 from ._sequential import call_partition
 
 __all__ = ["SkipCall"]
 
-# How a partition's flat output splits: whether its output is one value, which of its
-# values are tensors, and which outgoing skips are tensors (the others are None).
-_Structure = tuple[bool, tuple[bool, ...], tuple[SkipKey, ...]]
+# How a partition's flat output splits: the type of its output tuple (None for one
+# value), which of its values are tensors, and which outgoing skips are tensors (the
+# others are None).
+_Structure = tuple[type[tuple[Any, ...]] | None, tuple[bool, ...], tuple[SkipKey, ...]]
 
 
 class SkipCall:
@@ -51,6 +53,7 @@ class SkipCall:
         self.what = what
         self.unpack = unpack
         self.atomic = batch.atomic
+        self.kind = batch.kind
         #: How many values the partition's input has, and how many of them are tensors.
         self.values = len(batch.present)
         self.inputs = len(batch)
@@ -68,7 +71,7 @@ class SkipCall:
 
     def __call__(self, flat: object) -> tuple[object, ...]:
         values = flat if isinstance(flat, tuple) else (flat,)
-        input = values[0] if self.atomic else tuple(values[: self.values])
+        input = values[0] if self.atomic else make_tuple(self.kind, values[: self.values])
         skips: dict[SkipKey, Tensor | None] = dict(
             zip(self.in_keys, values[self.values :], strict=True)
         )
@@ -84,7 +87,7 @@ class SkipCall:
             key for key, value in zip(self.provides, skip_values, strict=True) if value is not None
         )
         kinds = tuple(isinstance(value, Tensor) for value in outputs)
-        structure = (not isinstance(output, tuple), kinds, present)
+        structure = (type(output) if isinstance(output, tuple) else None, kinds, present)
         if self.structure is None:
             self.structure, self.history = structure, history
         elif structure != self.structure or history != self.history:
@@ -101,10 +104,10 @@ class SkipCall:
     def split(self, flat: Batch) -> tuple[Batch, dict[SkipKey, Tensor | None]]:
         """Split a flat output into the partition's output and its outgoing skips."""
         assert self.structure is not None, "the partition has not run"
-        atomic, kinds, present = self.structure
+        kind, kinds, present = self.structure
         values = flat.values
         count = len(kinds)
-        output = Batch(values[0] if atomic else values[:count])
+        output = Batch(values[0] if kind is None else make_tuple(kind, values[:count]))
         skips: dict[SkipKey, Tensor | None] = dict.fromkeys(self.provides)
         skips.update(zip(present, values[count:], strict=True))  # type: ignore[arg-type]
         return output, skips

@@ -196,9 +196,7 @@ class Stage:
         self.loss = loss
         self.tracer = tracer
         self.what = f"output of partition {index}"
-        # Learned from the first micro-batches of the run (see _guarded and _call).
-        #: Whether the partition draws random numbers (None: not known yet).
-        self.draws: bool | None = None
+        # Learned from the first micro-batches of the run (see _call).
         #: Whether the partition modifies its input in place (None: not known yet).
         self.modifies_input: bool | None = None
         self.in_flight: dict[int, _InFlight] = {}
@@ -239,38 +237,35 @@ class Stage:
 
     # -- what a run learns about the partition -------------------------------------------
 
-    def _guarded(self, compute: Callable[[], _T]) -> _T:
-        """Run ``compute`` under the device's generator lock if the partition draws.
+    def _guarded(self, compute: Callable[[], _T], chk: Checkpointing | None) -> _T:
+        """Run ``compute`` under the device's generator lock in a run with checkpointing.
 
         Partitions on one CPU (or one CUDA device) share a generator. When a checkpointed
         micro-batch draws random numbers while another worker draws from the same
         generator, the draws interleave and the recomputation could not replay them. So in
-        a run with checkpointing, a partition that draws holds its device's generator lock
-        while it computes; partitions that draw none run freely. Whether a partition draws
-        is probed under the lock by its first forward pass in the run (a model may change between
-        runs: a dropout probability raised from 0, a layer put in eval mode).
+        a run with checkpointing every forward pass holds its device's generator lock
+        (whether a layer draws may depend on its input: it cannot be learned from another
+        micro-batch). A checkpointed micro-batch whose forward pass drew nothing (the
+        generator's state did not move under the lock) is recomputed without restoring
+        the generator (:func:`_no_replay`): a restore would drop the draws of other
+        workers made meanwhile.
         """
-        if self.checkpoint_stop == 0 or self.draws is False:
+        if self.checkpoint_stop == 0:
             return compute()
         with device_rng_lock(self.device):
             _held.depth += 1
             try:
-                if self.draws is True:
-                    return compute()
-                before = save_rng_states(self.device)
                 result = compute()
-                self.draws = not _same_states(before, save_rng_states(self.device))
+                # The state the checkpoint phase started from, against the state now.
+                if (
+                    chk is not None
+                    and chk.saved is not None
+                    and _same_states(chk.saved[0], save_rng_states(self.device))
+                ):
+                    chk.replay = _no_replay
                 return result
             finally:
                 _held.depth -= 1
-
-    def _replay(self, device: torch.device, states: RNGStates) -> AbstractContextManager[object]:
-        """What a recomputation replays its random draws in: nothing for a partition that
-        draws none (restoring the generator would drop other workers' draws made
-        meanwhile), else the saved states under the generator lock."""
-        if self.draws is False:
-            return nullcontext()
-        return _Replayed(device, states)
 
     def _call(self, function: _Function, batch: Batch) -> Batch:
         """Call ``function`` on ``batch`` without checkpointing.
@@ -362,7 +357,7 @@ class Stage:
                 batch,
                 copy_input=self.modifies_input is not False,
                 requires_grad=self.trainable,
-                replay=self._replay,
+                replay=_Replayed,
                 # Autograd sees them (torch.autograd.grad, backward(inputs=...)).
                 parameters=self.parameters if self.autograd_backward else None,
             )
@@ -382,7 +377,7 @@ class Stage:
                 return self._call(function, batch)
 
         try:
-            output = self._guarded(lambda: self.record(Phase.FORWARD, i, False, compute))
+            output = self._guarded(lambda: self.record(Phase.FORWARD, i, False, compute), chk)
         except RuntimeError as error:
             if self.autograd_backward or "leaf Variable that requires grad" not in str(error):
                 raise
@@ -497,6 +492,11 @@ class Stage:
             # The loss of a checkpointed micro-batch, once: its forward pass skipped it.
             main = entry.call.split(output)[0] if entry.call is not None else output
             entry.loss = self.record(Phase.LOSS, i, False, lambda: self._loss(i, main))
+
+
+def _no_replay(device: torch.device, states: RNGStates) -> AbstractContextManager[object]:
+    """What the recomputation of a micro-batch that drew nothing replays: nothing."""
+    return nullcontext()
 
 
 class _Replayed:

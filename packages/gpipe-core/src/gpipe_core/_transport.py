@@ -24,13 +24,13 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
 from gpipe_checkpoint import is_differentiable
-from gpipe_microbatch import AbstractStream, Batch, copy, wait
+from gpipe_microbatch import AbstractStream, Batch, copy, make_tuple, wait
 
 from ._schedule import Action
 from ._tracing import Tracer
@@ -74,6 +74,8 @@ class Message(NamedTuple):
     tensors: Batch
     #: The values that are not tensors (``None`` included), in order, as Python objects.
     others: tuple[object, ...] = ()
+    #: The type of the tuple the values were (a namedtuple, say); ``tuple`` for one value.
+    kind: type[tuple[Any, ...]] = tuple
 
     def values(self) -> list[object]:
         """Every value, in order: the tensors, and :attr:`others` where ``present`` is
@@ -81,13 +83,25 @@ class Message(NamedTuple):
         tensors, others = iter(self.tensors), iter(self.others)
         return [next(tensors) if here else next(others) for here in self.present]
 
+    def value(self, values: Sequence[object]) -> object:
+        """What the message's :meth:`values` were sent as (one value, or a tuple of type
+        :attr:`kind`), with ``values`` in their place."""
+        return values[0] if self.atomic else make_tuple(self.kind, values)
+
 
 def carried(tensors: Sequence[Tensor], atomic: bool) -> Batch:
     """The batch of a message's ``tensors`` (one tensor when the value was one)."""
     return Batch(tensors[0] if atomic and tensors else tuple(tensors))
 
 
-def outgoing(values: Sequence[object], atomic: bool, needs_grad: bool, *, detach: bool) -> Message:
+def outgoing(
+    values: Sequence[object],
+    atomic: bool,
+    needs_grad: bool,
+    *,
+    detach: bool,
+    kind: type[tuple[Any, ...]] = tuple,
+) -> Message:
     """The message that carries ``values`` (see :meth:`Transport.send`); its tensors are
     detached from their graph if ``detach``."""
     tensors = [value for value in values if isinstance(value, Tensor)]
@@ -102,6 +116,7 @@ def outgoing(values: Sequence[object], atomic: bool, needs_grad: bool, *, detach
         requires_grad,
         carried(tensors, atomic),
         tuple(value for value in values if not isinstance(value, Tensor)),
+        kind,
     )
 
 
@@ -120,6 +135,7 @@ class Transport(ABC):
         *,
         atomic: bool = False,
         needs_grad: bool = False,
+        kind: type[tuple[Any, ...]] = tuple,
     ) -> None:
         """Send ``values`` from ``key.source`` to ``key.target``.
 
@@ -130,6 +146,8 @@ class Transport(ABC):
             atomic: the values are one value rather than a tuple of one.
             needs_grad: the values come from a checkpointed forward pass, without
                 autograd history; their recomputation will need gradients.
+            kind: the type of the tuple the values are (a namedtuple, say), which the
+                receiver gets back (:meth:`Message.value`).
         """
 
     @abstractmethod
@@ -197,8 +215,9 @@ class LocalTransport(Transport):
         *,
         atomic: bool = False,
         needs_grad: bool = False,
+        kind: type[tuple[Any, ...]] = tuple,
     ) -> None:
-        message = outgoing(values, atomic, needs_grad, detach=not self.keep_graph)
+        message = outgoing(values, atomic, needs_grad, detach=not self.keep_graph, kind=kind)
         if message.tensors:
             # The copy to the other stage waits for this stage's computation.
             source, i = key.source, key.microbatch

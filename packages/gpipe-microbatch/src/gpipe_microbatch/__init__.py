@@ -6,7 +6,8 @@ whoever writes a pipeline or a transport of their own, and these are its buildin
 * Micro-batches: :class:`Batch`, :func:`scatter` and :func:`gather` split a mini-batch
   into micro-batches and put them back together; :class:`NoChunk` marks a tensor every
   micro-batch gets whole; :func:`check`, :func:`check_output` and :func:`check_chunks`
-  check what a user passes and what a layer returns.
+  check what a user passes and what a layer returns; :func:`make_tuple` puts a tuple of
+  any type (a namedtuple) back together from its values.
 * The checks of a split: :func:`check_module`, :func:`check_balance` and
   :exc:`BalanceError`, shared by the balancing tools and the pipeline.
 * Devices and streams with a CPU fallback: :data:`Device` and :func:`normalize_device`;
@@ -42,6 +43,7 @@ from ._batch import (
     check_chunks,
     check_output,
     gather,
+    make_tuple,
     scatter,
 )
 from ._dependency import fork, join
@@ -88,6 +90,7 @@ __all__ = [
     "get_phony",
     "is_cuda",
     "join",
+    "make_tuple",
     "new_stream",
     "normalize_device",
     "record_stream",

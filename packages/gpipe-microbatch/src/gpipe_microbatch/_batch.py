@@ -10,7 +10,7 @@ of the micro-batches are returned as a list, one entry per micro-batch.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -23,6 +23,7 @@ __all__ = [
     "check_chunks",
     "check_output",
     "gather",
+    "make_tuple",
     "scatter",
 ]
 
@@ -32,6 +33,32 @@ TensorOrTensors = Tensor | tuple[Tensor, ...]
 
 def _type_name(value: object) -> str:
     return type(value).__name__
+
+
+#: The type of a tuple: ``tuple`` itself, or a subclass (a namedtuple, what
+#: ``torch.max(x, dim=1)`` returns).
+TupleType = type[tuple[Any, ...]]
+
+
+def make_tuple(kind: TupleType, items: Iterable[object]) -> tuple[object, ...]:
+    """``items`` as a tuple of type ``kind``, as a value of that type was taken apart.
+
+    A namedtuple is made with its ``_make``; another subclass (such as
+    ``torch.return_types.max``) from the sequence of its items, as ``tuple`` itself.
+
+    Example:
+        >>> values = torch.tensor([[1.0, 3.0], [4.0, 2.0]]).max(dim=1)
+        >>> type(make_tuple(type(values), (torch.zeros(2), torch.ones(2)))).__name__
+        'max'
+        >>> make_tuple(tuple, iter([1, 2]))
+        (1, 2)
+    """
+    if kind is tuple:
+        return tuple(items)
+    make = getattr(kind, "_make", None)
+    if make is not None:
+        return cast(tuple[object, ...], make(items))
+    return kind(tuple(items))
 
 
 def check(value: object, what: str = "input") -> TensorOrTensors:
@@ -229,18 +256,21 @@ class Batch:
         (1, (True, False, False), (3, None))
     """
 
-    __slots__ = ("_others", "_present", "_values", "atomic")
+    __slots__ = ("_others", "_present", "_values", "atomic", "kind")
 
     def __init__(self, value: object) -> None:
         #: Whether the batch is one value rather than a tuple.
         self.atomic = not isinstance(value, tuple)
+        #: The type of the tuple (a namedtuple, say) that :attr:`value` gives back;
+        #: ``tuple`` for an atomic batch.
+        self.kind: TupleType = type(value) if isinstance(value, tuple) else tuple
         # Only the tensors are kept in _values; _present is None when every value is one.
         self._present: tuple[bool, ...] | None = None
         self._others: tuple[object, ...] = ()
         if isinstance(value, Tensor):
             self._values: tuple[Tensor, ...] = (value,)
         elif isinstance(value, tuple) and all(isinstance(item, Tensor) for item in value):
-            self._values = value
+            self._values = value if self.kind is tuple else tuple(value)
         else:
             items = value if isinstance(value, tuple) else (value,)
             self._present = tuple(isinstance(item, Tensor) for item in items)
@@ -254,9 +284,11 @@ class Batch:
         present: Sequence[bool],
         tensors: Iterable[Tensor],
         others: Iterable[object] = (),
+        kind: TupleType = tuple,
     ) -> Batch:
         """The batch whose values are ``tensors`` where ``present`` is True and ``others``
-        elsewhere, in order (as a transport's message describes them).
+        elsewhere, in order (as a transport's message describes them), in a tuple of type
+        ``kind`` unless ``atomic``.
 
         Raises:
             ValueError: the counts do not match ``present``, or an atomic batch of several
@@ -281,6 +313,7 @@ class Batch:
             )
         batch = cls.__new__(cls)
         batch.atomic = atomic
+        batch.kind = kind
         batch._values = tensors
         batch._present = None if count == len(present) else present
         batch._others = others
@@ -324,9 +357,12 @@ class Batch:
 
     @property
     def value(self) -> object:
-        """The batch as the user sees it (the value, or the tuple of values)."""
+        """The batch as the user sees it (the value, or the tuple of values, of type
+        :attr:`kind`)."""
         values = self.values
-        return values[0] if self.atomic else values
+        if self.atomic:
+            return values[0]
+        return values if self.kind is tuple else make_tuple(self.kind, values)
 
     def with_tensors(self, tensors: Iterable[Tensor]) -> Batch:
         """A batch of the same values but with ``tensors`` in place of its tensors.
@@ -343,6 +379,7 @@ class Batch:
             )
         batch = Batch.__new__(Batch)
         batch.atomic = self.atomic
+        batch.kind = self.kind
         batch._values = tensors
         batch._present = self._present
         batch._others = self._others
@@ -461,12 +498,13 @@ def scatter(input: object, chunks: int, *, what: str = "input") -> list[Batch]:
     values, split = _values_to_split(input, what)
     check_chunks(chunks)
     atomic = not isinstance(input, tuple)
+    kind: TupleType = type(input) if isinstance(input, tuple) else tuple
     names = [what] if atomic else [f"{what}[{k}]" for k in range(len(values))]
     size = _batch_size([(names[k], cast(Tensor, values[k])) for k in split])
     if size == 0 or chunks == 1 or size == 1:
         # One micro-batch: the input itself, not a view of it, so that a first layer may
         # modify it in place exactly as without micro-batches.
-        return [Batch(values[0] if atomic else tuple(values))]
+        return [Batch(values[0] if atomic else make_tuple(kind, values))]
     if atomic:
         return [Batch(piece) for piece in cast(Tensor, values[0]).chunk(chunks)]
     pieces = {k: cast(Tensor, values[k]).chunk(chunks) for k in split}
@@ -476,7 +514,7 @@ def scatter(input: object, chunks: int, *, what: str = "input") -> list[Batch]:
         row = list(values)
         for k in split:
             row[k] = pieces[k][i]
-        batches.append(Batch(tuple(row)))
+        batches.append(Batch(make_tuple(kind, row)))
     return batches
 
 
@@ -533,4 +571,4 @@ def gather(outputs: Sequence[Batch]) -> object:
         else list(column)
         for here, column in zip(first.present, columns, strict=True)
     ]
-    return gathered[0] if first.atomic else tuple(gathered)
+    return gathered[0] if first.atomic else make_tuple(first.kind, gathered)

@@ -11,6 +11,16 @@ Example:
     True
 """
 
-from gpipe_bn import DeferredBatchNorm, convert_deferred_batch_norm, mini_batch
+from gpipe_bn import (
+    DeferredBatchNorm,
+    convert_deferred_batch_norm,
+    convert_plain_batch_norm,
+    mini_batch,
+)
 
-__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "mini_batch"]
+__all__ = [
+    "DeferredBatchNorm",
+    "convert_deferred_batch_norm",
+    "convert_plain_batch_norm",
+    "mini_batch",
+]
