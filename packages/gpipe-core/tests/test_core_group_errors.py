@@ -129,7 +129,7 @@ def test_timeouts_without_a_bound_or_past_the_limit_step(
 ) -> None:
     """None means no bound; a timeout past what the waits accept is clamped to it."""
     pipe = GPipe(_model(), [1, 2], chunks=2, group=world, timeout=timeout)  # type: ignore[arg-type]
-    assert pipe._timeout == seconds
+    assert pipe._placement.timeout == seconds
     losses = pipe.step(torch.randn(4, 4), torch.randn(4, 2), nn.MSELoss(), schedule="1f1b")
     assert len(losses) == 2 and all(torch.isfinite(loss) for loss in losses)
 

@@ -406,8 +406,10 @@ def test_errors_leave_the_model_usable() -> None:
 @pytest.mark.parametrize("keep_graph", [False, True])
 def test_the_transport_carries_values_that_are_not_tensors(keep_graph: bool) -> None:
     cpu = torch.device("cpu")
-    transport = LocalTransport(
-        [cpu, cpu], [[CPUStream], [CPUStream]], [CPUStream, CPUStream], keep_graph=keep_graph
+    transport = LocalTransport([cpu, cpu])
+    transport.begin()
+    transport.prepare(
+        [CPUStream, CPUStream], [[CPUStream], [CPUStream]], keep_graph=keep_graph, tracer=None
     )
     a = torch.randn(2, requires_grad=True)
     b = torch.arange(3)
@@ -431,3 +433,4 @@ def test_the_transport_carries_values_that_are_not_tensors(keep_graph: bool) -> 
     message = transport.receive(back)
     assert message.present == (False, True) and message.others == (None,)
     assert message.values()[0] is None
+    assert transport.finish(None) == {}

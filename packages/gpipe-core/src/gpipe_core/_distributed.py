@@ -58,7 +58,15 @@ from torch import Tensor
 from ._agreement import Fields, RanksDisagree, compare
 from ._errors import add_note, describe_error
 from ._schedule import Action
-from ._transport import Cancelled, Message, MessageKey, Transport, carried, outgoing
+from ._transport import (
+    Cancelled,
+    Message,
+    MessageKey,
+    RunLock,
+    Transport,
+    carried,
+    outgoing,
+)
 
 __all__ = [
     "DistributedTransport",
@@ -300,7 +308,7 @@ class DistributedTransport(Transport):
             waits for what (None: no bound).
         tag: the point-to-point tag of this pipeline's headers (``tag + 1``: its
             payloads).
-        downstream: a second process group of ``group``'s ranks (see :func:`lanes`):
+        to_lower: a second process group of ``group``'s ranks (see :func:`lanes`):
             messages to a higher rank go on ``group``, to a lower one on this, so that
             each connection carries one direction (default: ``group`` for both).
     """
@@ -313,11 +321,11 @@ class DistributedTransport(Transport):
         *,
         timeout: float | None,
         tag: int,
-        downstream: dist.ProcessGroup | None = None,
+        to_lower: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = group
         # Each peer's group and its rank there, for messages to it and from it.
-        other = group if downstream is None else downstream
+        other = group if to_lower is None else to_lower
         self.to_lane = {
             peer: (group, peer) if peer > group.rank() else _lane(other, group, peer)
             for peer in range(group.size())
@@ -333,6 +341,7 @@ class DistributedTransport(Transport):
         self.tag = tag
         self.peers = [rank for rank in range(group.size()) if rank != self.rank]
         self.cond = threading.Condition()
+        self.run_lock = RunLock(wait=False)
         self.send_locks = {peer: threading.Lock() for peer in self.peers}
         self.threads: dict[int, threading.Thread] = {}
         # The state of the current run, under ``cond``.
@@ -370,10 +379,13 @@ class DistributedTransport(Transport):
         """Start a run: receive from every peer until it says the run is finished.
 
         Raises:
-            RuntimeError: a peer died in an earlier run.
+            RuntimeError: a peer died in an earlier run; another thread's run lasts, or
+                the call comes from inside the run (see :class:`RunLock`).
         """
+        self.run_lock.acquire()
         with self.cond:
             if self.dead:
+                self.run_lock.release()
                 peer, reason = next(iter(self.dead.items()))
                 raise RuntimeError(
                     f"rank {peer} of the pipeline's group is gone ({reason}); the pipeline "
@@ -423,9 +435,17 @@ class DistributedTransport(Transport):
             RemoteStageError: this rank raised nothing, and a peer failed.
             TimeoutError: a peer did not end the run within the timeout.
         """
+        try:
+            return self._finish(error, payload)
+        finally:
+            self.run_lock.release()
+
+    def _finish(self, error: BaseException | None, payload: object) -> dict[int, Any]:
         if error is not None and not isinstance(error, Cancelled):
             self.tell(None, error)
         ok = error is None
+        if callable(payload) and self.peers:
+            payload = payload()
         for peer in self.peers:
             self._post_if_alive(peer, ("finished", ok, payload, self.fields))
         with self.cond:

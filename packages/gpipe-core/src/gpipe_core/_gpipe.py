@@ -42,6 +42,7 @@ from gpipe_microbatch import (
 from gpipe_skip import SkipLayout, inspect_skip_layout, verify_skippables
 
 from ._agreement import Construction, Fields, RanksDisagree, layer_fields, run_fields
+from ._data_parallel import Replicas
 from ._errors import add_note
 from ._losses import Losses, LossFunction, Reduction
 from ._partition import (
@@ -50,9 +51,9 @@ from ._partition import (
     check_split,
     layer_groups,
     placed_layers,
-    resolve_devices,
     split_module,
 )
+from ._placement import Placement
 from ._runner import run
 from ._schedule import (
     Action,
@@ -64,13 +65,14 @@ from ._schedule import (
 )
 from ._sequential import PipeSequential
 from ._stage import LossSpec, Stage, nested
+from ._state_dict import KeyMap, map_keys
 from ._timeline import Timeline
 from ._tracing import record, tracer_for
-from ._transport import Cancelled, LocalTransport, Transport
+from ._transport import Cancelled
 from ._worker import WorkerPool
 
 if TYPE_CHECKING:
-    from ._distributed import DistributedTransport
+    pass
 
 __all__ = ["GPipe"]
 
@@ -188,21 +190,6 @@ def _warn_without_process_group() -> None:
         UserWarning,
         stacklevel=3,
     )
-
-
-def _stage_devices(devices: Iterable[Device] | None, local: Sequence[bool]) -> list[torch.device]:
-    """The device of each partition of a pipeline across processes: ``devices`` (or the
-    default) for this rank's partitions, ``meta`` for the others'."""
-    count = sum(local)
-    if devices is None:
-        if torch.cuda.is_available():
-            own = [torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))] * count
-        else:
-            own = [torch.device("cpu")] * count
-    else:
-        own = resolve_devices(devices, count)
-    mine = iter(own)
-    return [next(mine) if here else torch.device("meta") for here in local]
 
 
 def _to(batch: Batch, device: torch.device) -> Batch:
@@ -367,8 +354,6 @@ class GPipe(nn.Module):
         (torch.Size([32, 2]), True)
     """
 
-    balance: list[int]
-    devices: list[torch.device]
     chunks: int
     checkpoint: CheckpointMode
     partitions: nn.ModuleList
@@ -433,12 +418,10 @@ class GPipe(nn.Module):
         verify_skippables(placed_layers(module))
         self.chunks = check_chunks(chunks)
         self.checkpoint = _check_checkpoint(checkpoint)
-        self._group = group
-        self._data_group = data_group
-        self._timeout = _check_timeout(timeout, group if group is not None else data_group)
-        if group is not None or data_group is not None:
-            from ._distributed import check_group, gloo_group, lanes
+        seconds = _check_timeout(timeout, group if group is not None else data_group)
         if data_group is not None:
+            from ._distributed import check_group
+
             check_group(data_group, "data_group")
         if group is not None and balance is None:
             raise TypeError(
@@ -452,26 +435,11 @@ class GPipe(nn.Module):
                 "balance must be given with devices (balance: None, devices: "
                 f"{devices!r}); without both, partitions follow where the layers are"
             )
-        self.balance = check_balance(module, balance)
-        n = len(self.balance)
-        #: The rank (in ``group``) of each partition; all 0 without a group.
-        self.stage_ranks = [0] * n
-        self._rank = 0
-        if group is not None:
-            size = group.size()
-            if n < size or n % size:
-                raise ValueError(
-                    "balance must have a multiple of group.size() partitions, one or more "
-                    f"per rank (partitions: {n}, group.size(): {size})"
-                )
-            self._rank = group.rank()
-            self.stage_ranks = [j % size for j in range(n)]
-        local = [rank == self._rank for rank in self.stage_ranks]
-        self.devices = (
-            _stage_devices(devices, local) if group is not None else resolve_devices(devices, n)
-        )
+        placement = Placement(check_balance(module, balance), devices, group, seconds)
+        self._placement = placement
+        local = placement.local
         if data_group is not None and str(dist.get_backend(data_group)) == "nccl":
-            on_host = [str(d) for d, mine in zip(self.devices, local, strict=True) if mine]
+            on_host = [str(d) for d in placement.local_devices()]
             if any(not d.startswith("cuda") for d in on_host):
                 raise ValueError(
                     "data_group uses NCCL, which averages CUDA tensors only, and this rank's "
@@ -483,7 +451,6 @@ class GPipe(nn.Module):
             # Every check that could refuse the module first: a refused module is unchanged.
             check_split(module, self.balance, self.devices)
         if construction is not None:
-            assert group is not None
             fields = (
                 ("the module's type", type(module).__qualname__),
                 *layer_fields(placed_layers(module)),
@@ -491,18 +458,17 @@ class GPipe(nn.Module):
                 ("chunks", self.chunks),
                 ("checkpoint", self.checkpoint),
                 ("deferred_batch_norm", deferred_batch_norm),
-                ("the rank of each partition", self.stage_ranks),
+                ("the rank of each partition", placement.ranks),
                 (
                     "the device types of each rank's partitions",
-                    sorted({d.type for d, mine in zip(self.devices, local, strict=True) if mine}),
+                    sorted({device.type for device in placement.local_devices()}),
                 ),
             )
-            construction.agree(fields, self._timeout)
-            self._tag = construction.tag
+            construction.agree(fields, seconds)
             # Every rank of the group makes them, here: constructing the pipeline is
             # collective over the group, as its steps are.
-            self._wire = gloo_group(group)
-            self._downstream = lanes(self._wire)
+            placement.connect(construction.tag)
+        self._replicas = Replicas(data_group, seconds)
         if deferred_batch_norm:
             convert_deferred_batch_norm(module, self.chunks)  # in place: module is a container
         # Deferred batch norms, converted here or by hand, see each forward call as one
@@ -520,71 +486,53 @@ class GPipe(nn.Module):
             if not local[j]
             for name in layers._modules
         }
-        partitions = split_module(
-            module, self.balance, self.devices, None if group is None else local
-        )
+        partitions = split_module(module, self.balance, self.devices, local)
         if self._unpacks:
             partitions = [PipeSequential(OrderedDict(p._modules)) for p in partitions]
         self.partitions = nn.ModuleList(partitions)
         self._init_runtime()
         # Checkpoints use the plain module's keys, whatever the balance.
-        self.register_state_dict_post_hook(_plain_keys)  # type: ignore[no-untyped-call]
-        self.register_load_state_dict_pre_hook(_partition_keys)  # type: ignore[no-untyped-call]
-        self.register_load_state_dict_post_hook(_reported_keys)  # type: ignore[no-untyped-call]
-        self._loading: list[tuple[str, int, int]] = []  # (prefix, keys reported) per load
+        map_keys(self, _PartitionKeys(self._partition_list(), self._remote_layers))
         if construction is not None:
-            construction.agree((), self._timeout)  # every rank has built its partitions
+            construction.agree((), seconds)  # every rank has built its partitions
 
     def _init_runtime(self) -> None:
-        """The state that is not copied or pickled: copy streams, worker threads, and the
-        transport across processes."""
+        """The state that is not copied or pickled: copy streams and worker threads (the
+        placement makes its transport anew)."""
         self._copy_streams: list[list[AbstractStream]] = [[] for _ in self.devices]
-        self._pool = self._new_pool()
-        self._transport: DistributedTransport | None = None
-        # The thread whose run across processes holds the pipeline (see _session).
-        self._run_lock = threading.Lock()
-        self._running: int | None = None
+        self._pool = WorkerPool(self._placement.local_count)
+        # The workers and the transport's threads hold no reference to the module:
+        # collecting it stops them.
+        weakref.finalize(self, self._pool.close)
+        weakref.finalize(self, self._placement.close)
 
-    def _new_pool(self) -> WorkerPool:
-        pool = WorkerPool(self.stage_ranks.count(self._rank))
-        # The workers hold no reference to the module: collecting it stops them.
-        weakref.finalize(self, pool.close)
-        return pool
+    @property
+    def balance(self) -> list[int]:
+        """The number of layers in each partition."""
+        return self._placement.balance
 
-    def _local(self, j: int) -> bool:
-        """Whether partition ``j`` runs in this process."""
-        return self._group is None or self.stage_ranks[j] == self._rank
+    @property
+    def devices(self) -> list[torch.device]:
+        """The device of each partition (``meta`` for another rank's, across processes)."""
+        return self._placement.devices
 
-    def _distributed(self) -> DistributedTransport:
-        """The transport to the other ranks (made on first use)."""
-        if self._transport is None:
-            from ._distributed import DistributedTransport
-
-            assert self._group is not None
-            transport = DistributedTransport(
-                self._wire,
-                self.stage_ranks,
-                self.devices,
-                timeout=self._timeout,
-                tag=self._tag,
-                downstream=self._downstream,
-            )
-            weakref.finalize(self, transport.close)
-            self._transport = transport
-        return self._transport
+    @property
+    def stage_ranks(self) -> list[int]:
+        """The rank (in ``group``) of each partition; all 0 without a group."""
+        return self._placement.ranks
 
     def __getstate__(self) -> dict[str, Any]:
-        if self._group is not None:
-            ranks = dist.get_process_group_ranks(self._group)
+        if self._placement.spans_processes:
             raise TypeError(
                 "a GPipe across processes cannot be copied or pickled: it holds a process "
-                f"group (ranks: {ranks}) and this rank's partitions only; copy the layers "
-                "instead, copy.deepcopy(pipe.unwrap()), or save pipe.state_dict()"
+                f"group ({self._placement.describe_group()}) and this rank's partitions only; "
+                "copy the layers instead, copy.deepcopy(pipe.unwrap()), or save "
+                "pipe.state_dict()"
             )
         # Threads, locks and CUDA streams cannot be copied or pickled; a copy gets its own.
         state: dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
-        for runtime in ("_pool", "_copy_streams", "_transport", "_run_lock", "_running"):
-            state.pop(runtime, None)
+        state.pop("_pool", None)
+        state.pop("_copy_streams", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -754,11 +702,9 @@ class GPipe(nn.Module):
             >>> model(x, NoChunk(mask), 0.5).shape  # the mask is not split, nor the scale
             torch.Size([4, 2])
         """
-        if self._group is None:
-            return self._forward(inputs)
         with self._session():
             # Inside the run, so that the other ranks learn of the refusal at once.
-            if self.training and torch.is_grad_enabled():
+            if self._placement.spans_processes and self.training and torch.is_grad_enabled():
                 raise RuntimeError(
                     "GPipe across processes runs forward() for inference only (eval mode or "
                     "torch.no_grad()): autograd cannot reach across processes; train with "
@@ -772,7 +718,7 @@ class GPipe(nn.Module):
         value: object = None
         unpack, what = False, "input"
         fields = run_fields("forward", training=self.training)
-        if self._local(0):
+        if self._placement.is_local(0):
             value, unpack, what = _positional(inputs)
             self._check_input_device(value, what)
             if not n:
@@ -793,7 +739,7 @@ class GPipe(nn.Module):
                 unpack_input=unpack,
             ),
         )  # fmt: skip
-        if not self._local(n - 1):
+        if not self._placement.is_local(-1):
             return None  # the output is on the last partition's rank
         for i, output in enumerate(outputs):
             for tensor in output:
@@ -811,65 +757,43 @@ class GPipe(nn.Module):
         the first partition's rank; on other ranks, no micro-batches, and their sizes from
         that rank. Across processes, the run's ``fields`` go with the sizes, and the other
         ranks check that theirs are the same (see :mod:`gpipe_core._agreement`)."""
-        if self._local(0):
+        transport = self._placement.transport()
+        if self._placement.is_local(0):
             batches = scatter(value, self.chunks, what=what)
             sizes = _sizes(value, batches)
-            if self._group is not None:
-                self._distributed().send_plan((sizes,), fields if CHECK_RUNS else ())
+            transport.send_plan((sizes,), fields if CHECK_RUNS else ())
             return batches, sizes
-        (sizes,) = self._distributed().receive_plan(fields if CHECK_RUNS else ())
+        (sizes,) = transport.receive_plan(fields if CHECK_RUNS else ())
         return [], list(sizes)
 
     @contextmanager
     def _session(self) -> Iterator[_Session]:
-        """A run across processes, on every rank: begun together, ended together.
+        """A run, begun and ended on the transport (across processes: on every rank).
 
-        The ``with`` block's error is told to the other ranks, which raise a
+        One run at a time (see :class:`~gpipe_core._transport.RunLock`). Across processes,
+        the ``with`` block's error is told to the other ranks, which raise a
         :class:`RemoteStageError` naming this rank; if another rank fails, the block's
-        waits end and the ``with`` statement raises that error. Ranks called with
-        different run fields all raise the same :class:`ValueError`.
-
-        One run at a time: a call from another thread while a run lasts, or from inside
-        the run (a layer or hook calling the pipeline again), is refused at once, on this
-        rank only, and the pipeline stays usable.
+        waits end and the ``with`` statement raises that error; ranks called with
+        different run fields all raise the same :class:`RanksDisagree`.
         """
         self._pool.refuse_reentry()
-        current = threading.current_thread()
-        if self._running == current.ident:
-            raise RuntimeError(
-                "a GPipe module was called from inside its own run (a layer or a hook of the "
-                "module called it, or its step, again); across processes every rank must "
-                f"run the same calls in the same order, so this is refused (thread: "
-                f"{current.name})"
-            )
-        if not self._run_lock.acquire(blocking=False):
-            raise RuntimeError(
-                "a GPipe module across processes runs one call at a time, and another thread "
-                f"is running one (thread: {current.name}); every rank must make the same calls "
-                "in the same order, so call step() and forward() from one thread per rank"
-            )
+        transport = self._placement.transport()
+        transport.begin()
+        session = _Session()
         try:
-            self._running = current.ident
-            transport = self._distributed()
-            transport.begin()
-            session = _Session()
+            yield session
+        except Cancelled:
+            transport.finish(None)  # raises the failing rank's error
+            raise RuntimeError("the run was cancelled on this rank") from None
+        except BaseException as error:
             try:
-                yield session
-            except Cancelled:
-                transport.finish(None)  # raises the failing rank's error
-                raise RuntimeError("the run was cancelled on this rank") from None
-            except BaseException as error:
-                try:
-                    transport.finish(error)
-                except RanksDisagree as disagreement:
-                    raise disagreement from None  # the same error on every rank
-                except Exception as also:  # the local error stays the one raised
-                    add_note(error, f"(ending the run on the other ranks failed too: {also})")
-                raise
-            session.payloads = transport.finish(None, session.payload)
-        finally:
-            self._running = None
-            self._run_lock.release()
+                transport.finish(error)
+            except RanksDisagree as disagreement:
+                raise disagreement from None  # the same error on every rank
+            except Exception as also:  # the local error stays the one raised
+                add_note(error, f"(ending the run on the other ranks failed too: {also})")
+            raise
+        session.payloads = transport.finish(None, session.payload)
 
     def _checkpoint_stop(self, m: int) -> int:
         """How many of ``m`` micro-batches are checkpointed in training."""
@@ -893,13 +817,12 @@ class GPipe(nn.Module):
         outer recomputation must replay its random draws in the same order, and its
         workers would wait forever for a generator lock the calling thread holds.
         """
-        self._pool.refuse_reentry()
         m, n = len({action.microbatch for action in actions[0]}), len(self.partitions)
         tracer = tracer_for(self, m)
         streams = [current_stream(device) for device in self.devices]
         stages = [
             None
-            if not self._local(j)
+            if not self._placement.local[j]
             else Stage(
                 j,
                 partition,
@@ -916,27 +839,18 @@ class GPipe(nn.Module):
             )
             for j, partition in enumerate(self._partition_list())
         ]
-        transport: Transport
-        if self._group is None:
-            transport = LocalTransport(
-                self.devices,
-                self._ensure_copy_streams(m),
-                streams,
-                keep_graph=autograd_backward,
-                tracer=tracer,
-            )
-            threaded = n > 1 and not (nested() or is_checkpointing() or is_recomputing())
-        else:
-            transport = self._distributed()
-            # One stage per rank runs in the calling thread, several on their workers.
-            threaded = self.stage_ranks.count(self._rank) > 1
+        transport = self._placement.transport()
+        transport.prepare(
+            streams, self._ensure_copy_streams(m), keep_graph=autograd_backward, tracer=tracer
+        )
+        threaded = self._placement.threaded(nested() or is_checkpointing() or is_recomputing())
         if state is None:
             state = ThreadState.capture()
         # Deferred batch norms update their running statistics once, after all m
         # micro-batches (m may be less than chunks), and not at all if a micro-batch fails.
         with mini_batch(self) if self._deferred_batch_norm else nullcontext():
             outputs = run(stages, transport, actions, batches, self._pool, state, threaded)
-            if self._transport is not None and self._transport.cancelled:
+            if transport.cancelled:
                 raise Cancelled  # another rank failed: the session raises its error
         return outputs
 
@@ -1049,104 +963,14 @@ class GPipe(nn.Module):
             >>> len(losses)
             4
         """
-        args = (input, target, loss_fn, schedule, reduction, unpack_input)
-        if self._data_group is None:
-            return self._pipeline_step(*args)
-        try:
-            losses = self._pipeline_step(*args)
-        except BaseException as error:
-            # The replicas learn that this one failed, and fail too.
-            try:
-                self._average_gradients(failed=True)
-            except Exception as also:
-                add_note(error, f"(telling the data-parallel replicas failed too: {also})")
-            raise
-        self._average_gradients(failed=False)
-        return losses
-
-    def _pipeline_step(
-        self,
-        input: Any,
-        target: Any,
-        loss_fn: LossFunction,
-        schedule: str | Schedule,
-        reduction: Reduction | None,
-        unpack_input: bool,
-    ) -> Losses:
-        """:meth:`step` in this pipeline: in this process, or across the group's ranks."""
-        args = (input, target, loss_fn, schedule, reduction, unpack_input)
-        if self._group is None:
-            return cast(Losses, self._step(*args))
-        with self._session() as session:
-            losses = self._step(*args)
+        with self._replicas.averaging(self.parameters), self._session() as session:
+            losses = self._step(input, target, loss_fn, schedule, reduction, unpack_input)
             if losses is not None:
-                # As numbers (exact for every float dtype): pickling tensors is slow.
-                values = [loss.item() for loss in losses]
-                dtype = losses[0].dtype if len(losses) else torch.float32
-                session.payload = (values, dtype, losses.sizes, losses.reduction)
+                session.payload = functools.partial(_numbers, losses)
         if losses is not None:
             return losses
         # Every rank returns the losses of the last partition's rank.
-        values, dtype, sizes, reduction = session.payloads[self.stage_ranks[-1]]
-        return Losses([torch.tensor(value, dtype=dtype) for value in values], sizes, reduction)
-
-    def _average_gradients(self, *, failed: bool) -> None:
-        """Average this rank's gradients over the data-parallel group, once per step: one
-        ``all_reduce`` per dtype, whose first buffer also counts the replicas that failed
-        (then no gradient changes, and every replica raises)."""
-        group = self._data_group
-        assert group is not None
-        parameters = [p for p in self.parameters() if p.requires_grad]
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in parameters:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        if not by_dtype:
-            by_dtype[torch.float32] = []
-        flats: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
-        for dtype, group_parameters in sorted(by_dtype.items(), key=lambda item: str(item[0])):
-            grads = [
-                torch.zeros_like(p) if failed or p.grad is None else p.grad
-                for p in group_parameters
-            ]
-            flat = torch.cat(
-                [grad.reshape(-1) for grad in grads]
-                + [torch.zeros(1, dtype=dtype, device=grads[0].device if grads else "cpu")]
-            )
-            if not flats:
-                flat[-1] = 1.0 if failed else 0.0
-            flats.append((flat, group_parameters))
-        works = [dist.all_reduce(flat, group=group, async_op=True) for flat, _ in flats]
-        for work in works:
-            assert work is not None
-            try:
-                if self._timeout is None:
-                    work.wait()
-                else:
-                    work.wait(datetime.timedelta(seconds=self._timeout))
-            except RuntimeError as error:
-                raise TimeoutError(
-                    "the data-parallel replicas did not all end the step within "
-                    f"{self._timeout} s, or one is gone ({error})"
-                ) from error
-        failures = int(flats[0][0][-1].item())
-        if failures:
-            if failed:
-                return  # this replica raises its own error
-            raise RuntimeError(
-                f"{failures} data-parallel replica(s) failed in this step; the gradients were "
-                "not averaged (zero them before the next step)"
-            )
-        size = group.size()
-        for flat, group_parameters in flats:
-            offset = 0
-            for p in group_parameters:
-                count = p.numel()
-                averaged = flat[offset : offset + count].view_as(p) / size
-                if p.grad is None:
-                    p.grad = averaged
-                else:
-                    p.grad.copy_(averaged)
-                offset += count
+        return _from_numbers(session.payloads[self.stage_ranks[-1]])
 
     def _step(
         self,
@@ -1160,7 +984,7 @@ class GPipe(nn.Module):
         """:meth:`step`'s work on this process: the losses on the last partition's rank,
         None elsewhere."""
         n = len(self.partitions)
-        first, last = self._local(0), n == 0 or self._local(n - 1)
+        first, last = self._placement.is_local(0), self._placement.is_local(-1)
         if not isinstance(unpack_input, bool):
             raise TypeError(f"unpack_input must be True or False (unpack_input: {unpack_input!r})")
         if first and unpack_input and not isinstance(input, tuple):
@@ -1277,72 +1101,50 @@ class _Session:
         self.payloads: dict[int, Any] = {}
 
 
-def _plain_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, _: object) -> None:
-    """State dict hook: ``partitions.J.<layer>.<rest>`` becomes ``<layer>.<rest>``, the plain
-    module's key (layers keep their names in the partitions), in the metadata too."""
-    head = prefix + "partitions."
-    for key in [key for key in state_dict if key.startswith(head)]:
-        state_dict[prefix + key[len(head) :].partition(".")[2]] = state_dict.pop(key)
-    metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None:
-        for key in [key for key in metadata if key == head[:-1] or key.startswith(head)]:
-            plain = key[len(head) :].partition(".")[2]
-            value = metadata.pop(key)
-            if plain:  # not the partitions themselves
-                metadata[prefix + plain] = value
+#: Losses as numbers: the values, their dtype, the micro-batches' sizes, the reduction.
+_Numbers = tuple[list[float], torch.dtype, Sequence[int], Reduction]
 
 
-def _partition_keys(
-    module: nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: object,
-    strict: object,
-    missing_keys: list[str],
-    unexpected_keys: list[str],
-    error_msgs: object,
-) -> None:
-    """Load pre-hook: plain keys (``<layer>.<rest>``) go to their partition, with their
-    metadata (the layers' versions) when the state dict carries it; the keys of torchgpipe
-    (``partitions.J.<layer>.<rest>``) are taken as they are unless ``partitions`` is a
-    layer's name. Across processes, the keys of the layers other ranks run are left to
-    them (dropped here)."""
-    pipe = cast(GPipe, module)
-    owner = {
-        name: j for j, partition in enumerate(pipe._partition_list()) for name in partition._modules
-    }
-    for key in [key for key in state_dict if key.startswith(prefix)]:
-        rest = key[len(prefix) :]
-        layer = rest.partition(".")[0]
-        j = owner.get(layer)
+def _numbers(losses: Losses) -> _Numbers:
+    """``losses`` as numbers and a dtype, exact for every float dtype (for the other ranks:
+    pickling tensors is slow)."""
+    dtype = losses[0].dtype if len(losses) else torch.float32
+    return [loss.item() for loss in losses], dtype, losses.sizes, losses.reduction
+
+
+def _from_numbers(numbers: _Numbers) -> Losses:
+    values, dtype, sizes, reduction = numbers
+    return Losses([torch.tensor(value, dtype=dtype) for value in values], sizes, reduction)
+
+
+class _PartitionKeys(KeyMap):
+    """A layer's keys are ``partitions.J.<layer>.<rest>`` in the pipeline, ``<layer>.<rest>``
+    plainly (layers keep their names in the partitions). A load takes torchgpipe's keys
+    (``partitions.J.<layer>.<rest>``) as they are unless ``partitions`` is a layer's name,
+    and leaves the keys of the layers other ranks run to them.
+
+    Args:
+        partitions: the partitions (this rank's; another rank's are empty).
+        remote: the names of the layers other ranks run.
+    """
+
+    def __init__(self, partitions: Sequence[nn.Sequential], remote: set[str]) -> None:
+        super().__init__()
+        self.owner = {
+            name: j for j, partition in enumerate(partitions) for name in partition._modules
+        }
+        self.remote = remote
+
+    def to_plain(self, module: nn.Module, key: str) -> str | None:
+        if key == "partitions" or (key.count(".") < 2 and key.startswith("partitions.")):
+            return None  # the partitions themselves
+        if key.startswith("partitions."):
+            return key.split(".", 2)[2]
+        return key
+
+    def from_plain(self, module: nn.Module, key: str) -> str | None:
+        layer = key.partition(".")[0]
+        j = self.owner.get(layer)
         if j is not None:
-            state_dict[f"{prefix}partitions.{j}.{rest}"] = state_dict.pop(key)
-        elif layer in pipe._remote_layers:
-            del state_dict[key]
-    # The load reads each module's metadata (its version) under the module's key: the
-    # layers' entries are copied to where the partitions hold them. Only a state dict
-    # loaded into this module itself carries the metadata here; in a larger module,
-    # torch hands this module its keys without it.
-    metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None:
-        for key in [key for key in metadata if key.startswith(prefix) or not prefix]:
-            rest = key[len(prefix) :]
-            j = owner.get(rest.partition(".")[0])
-            if j is not None:
-                metadata[f"{prefix}partitions.{j}.{rest}"] = metadata[key]
-    # Where the keys reported by the layers begin: _reported_keys names them plainly.
-    pipe._loading.append((prefix, len(missing_keys), len(unexpected_keys)))
-
-
-def _reported_keys(module: nn.Module, incompatible: Any) -> None:
-    """Load post-hook: the missing and unexpected keys the layers reported
-    (``partitions.J.<layer>.<rest>``) are named with the plain module's keys."""
-    prefix, missing, unexpected = cast(GPipe, module)._loading.pop()
-    head = prefix + "partitions."
-    for keys, start in (
-        (incompatible.missing_keys, missing),
-        (incompatible.unexpected_keys, unexpected),
-    ):
-        for i in range(start, len(keys)):
-            if keys[i].startswith(head):
-                keys[i] = prefix + keys[i][len(head) :].partition(".")[2]
+            return f"partitions.{j}.{key}"
+        return None if layer in self.remote else key

@@ -12,6 +12,8 @@ from torch import nn
 from gpipe_microbatch import Device, normalize_device
 from gpipe_microbatch import check_balance as check_counts
 
+from ._state_dict import KeyMap, map_keys
+
 __all__ = [
     "WithDevice",
     "balance_from_placement",
@@ -98,10 +100,7 @@ class WithDevice(nn.Module):
         self._device = _parse_device(device, "device", f"device: {device!r}")
         self.module = module
         # The wrapper adds nothing to the keys: they are the wrapped layer's.
-        self.register_state_dict_post_hook(_layer_keys)  # type: ignore[no-untyped-call]
-        self.register_load_state_dict_pre_hook(_wrapper_keys)  # type: ignore[no-untyped-call]
-        self.register_load_state_dict_post_hook(_reported_keys)  # type: ignore[no-untyped-call]
-        self._loading: list[tuple[str, int, int]] = []  # (prefix, reported keys) per load
+        map_keys(self, _WrappedKeys())
 
     @property
     def device(self) -> torch.device:
@@ -116,52 +115,17 @@ class WithDevice(nn.Module):
         return f"device={self._device}"
 
 
-def _layer_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, _: object) -> None:
-    """State dict hook: ``<prefix>module.<rest>`` becomes ``<prefix><rest>``, the layer's key."""
-    head = prefix + "module."
-    for key in [key for key in state_dict if key.startswith(head)]:
-        state_dict[prefix + key[len(head) :]] = state_dict.pop(key)
-    metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None:
-        # The layer's own entry takes the wrapper's place, as in the module without wrappers.
-        for key in [key for key in metadata if key == head[:-1] or key.startswith(head)]:
-            value = metadata.pop(key)
-            metadata[prefix + key[len(head) :] if key != head[:-1] else prefix[:-1]] = value
+class _WrappedKeys(KeyMap):
+    """The wrapped layer's keys are ``module.<key>`` in the wrapper, ``<key>`` plainly; its
+    metadata entry takes the wrapper's place."""
 
+    def to_plain(self, module: nn.Module, key: str) -> str | None:
+        if key == "module":
+            return ""
+        return key.removeprefix("module.")
 
-def _wrapper_keys(
-    module: nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: object,
-    strict: object,
-    missing_keys: list[str],
-    unexpected_keys: list[str],
-    error_msgs: object,
-) -> None:
-    """Load pre-hook: the layer's keys (``<prefix><rest>``) go to ``<prefix>module.<rest>``.
-
-    The wrapper has no parameters or buffers of its own, so every key under ``prefix`` is
-    the wrapped layer's (a key the layer lacks is then reported as unexpected by it).
-    """
-    for key in [key for key in state_dict if key.startswith(prefix)]:
-        state_dict[f"{prefix}module.{key[len(prefix) :]}"] = state_dict.pop(key)
-    # Where the keys the layer reports begin: _reported_keys names them as the layer's.
-    cast(WithDevice, module)._loading.append((prefix, len(missing_keys), len(unexpected_keys)))
-
-
-def _reported_keys(module: nn.Module, incompatible: Any) -> None:
-    """Load post-hook: the missing and unexpected keys that the wrapped layer reported
-    (``<prefix>module.<rest>``) are named as the layer's (``<prefix><rest>``)."""
-    prefix, missing, unexpected = cast(WithDevice, module)._loading.pop()
-    head = prefix + "module."
-    for keys, start in (
-        (incompatible.missing_keys, missing),
-        (incompatible.unexpected_keys, unexpected),
-    ):
-        for i in range(start, len(keys)):
-            if keys[i].startswith(head):
-                keys[i] = prefix + keys[i][len(head) :]
+    def from_plain(self, module: nn.Module, key: str) -> str | None:
+        return f"module.{key}" if key else "module"
 
 
 def _placed(layer: nn.Module | None) -> nn.Module | None:

@@ -17,6 +17,16 @@ stages nor the schedules know which transport carries their tensors.
 
 Every wait ends when its message arrives or when the run is cancelled
 (:meth:`Transport.cancel`): then it raises :class:`Cancelled`.
+
+**A run's lifecycle** is the transport's too, whichever transport it is: :meth:`~Transport.begin`
+(one run at a time: a call from another thread waits, or is refused across processes;
+a call from inside the run is refused), :meth:`~Transport.send_plan` and
+:meth:`~Transport.receive_plan` (the micro-batches' sizes and the run's fields, from the
+first partition's process to the others), :meth:`~Transport.prepare` (the run's streams
+and whether messages keep their graph), the messages, then :meth:`~Transport.finish`
+(every process ends the run, and learns the others' payloads and errors). Cancellation
+state lives here: :attr:`Transport.cancelled`. Between worker threads of one process the
+plan and the end need nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from torch import Tensor
 from gpipe_checkpoint import is_differentiable
 from gpipe_microbatch import AbstractStream, Batch, copy, make_tuple, wait
 
+from ._agreement import Fields
 from ._schedule import Action
 from ._tracing import Tracer
 
@@ -124,8 +135,111 @@ class Cancelled(Exception):
     """Raised in a stage waiting for a message when the run has been cancelled."""
 
 
+#: A run's plan: what the first partition's process tells the others (the sizes of the
+#: micro-batches).
+Plan = tuple[Any, ...]
+
+
+class RunLock:
+    """One run at a time on a transport, and no run from inside a run.
+
+    Args:
+        wait: whether a run begun in another thread while one runs waits for it (in one
+            process) rather than being refused (across processes, where every process must
+            make the same calls in the same order, so queued calls could pair wrongly).
+    """
+
+    def __init__(self, *, wait: bool) -> None:
+        self.wait = wait
+        self.lock = threading.Lock()
+        self.owner: int | None = None
+
+    def acquire(self) -> None:
+        """Hold the transport for a run.
+
+        Raises:
+            RuntimeError: called from inside the run (a layer or a hook calling the
+                pipeline again), or, without ``wait``, while another thread's run lasts.
+        """
+        current = threading.current_thread()
+        if self.owner == current.ident:
+            raise RuntimeError(
+                "a GPipe module was called from inside its own run (a layer or a hook of the "
+                "module called it, or its step, again); it cannot wait for its own run to "
+                f"end, so re-entering a module is not supported (thread: {current.name})"
+            )
+        if not self.lock.acquire(blocking=self.wait):
+            raise RuntimeError(
+                "a GPipe module across processes runs one call at a time, and another thread "
+                f"is running one (thread: {current.name}); every rank must make the same calls "
+                "in the same order, so call step() and forward() from one thread per rank"
+            )
+        self.owner = current.ident
+
+    def release(self) -> None:
+        self.owner = None
+        self.lock.release()
+
+
 class Transport(ABC):
-    """Moves messages between stages. One transport serves one run at a time."""
+    """Moves messages between stages, and owns the lifecycle of the run that sends them
+    (see the module's docstring). One run at a time."""
+
+    #: Whether the current run was cancelled (every wait raises :class:`Cancelled`).
+    cancelled: bool
+
+    @abstractmethod
+    def begin(self) -> None:
+        """Start a run.
+
+        Raises:
+            RuntimeError: see :meth:`RunLock.acquire`, or the run cannot start (another
+                process is gone).
+        """
+
+    def prepare(  # noqa: B027
+        self,
+        compute_streams: Sequence[AbstractStream],
+        copy_streams: Sequence[Sequence[AbstractStream]],
+        *,
+        keep_graph: bool,
+        tracer: Tracer | None,
+    ) -> None:
+        """The run's settings, once its micro-batches are known: each partition's compute
+        stream, ``copy_streams[j][i]`` for micro-batch ``i`` into and out of partition
+        ``j``, whether messages keep their tensors' autograd history (``GPipe.forward``:
+        autograd reaches across partitions) rather than detaching them (``GPipe.step``),
+        and the tracer of the device copies. The default uses none of them."""
+
+    def send_plan(self, plan: Plan, fields: Fields) -> None:  # noqa: B027
+        """Give the other processes the run's ``plan`` and this process's run ``fields``
+        (from the first partition's process; nothing to do within one process)."""
+
+    def receive_plan(self, fields: Fields) -> Plan:
+        """Wait for the run's plan from the first partition's process, and check that
+        ``fields`` are the same there.
+
+        Raises:
+            Cancelled: the run was cancelled while waiting.
+            ValueError: ``fields`` differ from the first partition's process's.
+        """
+        raise RuntimeError("the first partition runs in this process: nobody sends a plan")
+
+    @abstractmethod
+    def finish(self, error: BaseException | None, payload: object = None) -> dict[int, Any]:
+        """End the run (whatever happened in it).
+
+        Args:
+            error: what this process raised in the run, if anything.
+            payload: what this process gives the others (a callable is called for it,
+                only if there are others).
+
+        Returns:
+            Each other process's payload (none within one process).
+
+        Raises:
+            RemoteStageError: across processes, another process failed in the run.
+        """
 
     @abstractmethod
     def send(
@@ -173,40 +287,55 @@ class Transport(ABC):
     def reset(self) -> None:
         """Drop undelivered messages and cancellation, for the next run."""
 
+    def close(self) -> None:  # noqa: B027
+        """Release what the transport holds beyond a run (threads); idempotent."""
+
 
 class LocalTransport(Transport):
     """Messages between worker threads of one process.
 
+    Runs from several threads take turns (:class:`RunLock`). Each run's settings come
+    from :meth:`prepare`: with ``keep_graph``, messages keep their tensors' autograd
+    history and device copies are differentiable (``GPipe.forward``); otherwise tensors
+    are detached when sent (``GPipe.step``: each partition starts its own graph).
+
     Args:
-        devices: the device of each stage.
-        copy_streams: ``copy_streams[j][i]`` carries micro-batch ``i`` into and out of
-            stage ``j``.
-        compute_streams: each stage's compute stream.
-        keep_graph: messages keep their tensors' autograd history, and device copies are
-            differentiable (``GPipe.forward``: autograd reaches across stages). Otherwise
-            tensors are detached when sent (``GPipe.step``: each stage starts its own
-            graph).
-        tracer: records the device copies, if the run is traced.
+        devices: the device of each partition.
     """
 
-    def __init__(
-        self,
-        devices: Sequence[torch.device],
-        copy_streams: Sequence[Sequence[AbstractStream]],
-        compute_streams: Sequence[AbstractStream],
-        *,
-        keep_graph: bool,
-        tracer: Tracer | None = None,
-    ) -> None:
+    def __init__(self, devices: Sequence[torch.device]) -> None:
         self.devices = devices
-        self.copy_streams = copy_streams
-        self.compute_streams = compute_streams
-        self.keep_graph = keep_graph
-        self.tracer = tracer
+        self.copy_streams: Sequence[Sequence[AbstractStream]] = []
+        self.compute_streams: Sequence[AbstractStream] = []
+        self.keep_graph = False
+        self.tracer: Tracer | None = None
         self.lock = threading.Lock()
         self.arrived = [threading.Condition(self.lock) for _ in devices]
         self.messages: dict[MessageKey, Message] = {}
         self.cancelled = False
+        self.run_lock = RunLock(wait=True)
+
+    def begin(self) -> None:
+        self.run_lock.acquire()
+        self.reset()
+
+    def prepare(
+        self,
+        compute_streams: Sequence[AbstractStream],
+        copy_streams: Sequence[Sequence[AbstractStream]],
+        *,
+        keep_graph: bool,
+        tracer: Tracer | None,
+    ) -> None:
+        self.compute_streams = compute_streams
+        self.copy_streams = copy_streams
+        self.keep_graph = keep_graph
+        self.tracer = tracer
+
+    def finish(self, error: BaseException | None, payload: object = None) -> dict[int, Any]:
+        self.tracer = None  # the run's tracer is not kept past it
+        self.run_lock.release()
+        return {}
 
     def send(
         self,

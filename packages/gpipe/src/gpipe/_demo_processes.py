@@ -14,6 +14,7 @@ import datetime
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
@@ -173,13 +174,17 @@ def run_rank(
 
     print("the same pipeline in one process, for comparison", file=out, flush=True)
     _, _, model = demo_setup(config)  # the same initial network
-    single = GPipe(
-        model,
-        balance,
-        devices=["cpu"] * config.partitions,
-        chunks=config.chunks,
-        checkpoint=config.checkpoint,  # type: ignore[arg-type]
-    )
+    with warnings.catch_warnings():
+        # One process on purpose, after the group is gone: not the pipeline across the
+        # processes that torchrun's environment would otherwise warn about.
+        warnings.filterwarnings("ignore", "this process is one of", UserWarning)
+        single = GPipe(
+            model,
+            balance,
+            devices=["cpu"] * config.partitions,
+            chunks=config.chunks,
+            checkpoint=config.checkpoint,  # type: ignore[arg-type]
+        )
     single_losses, single_elapsed = _train(single, 0, config, data, target, None)
     samples = config.steps * config.batch_size
     return ProcessesReport(

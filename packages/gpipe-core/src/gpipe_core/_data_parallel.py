@@ -1,0 +1,119 @@
+"""Data parallelism around a pipeline: its replicas average their gradients once per step.
+
+With ``GPipe(..., data_group=group)``, each process's partitions have replicas in the other
+processes of ``group``, which train on other data. After each step, :class:`Replicas`
+averages this process's gradients over them: one ``all_reduce`` per dtype, whose first
+buffer also counts the replicas that failed (then no gradient changes, and every replica
+raises).
+
+This module knows nothing of partitions or schedules: it averages the gradients of the
+parameters it is given.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._errors import add_note
+
+__all__ = ["Replicas"]
+
+
+class Replicas:
+    """The data-parallel replicas of a pipeline's partitions in this process.
+
+    Args:
+        group: the process group of the replicas (None: no replicas; the steps are
+            unchanged).
+        timeout: the seconds the average may wait for the other replicas (None: no
+            bound).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, timeout: float | None) -> None:
+        self.group = group
+        self.timeout = timeout
+
+    @contextmanager
+    def averaging(self, parameters: Callable[[], Iterable[nn.Parameter]]) -> Iterator[None]:
+        """Average the gradients of ``parameters()`` after the ``with`` block (a step); if
+        the block raises, tell the replicas, which then raise too.
+
+        Raises:
+            RuntimeError: another replica failed in this step (no gradient is averaged).
+            TimeoutError: the replicas did not all end the step within the timeout.
+        """
+        if self.group is None:
+            yield
+            return
+        try:
+            yield
+        except BaseException as error:
+            try:
+                self.average(parameters(), failed=True)
+            except Exception as also:
+                add_note(error, f"(telling the data-parallel replicas failed too: {also})")
+            raise
+        self.average(parameters(), failed=False)
+
+    def average(self, parameters: Iterable[nn.Parameter], *, failed: bool) -> None:
+        """Average the gradients of ``parameters`` over the replicas (``failed``: this
+        replica failed, and contributes only that)."""
+        group = self.group
+        assert group is not None
+        parameters = [p for p in parameters if p.requires_grad]
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in parameters:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        if not by_dtype:
+            by_dtype[torch.float32] = []
+        flats: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
+        for dtype, group_parameters in sorted(by_dtype.items(), key=lambda item: str(item[0])):
+            grads = [
+                torch.zeros_like(p) if failed or p.grad is None else p.grad
+                for p in group_parameters
+            ]
+            flat = torch.cat(
+                [grad.reshape(-1) for grad in grads]
+                + [torch.zeros(1, dtype=dtype, device=grads[0].device if grads else "cpu")]
+            )
+            if not flats:
+                flat[-1] = 1.0 if failed else 0.0
+            flats.append((flat, group_parameters))
+        works = [dist.all_reduce(flat, group=group, async_op=True) for flat, _ in flats]
+        for work in works:
+            assert work is not None
+            try:
+                if self.timeout is None:
+                    work.wait()
+                else:
+                    work.wait(datetime.timedelta(seconds=self.timeout))
+            except RuntimeError as error:
+                raise TimeoutError(
+                    "the data-parallel replicas did not all end the step within "
+                    f"{self.timeout} s, or one is gone ({error})"
+                ) from error
+        failures = int(flats[0][0][-1].item())
+        if failures:
+            if failed:
+                return  # this replica raises its own error
+            raise RuntimeError(
+                f"{failures} data-parallel replica(s) failed in this step; the gradients were "
+                "not averaged (zero them before the next step)"
+            )
+        size = group.size()
+        for flat, group_parameters in flats:
+            offset = 0
+            for p in group_parameters:
+                count = p.numel()
+                averaged = flat[offset : offset + count].view_as(p) / size
+                if p.grad is None:
+                    p.grad = averaged
+                else:
+                    p.grad.copy_(averaged)
+                offset += count

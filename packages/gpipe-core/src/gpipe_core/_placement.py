@@ -1,0 +1,168 @@
+"""Placement: which partitions a pipeline has, where each runs, and which are this process's.
+
+A :class:`Placement` is built once, from ``balance``, ``devices`` and ``group``: the rank
+(in ``group``) that runs each partition, each partition's device (``meta`` for another
+rank's), and, across processes, the process groups and the tag its messages travel on and
+the seconds any wait for another rank may last. It makes the pipeline's transport. It is
+the only place that knows whether a pipeline spans processes: the rest of gpipe-core asks
+it which partitions are local and which transport carries their messages.
+
+It knows nothing of the layers beyond their count, of schedules or of stages.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from gpipe_microbatch import Device
+
+from ._partition import resolve_devices
+from ._transport import LocalTransport, Transport
+
+__all__ = ["Placement"]
+
+
+class Placement:
+    """Where each partition of a pipeline runs.
+
+    Args:
+        balance: the number of layers of each partition (checked already).
+        devices: the devices of this process's partitions (default: see
+            :func:`~gpipe_core._partition.resolve_devices`, or across processes the CUDA
+            device ``LOCAL_RANK``, else the CPU).
+        group: the process group whose ranks run the partitions (None: this process runs
+            them all). Partition ``j`` runs on rank ``j % group.size()``.
+        timeout: across processes, the seconds any wait for another rank may last (None:
+            no bound).
+
+    Raises:
+        ValueError: the number of partitions is not a multiple of the group's size, or
+            ``devices`` does not fit (see :func:`~gpipe_core._partition.resolve_devices`).
+    """
+
+    def __init__(
+        self,
+        balance: Sequence[int],
+        devices: Iterable[Device] | None,
+        group: dist.ProcessGroup | None,
+        timeout: float | None,
+    ) -> None:
+        n = len(balance)
+        self.balance = list(balance)
+        self.group = group
+        self.timeout = timeout
+        #: This process's rank in ``group`` (0 without one).
+        self.rank = 0
+        #: The rank of each partition (all 0 without a group).
+        self.ranks = [0] * n
+        if group is not None:
+            size = group.size()
+            if n < size or n % size:
+                raise ValueError(
+                    "balance must have a multiple of group.size() partitions, one or more "
+                    f"per rank (partitions: {n}, group.size(): {size})"
+                )
+            self.rank = group.rank()
+            self.ranks = [j % size for j in range(n)]
+        #: Whether each partition runs in this process.
+        self.local = [rank == self.rank for rank in self.ranks]
+        #: The device of each partition (``meta`` for another rank's).
+        self.devices = (
+            resolve_devices(devices, n) if group is None else _rank_devices(devices, self.local)
+        )
+        self._transport: Transport | None = None
+        self._tag = 0
+        self._to_higher: dist.ProcessGroup | None = None
+        self._to_lower: dist.ProcessGroup | None = None
+
+    @property
+    def spans_processes(self) -> bool:
+        """Whether other processes run some of the partitions."""
+        return self.group is not None
+
+    def is_local(self, j: int) -> bool:
+        """Whether partition ``j`` (``-1``: the last) runs in this process (an empty
+        pipeline's missing partitions do: its input is its output)."""
+        return self.local[j] if self.local else True
+
+    @property
+    def local_count(self) -> int:
+        """How many partitions this process runs."""
+        return sum(self.local)
+
+    def local_devices(self) -> list[torch.device]:
+        """The devices of this process's partitions."""
+        return [device for device, here in zip(self.devices, self.local, strict=True) if here]
+
+    def threaded(self, nested: bool) -> bool:
+        """Whether a run gives each local partition its worker thread, rather than running
+        them in the calling thread: with several local partitions, unless the pipeline is
+        ``nested`` in a checkpointed partition (whose recomputation must replay its draws
+        in order) and all of them are here."""
+        return self.local_count > 1 and (self.spans_processes or not nested)
+
+    def connect(self, tag: int) -> None:
+        """Make the process groups the messages travel on (collective over ``group``: every
+        rank calls it, once the ranks agree on what they build); ``tag`` is the pipeline's
+        point-to-point tag (see :func:`~gpipe_core._distributed.pipeline_tag`)."""
+        if self.group is None:
+            return
+        from ._distributed import gloo_group, lanes
+
+        self._tag = tag
+        self._to_higher = gloo_group(self.group)
+        self._to_lower = lanes(self._to_higher)
+
+    def transport(self) -> Transport:
+        """The pipeline's transport, made on first use: between worker threads of this
+        process, or across the processes of ``group``."""
+        if self._transport is None:
+            if self.group is None:
+                self._transport = LocalTransport(self.devices)
+            else:
+                from ._distributed import DistributedTransport
+
+                assert self._to_higher is not None, "connect() first"
+                self._transport = DistributedTransport(
+                    self._to_higher,
+                    self.ranks,
+                    self.devices,
+                    timeout=self.timeout,
+                    tag=self._tag,
+                    to_lower=self._to_lower,
+                )
+        return self._transport
+
+    def close(self) -> None:
+        """Stop the transport's threads, if any (idempotent)."""
+        if self._transport is not None:
+            self._transport.close()
+
+    def __getstate__(self) -> dict[str, object]:
+        # A copy makes its own transport (locks and threads cannot be copied).
+        return {**self.__dict__, "_transport": None}
+
+    def describe_group(self) -> str:
+        """The group's ranks, for errors (``'ranks: [0, 1]'``)."""
+        if self.group is None:
+            return "no process group"
+        return f"ranks: {dist.get_process_group_ranks(self.group)}"
+
+
+def _rank_devices(devices: Iterable[Device] | None, local: Sequence[bool]) -> list[torch.device]:
+    """The device of each partition of a pipeline across processes: ``devices`` (or the
+    default) for this rank's partitions, ``meta`` for the others'."""
+    count = sum(local)
+    if devices is None:
+        if torch.cuda.is_available():
+            own = [torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))] * count
+        else:
+            own = [torch.device("cpu")] * count
+    else:
+        own = resolve_devices(devices, count)
+    mine = iter(own)
+    return [next(mine) if here else torch.device("meta") for here in local]
