@@ -497,14 +497,34 @@ class Pop(nn.Module):
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_skip_copies_are_recorded(
+def test_one_device_means_no_copies(
     checkpoint: str, assert_matches_plain: Callable[..., Any]
 ) -> None:
-    # "cpu" and "cpu:0" are different devices to the pipeline, so it copies between them.
+    # "cpu" and "cpu:0" are one device, as for tensors: nothing is copied between them.
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(4, 4), Stash(), nn.Linear(4, 4), nn.Linear(4, 4), Pop())
     plain = copy.deepcopy(layers)
-    devices = [torch.device("cpu"), torch.device("cpu"), torch.device("cpu", 0)]
+    model = GPipe(
+        layers, [2, 2, 1], devices=["cpu", "cpu", "cpu:0"], chunks=2, checkpoint=checkpoint
+    )
+    assert [(r.stash_partition, r.pop_partition) for r in model.skip_layout.routes] == [(0, 2)]
+    with model.trace() as timeline:
+        assert_matches_plain(model, plain, torch.randn(4, 4), weighted=True)
+    assert not [e for e in timeline.events if e.phase is Phase.COPY]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_skip_copies_are_recorded(
+    checkpoint: str, assert_matches_plain: Callable[..., Any]
+) -> None:
+    # Partition 2 on the GPU: its input and the skip are copied there from the CPU. (On
+    # one device, the tracer's copy is driven directly: test_copy_is_recorded_both_ways.)
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(4, 4), Stash(), nn.Linear(4, 4), nn.Linear(4, 4), Pop())
+    plain = copy.deepcopy(layers)
+    devices = [torch.device("cpu"), torch.device("cpu"), torch.device("cuda", 0)]
     model = GPipe(layers, [2, 2, 1], devices=devices, chunks=2, checkpoint=checkpoint)
     assert [(r.stash_partition, r.pop_partition) for r in model.skip_layout.routes] == [(0, 2)]
     with model.trace() as timeline:
