@@ -75,6 +75,13 @@ def placed_model(device: torch.device | str) -> nn.Sequential:
     )
 
 
+def relu_placed(device: str) -> nn.Sequential:
+    """Linear layers, the ReLU after the first placed on ``device``."""
+    return nn.Sequential(
+        nn.Linear(2, 2), WithDevice(nn.ReLU(), device), nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2)
+    )
+
+
 # -- the wrapper itself ---------------------------------------------------------------------
 
 
@@ -258,13 +265,7 @@ def test_partitions_follow_the_wrappers() -> None:
 def test_a_wrapper_on_another_device_splits_there() -> None:
     # The layer after the wrapped one starts a partition on its own device again.
     with torch.device("meta"):
-        model = nn.Sequential(
-            nn.Linear(2, 2),
-            WithDevice(nn.ReLU(), "cpu"),
-            nn.Linear(2, 2),
-            nn.Tanh(),
-            nn.Linear(2, 2),
-        )
+        model = relu_placed("cpu")
     assert balance_from_placement(model) == ([1, 1, 3], [META, CPU, META])
 
 
@@ -503,14 +504,7 @@ def test_a_wrapped_layer_goes_to_its_gpu(assert_matches_plain: Callable[..., Any
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_wrapper_on_a_gpu_splits_there() -> None:
     # The layer after the wrapped one starts a partition on the CPU again.
-    model = nn.Sequential(
-        nn.Linear(2, 2),
-        WithDevice(nn.ReLU(), "cuda:0"),
-        nn.Linear(2, 2),
-        nn.Tanh(),
-        nn.Linear(2, 2),
-    )
-    pipe = GPipe(model)
+    pipe = GPipe(relu_placed("cuda:0"))
     assert pipe.balance == [1, 1, 3]
     assert pipe.devices == [CPU, torch.device("cuda", 0), CPU]
     assert pipe(torch.randn(3, 2)).device == CPU
