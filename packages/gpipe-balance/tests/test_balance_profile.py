@@ -546,6 +546,7 @@ def test_sample_on_another_device(balancer: str) -> None:
     # The matching device, named in any form, is accepted.
     assert BALANCERS[balancer](1, model, torch.randn(2, 2), device=torch.device("cpu")) == [1]
     assert BALANCERS[balancer](1, model, torch.randn(2, 2), device="cpu") == [1]
+    assert BALANCERS[balancer](1, model, torch.randn(2, 2), device="cpu:0") == [1]
 
 
 @pytest.mark.parametrize("balancer", list(BALANCERS))

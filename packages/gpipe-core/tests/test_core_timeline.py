@@ -496,24 +496,39 @@ class Pop(nn.Module):
         return x + skip
 
 
+@pytest.mark.parametrize(
+    ("last", "copied"),
+    [
+        ("cpu:0", False),  # "cpu" and "cpu:0" are one device, as for tensors: no copies
+        pytest.param(
+            "cuda:0",
+            True,
+            marks=[
+                pytest.mark.cuda,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_skip_copies_are_recorded(
-    checkpoint: str, assert_matches_plain: Callable[..., Any]
+    checkpoint: str, last: str, copied: bool, assert_matches_plain: Callable[..., Any]
 ) -> None:
-    # "cpu" and "cpu:0" are different devices to the pipeline, so it copies between them.
+    # Partition 2 on "last", the others on the CPU. (On one device, the tracer's copy is
+    # driven directly: test_copy_is_recorded_both_ways.)
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(4, 4), Stash(), nn.Linear(4, 4), nn.Linear(4, 4), Pop())
     plain = copy.deepcopy(layers)
-    devices = [torch.device("cpu"), torch.device("cpu"), torch.device("cpu", 0)]
-    model = GPipe(layers, [2, 2, 1], devices=devices, chunks=2, checkpoint=checkpoint)
+    model = GPipe(layers, [2, 2, 1], devices=["cpu", "cpu", last], chunks=2, checkpoint=checkpoint)
     assert [(r.stash_partition, r.pop_partition) for r in model.skip_layout.routes] == [(0, 2)]
     with model.trace() as timeline:
         assert_matches_plain(model, plain, torch.randn(4, 4), weighted=True)
     copies = Counter((e.partition, e.microbatch, e.backward) for e in timeline.events
                      if e.phase is Phase.COPY)  # fmt: skip
-    # Into partition 2, for each micro-batch and both ways: its input from partition 1
-    # and the skip from partition 0.
-    assert copies == {(2, i, backward): 2 for i in range(2) for backward in (False, True)}
+    # On another device: into partition 2, for each micro-batch and both ways, its input
+    # from partition 1 and the skip from partition 0.
+    expected = {(2, i, backward): 2 for i in range(2) for backward in (False, True)}
+    assert copies == (expected if copied else {})
 
 
 def test_cuda_stamps_are_put_on_the_host_clock() -> None:

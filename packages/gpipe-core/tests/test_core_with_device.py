@@ -1,7 +1,12 @@
 """WithDevice: a layer placed on a device, for the partitions GPipe reads from the module.
 
-On CPU, ``'cpu:0'`` is another device than ``'cpu'`` to the pipeline (it copies between
-them), which stands in for a second GPU; the cases on real GPUs carry the ``cuda`` marker.
+Devices are compared as torch compares those of tensors: ``'cpu'`` and ``'cpu:0'`` are one
+device. Reading partitions from the module needs a second device: on the CPU alone the
+layers' runs are checked where they are read (:func:`balance_from_placement`), with the
+``meta`` device (where a layer made for deferred initialization is) as the other one, and
+GPipe's split across devices on a GPU (the ``cuda`` marker). A wrapper may name a device
+this machine lacks (``'cuda:0'``): it moves nothing, and GPipe refuses it only when it
+places it, so refusals of a wrapper in a CPU partition need no GPU.
 """
 
 from __future__ import annotations
@@ -19,12 +24,17 @@ import torch
 from torch import nn
 
 from gpipe_core import GPipe, WithDevice
+from gpipe_core._partition import balance_from_placement
 from gpipe_skip import pop, skippable, stash
 
-CPU0 = torch.device("cpu", 0)
+CPU, META = torch.device("cpu"), torch.device("meta")
 needs_no_cuda = pytest.mark.skipif(
     torch.cuda.is_available(), reason="checks a refusal without CUDA"
 )
+on_cuda = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 class AddScaled(nn.Module):
@@ -53,7 +63,7 @@ def plain_model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh())
 
 
-def placed_model(device: torch.device | str = CPU0) -> nn.Sequential:
+def placed_model(device: torch.device | str) -> nn.Sequential:
     """:func:`plain_model` with its last three layers placed on ``device``."""
     model = plain_model()
     return nn.Sequential(
@@ -62,6 +72,13 @@ def placed_model(device: torch.device | str = CPU0) -> nn.Sequential:
         WithDevice(model[2], device),
         WithDevice(model[3], device),
         model[4],  # without parameters: with the layer before it
+    )
+
+
+def relu_placed(device: str) -> nn.Sequential:
+    """Linear layers, the ReLU after the first placed on ``device``."""
+    return nn.Sequential(
+        nn.Linear(2, 2), WithDevice(nn.ReLU(), device), nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2)
     )
 
 
@@ -82,7 +99,7 @@ def test_the_wrapper_exposes_its_module_and_device() -> None:
     [
         (torch.device("cpu"), torch.device("cpu")),
         ("cpu", torch.device("cpu")),
-        ("cpu:0", CPU0),
+        ("cpu:0", CPU),  # one CPU, as for tensors
         ("cuda:1", torch.device("cuda", 1)),  # not checked until GPipe places the layer
         (1, torch.device("cuda", 1)),  # an index is a CUDA device, as in devices=
     ],
@@ -94,7 +111,7 @@ def test_devices_are_read_as_gpipe_reads_them(device: Any, expected: torch.devic
 def test_the_device_cannot_be_reassigned() -> None:
     wrapped = WithDevice(nn.ReLU(), "cpu")
     with pytest.raises(AttributeError):
-        wrapped.device = torch.device("cpu", 0)  # type: ignore[misc]
+        wrapped.device = torch.device("cuda", 0)  # type: ignore[misc]
 
 
 @pytest.mark.parametrize(
@@ -164,16 +181,17 @@ def test_the_forward_pass_is_the_wrapped_layers() -> None:
 
 
 def test_the_wrapper_moves_nothing_by_itself() -> None:
+    # Named, not used: the layer runs where it is, with or without a GPU on the machine.
     linear = nn.Linear(2, 2)
-    WithDevice(linear, CPU0)(torch.randn(1, 2))
-    assert linear.weight.device == torch.device("cpu")
+    WithDevice(linear, "cuda:0")(torch.randn(1, 2))
+    assert linear.weight.device == CPU
 
 
 # -- keys: the wrapped layer's ----------------------------------------------------------------
 
 
 def test_a_wrapped_layer_has_the_layers_keys() -> None:
-    plain, placed = plain_model(), placed_model()
+    plain, placed = plain_model(), placed_model("cpu")
     expected = plain.state_dict()
     state = placed.state_dict()
     assert list(state) == list(expected)
@@ -191,7 +209,7 @@ def test_checkpoints_load_with_and_without_wrappers() -> None:
     with torch.no_grad():
         for p in trained.parameters():
             p.add_(1.0)
-    placed = placed_model()
+    placed = placed_model("cpu")
     placed.load_state_dict(trained.state_dict())  # strict: every key found
     for (name, ours), theirs in zip(placed.state_dict().items(), trained.state_dict().values()):
         assert torch.equal(ours, theirs), name
@@ -224,30 +242,31 @@ def test_strict_loading_still_reports_wrong_keys() -> None:
 
 
 def test_copies_keep_the_layers_keys() -> None:
-    placed = placed_model()
+    # A device other than the layers' own, so that the copies keep what was named.
+    placed = placed_model("cuda:1")
     for copied in (copy.deepcopy(placed), pickle.loads(pickle.dumps(placed))):
         assert list(copied.state_dict()) == list(plain_model().state_dict())
-        assert isinstance(copied[2], WithDevice) and copied[2].device == CPU0
+        assert isinstance(copied[2], WithDevice) and copied[2].device == torch.device("cuda", 1)
 
 
 # -- GPipe: placement from the wrappers -------------------------------------------------------
 
 
-def test_partitions_follow_the_wrappers(assert_matches_plain: Callable[..., Any]) -> None:
-    pipe = GPipe(placed_model(), chunks=2)
-    assert pipe.balance == [2, 3]
-    assert pipe.devices == [torch.device("cpu"), CPU0]
-    # In eval mode: the batch norm normalizes micro-batches as the mini-batch.
-    assert_matches_plain(pipe.eval(), plain_model().eval(), torch.randn(6, 4))
+def test_partitions_follow_the_wrappers() -> None:
+    # Every parameter on meta: the wrapped layers are on the CPU all the same, and the
+    # activation after them joins them. (Through GPipe, on a GPU:
+    # test_a_wrapped_layer_goes_to_its_gpu.)
+    with torch.device("meta"):
+        model = placed_model("cpu")
+    assert model[2].module.weight.is_meta
+    assert balance_from_placement(model) == ([2, 3], [META, CPU])
 
 
 def test_a_wrapper_on_another_device_splits_there() -> None:
-    model = nn.Sequential(
-        nn.Linear(2, 2), WithDevice(nn.ReLU(), CPU0), nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2)
-    )
-    pipe = GPipe(model)
-    assert pipe.balance == [1, 1, 3]
-    assert pipe.devices == [torch.device("cpu"), CPU0, torch.device("cpu")]
+    # The layer after the wrapped one starts a partition on its own device again.
+    with torch.device("meta"):
+        model = relu_placed("cpu")
+    assert balance_from_placement(model) == ([1, 1, 3], [META, CPU, META])
 
 
 def test_wrappers_on_the_layers_own_device_change_nothing() -> None:
@@ -284,9 +303,9 @@ def test_a_cuda_wrapper_without_cuda_is_refused_when_placed() -> None:
 
 
 def test_the_pipeline_holds_the_layers_without_their_wrappers() -> None:
-    model = placed_model()
+    model = placed_model("cpu")
     linear = model[2].module
-    pipe = GPipe(model, chunks=2)
+    pipe = GPipe(model, [2, 3], devices=["cpu", "cpu"], chunks=2)
     assert pipe[2] is linear and pipe.partitions[1][0] is linear
     assert not any(isinstance(m, WithDevice) for m in pipe.modules())
     plain = pipe.unwrap()
@@ -299,15 +318,15 @@ def test_the_pipeline_holds_the_layers_without_their_wrappers() -> None:
 
 def test_names_are_kept() -> None:
     model = nn.Sequential(
-        OrderedDict([("first", nn.Linear(2, 2)), ("second", WithDevice(nn.Linear(2, 2), CPU0))])
+        OrderedDict([("first", nn.Linear(2, 2)), ("second", WithDevice(nn.Linear(2, 2), "cpu"))])
     )
-    pipe = GPipe(model)
+    pipe = GPipe(model, [1, 1], devices=["cpu", "cpu"])
     assert list(pipe.unwrap()._modules) == ["first", "second"]
     assert list(pipe.state_dict()) == ["first.weight", "first.bias", "second.weight", "second.bias"]
 
 
 def test_the_pipelines_checkpoint_is_the_plain_models() -> None:
-    trained = GPipe(placed_model(), chunks=2)
+    trained = GPipe(placed_model("cpu"), [2, 3], devices=["cpu", "cpu"], chunks=2)
     trained.step(torch.randn(8, 4), torch.randn(8, 8), nn.MSELoss())
     buffer = io.BytesIO()
     torch.save(trained.state_dict(), buffer)
@@ -316,9 +335,9 @@ def test_the_pipelines_checkpoint_is_the_plain_models() -> None:
     assert list(checkpoint) == list(plain_model().state_dict())
     plain = plain_model()
     plain.load_state_dict(checkpoint)  # without the wrappers
-    placed = placed_model()
+    placed = placed_model("cpu")
     placed.load_state_dict(checkpoint)  # with them
-    resumed = GPipe(placed_model(), chunks=2)
+    resumed = GPipe(placed_model("cpu"), [2, 3], devices=["cpu", "cpu"], chunks=2)
     resumed.load_state_dict(checkpoint)
     x = torch.randn(5, 4)
     for module in (plain, placed, resumed, trained):
@@ -330,63 +349,117 @@ def test_the_pipelines_checkpoint_is_the_plain_models() -> None:
         torch.testing.assert_close(trained(x), expected)
 
 
-def test_a_wrapped_skippable_layer_pairs_up(assert_matches_plain: Callable[..., Any]) -> None:
+@pytest.mark.parametrize(
+    ("device", "balance"),
+    [
+        ("cpu", [2, 2]),  # one device: the balance splits, the wrappers agree
+        pytest.param("cuda:0", None, marks=on_cuda),  # the wrappers split
+    ],
+)
+def test_a_wrapped_skippable_layer_pairs_up(
+    device: str, balance: list[int] | None, assert_matches_plain: Callable[..., Any]
+) -> None:
     def layers(wrap: bool) -> nn.Sequential:
         torch.manual_seed(0)
         last = [nn.Linear(4, 4), Pop()]
         if wrap:
-            last = [WithDevice(layer, CPU0) for layer in last]
+            last = [WithDevice(layer, device) for layer in last]
         return nn.Sequential(nn.Linear(4, 4), Stash(), *last)
 
-    pipe = GPipe(layers(wrap=True), chunks=2)
+    devices = None if balance is None else ["cpu", device]
+    pipe = GPipe(layers(wrap=True), balance, devices=devices, chunks=2)
     assert pipe.balance == [2, 2]
+    assert [d.type for d in pipe.devices] == ["cpu", torch.device(device).type]
     assert [(r.stash_partition, r.pop_partition) for r in pipe.skip_layout.routes] == [(0, 1)]
     assert_matches_plain(pipe, layers(wrap=False), torch.randn(4, 4))
 
 
 def test_a_wrapped_batch_norm_is_deferred() -> None:
-    model = placed_model()
-    pipe = GPipe(model, chunks=2, deferred_batch_norm=True)
+    model = placed_model("cpu")
+    pipe = GPipe(model, [2, 3], devices=["cpu", "cpu"], chunks=2, deferred_batch_norm=True)
     assert type(pipe[3]).__name__ == "DeferredBatchNorm"
     assert model[3].module is pipe[3]  # converted in place, inside the wrapper
+
+
+# -- "cpu" and "cpu:0": one device, as for tensors ---------------------------------------------
+
+
+def test_cpu_and_cpu_0_are_one_device(assert_matches_plain: Callable[..., Any]) -> None:
+    # torch puts a tensor made on "cpu:0" on device(type='cpu'): GPipe compares devices so.
+    cpu = torch.device("cpu")
+    assert torch.randn(1, device="cpu:0").device == cpu
+    for name in ("cpu:0", torch.device("cpu", 0)):
+        assert WithDevice(nn.ReLU(), name).device == cpu
+    # No split without balance: every layer is on the CPU, wrapped on "cpu:0" or not.
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "balance must be given when every layer is on one device (layers: 5, device: cpu)"
+        ),
+    ):
+        GPipe(placed_model("cpu:0"))
+    # Accepted with a balance that puts the wrappers in a "cpu" partition.
+    pipe = GPipe(placed_model("cpu:0"), [2, 3], devices=["cpu", "cpu"], chunks=2)
+    assert pipe.devices == [cpu, cpu]
+    assert_matches_plain(pipe.eval(), plain_model().eval(), torch.randn(6, 4))
+    pipe = GPipe(placed_model("cpu"), [1, 4], devices=["cpu:0", "cpu"], chunks=2)
+    assert pipe.devices == [cpu, cpu]
+    assert pipe(torch.randn(6, 4)).device == cpu  # the input's device is the first partition's
+    # devices=["cpu", "cpu:0"]: two partitions on "cpu", which take a CPU input.
+    pipe = GPipe(placed_model("cpu"), [2, 3], devices=["cpu", "cpu:0"], chunks=2)
+    assert pipe.devices == [cpu, cpu]
+    assert "devices=['cpu', 'cpu']" in repr(pipe)
+    assert_matches_plain(pipe.eval(), plain_model().eval(), torch.randn(6, 4))
 
 
 # -- GPipe: balance and devices given ----------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=on_cuda)])
 def test_a_given_split_that_agrees_with_the_wrappers_is_taken(
-    assert_matches_plain: Callable[..., Any],
+    device: str, assert_matches_plain: Callable[..., Any]
 ) -> None:
-    pipe = GPipe(placed_model(), [1, 1, 3], devices=["cpu", "cpu", CPU0], chunks=2)
+    pipe = GPipe(placed_model(device), [1, 1, 3], devices=["cpu", "cpu", device], chunks=2)
     assert pipe.balance == [1, 1, 3]
+    assert pipe.partitions[2][0].weight.device.type == torch.device(device).type
     assert_matches_plain(pipe.eval(), plain_model().eval(), torch.randn(6, 4))
     # Wrappers on the CPU agree with the default devices without CUDA.
     if not torch.cuda.is_available():
         GPipe(placed_model("cpu"), [2, 3])
 
 
+# The wrappers name "cuda:0", the partitions are on the CPU: refused with or without a GPU
+# (the placement is checked before whether the wrapper's device exists).
 @pytest.mark.parametrize(
-    ("balance", "devices", "message"),
+    ("placed", "balance", "devices", "message"),
     [
         (
+            ["cuda:0", "cuda:0"],
             [3, 2],
-            ["cpu", CPU0],
+            ["cpu", "cpu"],
             "a WithDevice layer must be in a partition on its device (layer 2: "
-            "WithDevice(Linear) on cpu:0, partition 0 on cpu, balance: [3, 2], "
-            "devices: ['cpu', 'cpu:0'])",
+            "WithDevice(Linear) on cuda:0, partition 0 on cpu, balance: [3, 2], "
+            "devices: ['cpu', 'cpu'])",
         ),
         (
+            ["cpu:0", "cuda:0"],  # the first wrapper agrees (the CPU): the second is named
             [2, 1, 2],
-            ["cpu", CPU0, "cpu"],
-            "(layer 3: WithDevice(BatchNorm1d) on cpu:0, partition 2 on cpu,",
+            ["cpu", "cpu", "cpu"],
+            "(layer 3: WithDevice(BatchNorm1d) on cuda:0, partition 2 on cpu,",
         ),
-        ([2, 3], ["cpu", "cpu"], "(layer 2: WithDevice(Linear) on cpu:0, partition 1 on cpu,"),
+        (
+            ["cuda:0", "cuda:0"],
+            [2, 3],
+            ["cpu", "cpu"],
+            "(layer 2: WithDevice(Linear) on cuda:0, partition 1 on cpu,",
+        ),
     ],
 )
 def test_a_given_split_against_the_wrappers_is_refused_before_anything_changes(
-    balance: list[int], devices: list[Any], message: str
+    placed: list[str], balance: list[int], devices: list[Any], message: str
 ) -> None:
-    model = placed_model()
+    model = placed_model(placed[0])
+    model[3] = WithDevice(model[3].module, placed[1])
     with pytest.raises(ValueError, match=re.escape(message)):
         GPipe(model, balance, devices=devices, deferred_batch_norm=True)
     assert type(model[3].module) is nn.BatchNorm1d  # not converted
@@ -394,12 +467,12 @@ def test_a_given_split_against_the_wrappers_is_refused_before_anything_changes(
 
 @needs_no_cuda
 def test_given_balance_without_devices_checks_the_default_devices() -> None:
-    with pytest.raises(ValueError, match=r"WithDevice\(Linear\) on cpu:0, partition 1 on cpu"):
-        GPipe(placed_model(), [2, 3])
+    with pytest.raises(ValueError, match=r"WithDevice\(Linear\) on cuda:0, partition 1 on cpu"):
+        GPipe(placed_model("cuda:0"), [2, 3])
 
 
 def test_a_nested_wrapper_is_refused() -> None:
-    block = nn.Sequential(nn.Linear(2, 2), WithDevice(nn.ReLU(), CPU0))
+    block = nn.Sequential(nn.Linear(2, 2), WithDevice(nn.ReLU(), "cpu"))
     message = (
         "WithDevice must be a layer of the sequential module itself, where it places the "
         "layer (layer 1 (Sequential) has one at '1')"
@@ -407,9 +480,9 @@ def test_a_nested_wrapper_is_refused() -> None:
     for balance in ([1, 1], None):
         with pytest.raises(TypeError, match=re.escape(message)):
             GPipe(nn.Sequential(nn.Linear(2, 2), block), balance)
-    wrapped_block = WithDevice(nn.Sequential(WithDevice(nn.ReLU(), CPU0)), CPU0)
+    wrapped_block = WithDevice(nn.Sequential(WithDevice(nn.ReLU(), "cpu")), "cpu")
     with pytest.raises(TypeError, match=r"layer 0 \(WithDevice\) has one at '0'"):
-        GPipe(nn.Sequential(wrapped_block), [1], devices=[CPU0])
+        GPipe(nn.Sequential(wrapped_block), [1], devices=["cpu"])
 
 
 # -- on GPUs -----------------------------------------------------------------------------------
@@ -425,6 +498,16 @@ def test_a_wrapped_layer_goes_to_its_gpu(assert_matches_plain: Callable[..., Any
     assert [d.type for d in pipe.devices] == ["cpu", "cuda"]
     assert linear.weight.device == pipe.devices[1]  # moved by GPipe
     assert_matches_plain(pipe.eval(), plain_model().eval(), torch.randn(6, 4))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_wrapper_on_a_gpu_splits_there() -> None:
+    # The layer after the wrapped one starts a partition on the CPU again.
+    pipe = GPipe(relu_placed("cuda:0"))
+    assert pipe.balance == [1, 1, 3]
+    assert pipe.devices == [CPU, torch.device("cuda", 0), CPU]
+    assert pipe(torch.randn(3, 2)).device == CPU
 
 
 @pytest.mark.cuda

@@ -168,6 +168,9 @@ def test_cpu_stream_survives_copy_and_pickle_as_the_same_object() -> None:
     [
         ("cpu", torch.device("cpu")),
         (torch.device("cpu"), torch.device("cpu")),
+        # One CPU, as for tensors: torch.randn(1, device="cpu:0").device is the CPU.
+        ("cpu:0", torch.device("cpu")),
+        (torch.device("cpu", 1), torch.device("cpu")),
         (1, torch.device("cuda", 1)),
         ("cuda:2", torch.device("cuda", 2)),
         ("meta", torch.device("meta")),

@@ -50,8 +50,10 @@ class WithDevice(nn.Module):
     Args:
         module: the layer to place.
         device: where it runs: a :class:`torch.device`, a device name (``'cuda:1'``) or a
-            CUDA index. Whether the device exists is checked when GPipe places the layer,
-            so a model with wrappers can still be built and run on a machine without it.
+            CUDA index. Devices are compared as torch compares those of tensors, so
+            ``'cpu:0'`` is the CPU, ``'cpu'``. Whether the device exists is checked when
+            GPipe places the layer, so a model with wrappers can still be built and run on
+            a machine without it.
 
     Raises:
         TypeError: ``module`` is not an :class:`~torch.nn.Module` (or is a
@@ -60,21 +62,30 @@ class WithDevice(nn.Module):
         ValueError: ``device`` is not a device name, is a negative index, or is ``meta``.
 
     Example:
-        The dropout and the last layer run on the second device (on a machine without two
-        GPUs, ``'cpu:0'`` stands for it: GPipe takes it for another device than ``'cpu'``):
+        The dropout and the last layer run on a GPU, the first layer on the CPU, where its
+        parameters are (this part needs a GPU, so it is not run here):
 
         >>> import torch
         >>> from torch import nn
         >>> from gpipe_core import GPipe, WithDevice
-        >>> second = "cuda:1" if torch.cuda.device_count() > 1 else "cpu:0"
         >>> model = nn.Sequential(
         ...     nn.Linear(8, 8),
-        ...     WithDevice(nn.Dropout(0.1), second),  # unwrapped, it would join the layer before
-        ...     WithDevice(nn.Linear(8, 2), second),  # GPipe moves it to the second device
+        ...     WithDevice(nn.Dropout(0.1), "cuda:0"),  # unwrapped, it would join the layer before
+        ...     WithDevice(nn.Linear(8, 2), "cuda:0"),  # GPipe moves it to the GPU
         ... )
-        >>> pipe = GPipe(model, chunks=2)
-        >>> pipe.balance, pipe.devices[1] == torch.device(second)
-        ([1, 2], True)
+        >>> pipe = GPipe(model, chunks=2)  # doctest: +SKIP
+        >>> pipe.balance, [str(device) for device in pipe.devices]  # doctest: +SKIP
+        ([1, 2], ['cpu', 'cuda:0'])
+
+        On one device the layers do not say where to split: ``balance`` does, and each
+        wrapped layer must fall in a partition on its device (``'cpu:0'`` is the CPU):
+
+        >>> model = nn.Sequential(
+        ...     nn.Linear(8, 8),
+        ...     WithDevice(nn.Dropout(0.1), "cpu:0"),
+        ...     WithDevice(nn.Linear(8, 2), "cpu"),
+        ... )
+        >>> pipe = GPipe(model, [1, 2], devices=["cpu", "cpu"], chunks=2)
         >>> pipe[1]  # the layer itself, without its wrapper
         Dropout(p=0.1, inplace=False)
         >>> pipe(torch.randn(4, 8)).shape

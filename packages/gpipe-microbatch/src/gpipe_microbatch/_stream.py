@@ -52,20 +52,28 @@ Device = torch.device | str | int
 
 
 def normalize_device(device: Device) -> torch.device:
-    """``device`` as a :class:`torch.device`, with the current index for a bare ``'cuda'``.
+    """``device`` as a :class:`torch.device`, named as torch names the device of a tensor
+    made there, so that two names of one device compare equal.
 
-    Without CUDA, ``'cuda'`` stays as it is (no tensor can be there; the caller says so).
+    A bare ``'cuda'`` gets the current index (without CUDA it stays as it is: no tensor
+    can be there; the caller says so). The CPU is one device, whatever its index:
+    ``'cpu:0'`` and ``torch.device('cpu', 1)`` are ``'cpu'``, as
+    ``torch.randn(1, device='cpu:0').device`` is.
 
     Example:
         >>> normalize_device(0)
         device(type='cuda', index=0)
         >>> normalize_device("cpu")
         device(type='cpu')
+        >>> normalize_device("cpu:0")
+        device(type='cpu')
     """
     result = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     index: int | None = result.index
     if result.type == "cuda" and index is None and torch.cuda.is_available():
         result = torch.device("cuda", torch.cuda.current_device())
+    elif result.type == "cpu" and index is not None:
+        result = torch.device("cpu")
     return result
 
 
