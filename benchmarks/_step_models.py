@@ -683,14 +683,14 @@ def _gpipe_steps(
     loss_fn = case.loss_fn()
 
     def step(schedule: str, checked: bool) -> Callable[[], object]:
-        import gpipe_core._gpipe as gpipe_module
+        import gpipe_core._agreement as agreement
 
         def run() -> object:
-            gpipe_module.CHECK_RUNS = checked
+            agreement.CHECK_RUNS = checked
             try:
                 return model.step(x_or_none, y_or_none, loss_fn, schedule=schedule)  # type: ignore[arg-type]
             finally:
-                gpipe_module.CHECK_RUNS = True
+                agreement.CHECK_RUNS = True
 
         return run
 

@@ -148,7 +148,7 @@ def test_a_pipeline_across_processes_cannot_be_copied(world: dist.ProcessGroup) 
 
 
 def test_torchrun_without_init_process_group_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    import gpipe_core._gpipe as module
+    import gpipe_core._placement as module
 
     monkeypatch.setattr(module, "_warned_without_process_group", False)
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -164,7 +164,7 @@ def test_no_warning_when_initialized_or_alone(
 ) -> None:
     """Under the user's own data parallelism (initialized, group=None), and in a process
     that is alone, building a pipeline in one process is what was asked."""
-    import gpipe_core._gpipe as module
+    import gpipe_core._placement as module
 
     monkeypatch.setattr(module, "_warned_without_process_group", False)
     with warnings.catch_warnings():

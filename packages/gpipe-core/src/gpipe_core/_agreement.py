@@ -38,6 +38,7 @@ from torch import nn
 from ._errors import describe_error
 
 __all__ = [
+    "CHECK_RUNS",
     "Construction",
     "Fields",
     "RanksDisagree",
@@ -45,6 +46,10 @@ __all__ = [
     "layer_fields",
     "run_fields",
 ]
+
+#: Whether the ranks compare their run fields at every run (see :mod:`gpipe_core._agreement`);
+#: the benchmarks turn it off to measure what the check costs.
+CHECK_RUNS = True
 
 #: What one rank says of itself: ``(field, value)`` pairs in the order they are compared.
 Fields = tuple[tuple[str, Any], ...]

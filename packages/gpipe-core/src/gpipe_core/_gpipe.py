@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import datetime
 import functools
-import math
-import os
-import threading
-import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, cast
+from typing import Any, Literal, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -29,22 +25,22 @@ from gpipe_microbatch import (
     AbstractStream,
     Batch,
     Device,
-    NoChunk,
     ThreadState,
     check_chunks,
     check_module,
     current_stream,
     gather,
-    make_tuple,
     new_stream,
     scatter,
 )
 from gpipe_skip import SkipLayout, inspect_skip_layout, verify_skippables
 
+from . import _agreement
 from ._agreement import Construction, Fields, RanksDisagree, layer_fields, run_fields
 from ._data_parallel import Replicas
 from ._errors import add_note
-from ._losses import Losses, LossFunction, Reduction
+from ._inputs import Leaves, batch_sizes, items, positional, tensor_of, to_device
+from ._losses import Losses, LossFunction, Reduction, from_numbers, to_numbers
 from ._partition import (
     balance_from_placement,
     check_balance,
@@ -53,26 +49,21 @@ from ._partition import (
     placed_layers,
     split_module,
 )
-from ._placement import Placement
-from ._runner import run
-from ._schedule import (
-    Action,
-    GPipeSchedule,
-    OneFOneBSchedule,
-    Schedule,
-    check_actions,
-    get_schedule,
+from ._placement import (
+    DEFAULT_TIMEOUT,
+    Placement,
+    check_timeout,
+    warn_without_process_group,
 )
+from ._runner import run
+from ._schedule import Action, GPipeSchedule, Schedule, get_schedule, step_actions
 from ._sequential import PipeSequential
 from ._stage import LossSpec, Stage, nested
-from ._state_dict import KeyMap, map_keys
+from ._state_dict import PartitionKeys, map_keys
 from ._timeline import Timeline
 from ._tracing import record, tracer_for
 from ._transport import Cancelled
 from ._worker import WorkerPool
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["GPipe"]
 
@@ -108,168 +99,6 @@ def _check_reduction(loss_fn: object, reduction: object) -> Reduction:
                 f"(reduction: {reduction!r}, loss_fn.reduction: {declared!r})"
             )
     return "sum" if reduction == "sum" else "mean"
-
-
-@functools.lru_cache(maxsize=64)
-def _builtin_actions(
-    kind: type[Schedule], m: int, n: int, backward: bool
-) -> tuple[tuple[Action, ...], ...]:
-    plan = kind()
-    lists = plan.actions(m, n) if backward else plan.forward_only(m, n)
-    checked = check_actions(lists, m, backward=backward, partitions=n, schedule=plan)
-    return tuple(tuple(actions) for actions in checked)
-
-
-def _actions(plan: Schedule, m: int, n: int, backward: bool) -> Sequence[Sequence[Action]]:
-    """``plan``'s actions for a step, checked (once per shape for the built-in schedules)."""
-    if type(plan) in (GPipeSchedule, OneFOneBSchedule):
-        return _builtin_actions(type(plan), m, n, backward)
-    lists = plan.actions(m, n) if backward else plan.forward_only(m, n)
-    return check_actions(lists, m, backward=backward, partitions=n, schedule=plan)
-
-
-#: Whether the ranks compare their run fields at every run (see :mod:`gpipe_core._agreement`);
-#: the benchmarks turn it off to measure what the check costs.
-CHECK_RUNS = True
-
-#: The default ``timeout``: the seconds any wait for another rank may last.
-DEFAULT_TIMEOUT = 1800.0
-#: The longest bounded timeout (a longer one is clamped to it): the longest wait Python's
-#: threading accepts, about 292 years.
-MAX_TIMEOUT = float(threading.TIMEOUT_MAX)
-
-
-def _check_timeout(timeout: object, group: object) -> float | None:
-    """``timeout`` in seconds, None for no bound (only meaningful with a group)."""
-    if group is None:
-        if timeout is not None and timeout != DEFAULT_TIMEOUT:
-            raise ValueError(
-                f"timeout bounds the waits for other ranks and needs group (timeout: {timeout!r})"
-            )
-        return DEFAULT_TIMEOUT
-    if timeout is None:
-        return None
-    if isinstance(timeout, datetime.timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise TypeError(
-            f"timeout must be seconds, a timedelta or None for no bound (timeout: {timeout!r})"
-        )
-    if not seconds > 0:
-        raise ValueError(f"timeout must be positive (timeout: {timeout!r})")
-    if not math.isfinite(seconds):
-        raise ValueError(
-            "timeout must be a finite number of seconds, or None for no bound "
-            f"(timeout: {timeout!r})"
-        )
-    return min(seconds, MAX_TIMEOUT)
-
-
-_warned_without_process_group = False
-
-
-def _warn_without_process_group() -> None:
-    """Warn (once per process) when the environment says this process is one of several
-    but ``torch.distributed`` is not initialized: every rank would then train the whole
-    model alone (a pipeline inside the user's own data parallelism is initialized)."""
-    global _warned_without_process_group
-    if _warned_without_process_group or (dist.is_available() and dist.is_initialized()):
-        return
-    world = os.environ.get("WORLD_SIZE", "1")
-    if not world.isdigit() or int(world) < 2:
-        return
-    _warned_without_process_group = True
-    warnings.warn(
-        f"this process is one of {world} (WORLD_SIZE={world}) but torch.distributed is not "
-        "initialized, so this pipeline runs every partition in this process, as every "
-        "other process does; to run the partitions across the processes, call "
-        "torch.distributed.init_process_group() first and pass "
-        "group=torch.distributed.group.WORLD",
-        UserWarning,
-        stacklevel=3,
-    )
-
-
-def _to(batch: Batch, device: torch.device) -> Batch:
-    return batch.with_tensors(tensor.to(device) for tensor in batch)
-
-
-def _items(value: object) -> tuple[object, ...]:
-    """The values of a mini-batch: the elements of a tuple, or the value itself."""
-    return value if isinstance(value, tuple) else (value,)
-
-
-def _tensor_of(item: object) -> torch.Tensor | None:
-    """The tensor an element of a mini-batch passes to the layers (NoChunk unwrapped)."""
-    if isinstance(item, NoChunk):
-        return item.tensor
-    return item if isinstance(item, torch.Tensor) else None
-
-
-def _sizes(value: object, batches: Sequence[Batch]) -> list[int]:
-    """The number of samples in each micro-batch of ``value`` (the length of the first
-    tensor that :func:`~gpipe_microbatch.scatter` split)."""
-    index = 0
-    for item in _items(value):
-        if isinstance(item, torch.Tensor):
-            break
-        index += isinstance(item, NoChunk)
-    return [len(batch[index]) for batch in batches]
-
-
-def _positional(inputs: tuple[Any, ...]) -> tuple[object, bool, str]:
-    """``forward(*inputs)``'s mini-batch: the value, whether its tuple is the first layer's
-    positional arguments, and how error messages name it."""
-    if not inputs:
-        raise TypeError(
-            "GPipe needs an input: the first layer's positional arguments, at least one of "
-            "them holding a tensor to split into micro-batches (inputs: ())"
-        )
-    if len(inputs) == 1:
-        return inputs[0], False, "input"
-    return inputs, True, "inputs"
-
-
-class _Leaves:
-    """A step's input (or target) cut from the caller's graph, and its gradient passed back.
-
-    Each micro-batch's backward pass accumulates the gradient of its slice into one leaf
-    per tensor (a NoChunk tensor's leaf gets every micro-batch's gradient); :meth:`backward`
-    then hands the whole gradient to the caller's graph at once, as one backward pass over
-    the mini-batch would. Values that are not tensors are kept as they are.
-    """
-
-    def __init__(self, value: object, backward: bool) -> None:
-        items = _items(value)
-        tensors = tuple(t for t in map(_tensor_of, items) if t is not None)
-        self.originals: tuple[torch.Tensor, ...] = ()
-        self.leaves: tuple[torch.Tensor, ...] = ()
-        self.value = value
-        if backward and any(tensor.requires_grad for tensor in tensors):
-            self.originals = tensors
-            self.leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
-            leaves = iter(self.leaves)
-            cut = tuple(
-                NoChunk(next(leaves))
-                if isinstance(item, NoChunk)
-                else next(leaves)
-                if isinstance(item, torch.Tensor)
-                else item
-                for item in items
-            )
-            self.value = make_tuple(type(value), cut) if isinstance(value, tuple) else cut[0]
-
-    def backward(self) -> None:
-        pairs = [
-            (original, leaf.grad)
-            for original, leaf in zip(self.originals, self.leaves, strict=True)
-            if original.requires_grad and leaf.grad is not None
-        ]
-        self.originals = self.leaves = ()
-        if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
 
 class GPipe(nn.Module):
@@ -375,7 +204,7 @@ class GPipe(nn.Module):
         super().__init__()
         construction: Construction | None = None
         if group is None:
-            _warn_without_process_group()
+            warn_without_process_group()
         else:
             from ._distributed import check_group, pipeline_tag
 
@@ -418,7 +247,7 @@ class GPipe(nn.Module):
         verify_skippables(placed_layers(module))
         self.chunks = check_chunks(chunks)
         self.checkpoint = _check_checkpoint(checkpoint)
-        seconds = _check_timeout(timeout, group if group is not None else data_group)
+        seconds = check_timeout(timeout, group if group is not None else data_group)
         if data_group is not None:
             from ._distributed import check_group
 
@@ -492,7 +321,7 @@ class GPipe(nn.Module):
         self.partitions = nn.ModuleList(partitions)
         self._init_runtime()
         # Checkpoints use the plain module's keys, whatever the balance.
-        map_keys(self, _PartitionKeys(self._partition_list(), self._remote_layers))
+        map_keys(self, PartitionKeys(self._partition_list(), self._remote_layers))
         if construction is not None:
             construction.agree((), seconds)  # every rank has built its partitions
 
@@ -643,8 +472,8 @@ class GPipe(nn.Module):
         if not self.devices:
             return  # an empty pipeline takes its input where it is
         expected = self.devices[0]
-        for index, item in enumerate(_items(value)):
-            tensor = _tensor_of(item)
+        for index, item in enumerate(items(value)):
+            tensor = tensor_of(item)
             if tensor is not None and tensor.device != expected:
                 where = f"{what}[{index}]" if isinstance(value, tuple) else what
                 raise ValueError(
@@ -719,7 +548,7 @@ class GPipe(nn.Module):
         unpack, what = False, "input"
         fields = run_fields("forward", training=self.training)
         if self._placement.is_local(0):
-            value, unpack, what = _positional(inputs)
+            value, unpack, what = positional(inputs)
             self._check_input_device(value, what)
             if not n:
                 scatter(value, self.chunks, what=what)  # the same checks
@@ -727,7 +556,7 @@ class GPipe(nn.Module):
                 return scatter(value, 1, what=what)[0].value
         batches, sizes = self._microbatches(value, what, fields)
         m = len(sizes)
-        actions = _builtin_actions(GPipeSchedule, m, n, False)
+        actions = step_actions(GPipeSchedule(), m, n, False)
         # In eval mode the output still has a graph (when grad mode is on); nothing is
         # checkpointed.
         grad = torch.is_grad_enabled()
@@ -760,10 +589,10 @@ class GPipe(nn.Module):
         transport = self._placement.transport()
         if self._placement.is_local(0):
             batches = scatter(value, self.chunks, what=what)
-            sizes = _sizes(value, batches)
-            transport.send_plan((sizes,), fields if CHECK_RUNS else ())
+            sizes = batch_sizes(value, batches)
+            transport.send_plan((sizes,), fields if _agreement.CHECK_RUNS else ())
             return batches, sizes
-        (sizes,) = transport.receive_plan(fields if CHECK_RUNS else ())
+        (sizes,) = transport.receive_plan(fields if _agreement.CHECK_RUNS else ())
         return [], list(sizes)
 
     @contextmanager
@@ -966,11 +795,11 @@ class GPipe(nn.Module):
         with self._replicas.averaging(self.parameters), self._session() as session:
             losses = self._step(input, target, loss_fn, schedule, reduction, unpack_input)
             if losses is not None:
-                session.payload = functools.partial(_numbers, losses)
+                session.payload = functools.partial(to_numbers, losses)
         if losses is not None:
             return losses
         # Every rank returns the losses of the last partition's rank.
-        return _from_numbers(session.payloads[self.stage_ranks[-1]])
+        return from_numbers(session.payloads[self.stage_ranks[-1]])
 
     def _step(
         self,
@@ -1011,16 +840,16 @@ class GPipe(nn.Module):
             unpack_input=unpack_input,
             training=self.training,
         )
-        input_leaves = _Leaves(input, backward) if first else None
+        input_leaves = Leaves(input, backward) if first else None
         batches, sizes = self._microbatches(
             input_leaves.value if input_leaves else None, "input", fields
         )
         losses: LossSpec | None = None
-        target_leaves: _Leaves | None = None
+        target_leaves: Leaves | None = None
         if last:
-            target_leaves = _Leaves(target, backward)
+            target_leaves = Leaves(target, backward)
             targets = scatter(target_leaves.value, self.chunks, what="target")
-            target_sizes = _sizes(target_leaves.value, targets)
+            target_sizes = batch_sizes(target_leaves.value, targets)
             if sizes != target_sizes:
                 raise ValueError(
                     "target must have the input's batch size "
@@ -1029,7 +858,7 @@ class GPipe(nn.Module):
             if self.devices:
                 device = self.devices[-1]
                 targets = [
-                    batch if all(t.device == device for t in batch) else _to(batch, device)
+                    batch if all(t.device == device for t in batch) else to_device(batch, device)
                     for batch in targets
                 ]
             total = sum(sizes)
@@ -1045,7 +874,7 @@ class GPipe(nn.Module):
                     if backward:
                         torch.autograd.backward(loss)
         else:
-            actions = _actions(plan, m, n, backward)
+            actions = step_actions(plan, m, n, backward)
             with torch.set_grad_enabled(backward):
                 state = ThreadState.capture()
             checkpoint_stop = self._checkpoint_stop(m) if backward else 0
@@ -1099,52 +928,3 @@ class _Session:
         self.payload: object = None
         #: What each other rank gave.
         self.payloads: dict[int, Any] = {}
-
-
-#: Losses as numbers: the values, their dtype, the micro-batches' sizes, the reduction.
-_Numbers = tuple[list[float], torch.dtype, Sequence[int], Reduction]
-
-
-def _numbers(losses: Losses) -> _Numbers:
-    """``losses`` as numbers and a dtype, exact for every float dtype (for the other ranks:
-    pickling tensors is slow)."""
-    dtype = losses[0].dtype if len(losses) else torch.float32
-    return [loss.item() for loss in losses], dtype, losses.sizes, losses.reduction
-
-
-def _from_numbers(numbers: _Numbers) -> Losses:
-    values, dtype, sizes, reduction = numbers
-    return Losses([torch.tensor(value, dtype=dtype) for value in values], sizes, reduction)
-
-
-class _PartitionKeys(KeyMap):
-    """A layer's keys are ``partitions.J.<layer>.<rest>`` in the pipeline, ``<layer>.<rest>``
-    plainly (layers keep their names in the partitions). A load takes torchgpipe's keys
-    (``partitions.J.<layer>.<rest>``) as they are unless ``partitions`` is a layer's name,
-    and leaves the keys of the layers other ranks run to them.
-
-    Args:
-        partitions: the partitions (this rank's; another rank's are empty).
-        remote: the names of the layers other ranks run.
-    """
-
-    def __init__(self, partitions: Sequence[nn.Sequential], remote: set[str]) -> None:
-        super().__init__()
-        self.owner = {
-            name: j for j, partition in enumerate(partitions) for name in partition._modules
-        }
-        self.remote = remote
-
-    def to_plain(self, module: nn.Module, key: str) -> str | None:
-        if key == "partitions" or (key.count(".") < 2 and key.startswith("partitions.")):
-            return None  # the partitions themselves
-        if key.startswith("partitions."):
-            return key.split(".", 2)[2]
-        return key
-
-    def from_plain(self, module: nn.Module, key: str) -> str | None:
-        layer = key.partition(".")[0]
-        j = self.owner.get(layer)
-        if j is not None:
-            return f"partitions.{j}.{key}"
-        return None if layer in self.remote else key

@@ -8,7 +8,7 @@ from typing import Any, Literal, overload
 import torch
 from torch import Tensor
 
-__all__ = ["LossFunction", "Losses", "Reduction"]
+__all__ = ["LossFunction", "Losses", "Numbers", "Reduction", "from_numbers", "to_numbers"]
 
 #: How a loss function reduces over the samples of a micro-batch.
 Reduction = Literal["mean", "sum"]
@@ -75,3 +75,19 @@ class Losses(Sequence[Tensor]):
     def __repr__(self) -> str:
         values = ", ".join(f"{loss.item():.4g}" for loss in self._losses)
         return f"Losses([{values}], sizes={list(self.sizes)}, reduction={self.reduction!r})"
+
+
+#: Losses as numbers: the values, their dtype, the micro-batches' sizes, the reduction.
+Numbers = tuple[list[float], torch.dtype, Sequence[int], Reduction]
+
+
+def to_numbers(losses: Losses) -> Numbers:
+    """``losses`` as numbers and a dtype, exact for every float dtype (for the other ranks:
+    pickling tensors is slow)."""
+    dtype = losses[0].dtype if len(losses) else torch.float32
+    return [loss.item() for loss in losses], dtype, losses.sizes, losses.reduction
+
+
+def from_numbers(numbers: Numbers) -> Losses:
+    values, dtype, sizes, reduction = numbers
+    return Losses([torch.tensor(value, dtype=dtype) for value in values], sizes, reduction)

@@ -12,7 +12,11 @@ It knows nothing of the layers beyond their count, of schedules or of stages.
 
 from __future__ import annotations
 
+import datetime
+import math
 import os
+import threading
+import warnings
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -23,7 +27,73 @@ from gpipe_microbatch import Device
 from ._partition import resolve_devices
 from ._transport import LocalTransport, Transport
 
-__all__ = ["Placement"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "MAX_TIMEOUT",
+    "Placement",
+    "check_timeout",
+    "warn_without_process_group",
+]
+
+
+#: The default ``timeout``: the seconds any wait for another rank may last.
+DEFAULT_TIMEOUT = 1800.0
+#: The longest bounded timeout (a longer one is clamped to it): the longest wait Python's
+#: threading accepts, about 292 years.
+MAX_TIMEOUT = float(threading.TIMEOUT_MAX)
+
+
+def check_timeout(timeout: object, group: object) -> float | None:
+    """``timeout`` in seconds, None for no bound (only meaningful with a group)."""
+    if group is None:
+        if timeout is not None and timeout != DEFAULT_TIMEOUT:
+            raise ValueError(
+                f"timeout bounds the waits for other ranks and needs group (timeout: {timeout!r})"
+            )
+        return DEFAULT_TIMEOUT
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(
+            f"timeout must be seconds, a timedelta or None for no bound (timeout: {timeout!r})"
+        )
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive (timeout: {timeout!r})")
+    if not math.isfinite(seconds):
+        raise ValueError(
+            "timeout must be a finite number of seconds, or None for no bound "
+            f"(timeout: {timeout!r})"
+        )
+    return min(seconds, MAX_TIMEOUT)
+
+
+_warned_without_process_group = False
+
+
+def warn_without_process_group() -> None:
+    """Warn (once per process) when the environment says this process is one of several
+    but ``torch.distributed`` is not initialized: every rank would then train the whole
+    model alone (a pipeline inside the user's own data parallelism is initialized)."""
+    global _warned_without_process_group
+    if _warned_without_process_group or (dist.is_available() and dist.is_initialized()):
+        return
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not world.isdigit() or int(world) < 2:
+        return
+    _warned_without_process_group = True
+    warnings.warn(
+        f"this process is one of {world} (WORLD_SIZE={world}) but torch.distributed is not "
+        "initialized, so this pipeline runs every partition in this process, as every "
+        "other process does; to run the partitions across the processes, call "
+        "torch.distributed.init_process_group() first and pass "
+        "group=torch.distributed.group.WORLD",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 class Placement:

@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ __all__ = [
     "get_schedule",
     "schedules",
     "simulate",
+    "step_actions",
 ]
 
 ActionKind = Literal["forward", "backward"]
@@ -360,3 +362,22 @@ def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
             for j, row in enumerate(rows)
             if column < len(row) and (action := row[column]) is not None
         ]
+
+
+@functools.lru_cache(maxsize=64)
+def _builtin_actions(
+    kind: type[Schedule], m: int, n: int, backward: bool
+) -> tuple[tuple[Action, ...], ...]:
+    plan = kind()
+    lists = plan.actions(m, n) if backward else plan.forward_only(m, n)
+    checked = check_actions(lists, m, backward=backward, partitions=n, schedule=plan)
+    return tuple(tuple(actions) for actions in checked)
+
+
+def step_actions(plan: Schedule, m: int, n: int, backward: bool) -> Sequence[Sequence[Action]]:
+    """``plan``'s actions for a run of ``m`` micro-batches over ``n`` partitions (forward
+    ones only without ``backward``), checked: once per shape for the built-in schedules."""
+    if type(plan) in (GPipeSchedule, OneFOneBSchedule):
+        return _builtin_actions(type(plan), m, n, backward)
+    lists = plan.actions(m, n) if backward else plan.forward_only(m, n)
+    return check_actions(lists, m, backward=backward, partitions=n, schedule=plan)

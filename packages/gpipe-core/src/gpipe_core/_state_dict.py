@@ -15,12 +15,13 @@ This module knows nothing of partitions or devices: the maps say what the keys a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 from torch import nn
 
-__all__ = ["KeyMap", "map_keys"]
+__all__ = ["KeyMap", "PartitionKeys", "map_keys"]
 
 
 class KeyMap(ABC):
@@ -120,3 +121,36 @@ def map_keys(module: nn.Module, keys: KeyMap) -> None:
     module.register_state_dict_post_hook(partial(KeyMap.saved, keys))  # type: ignore[no-untyped-call]
     module.register_load_state_dict_pre_hook(partial(KeyMap.load, keys))  # type: ignore[no-untyped-call]
     module.register_load_state_dict_post_hook(partial(KeyMap.loaded, keys))  # type: ignore[no-untyped-call]
+
+
+class PartitionKeys(KeyMap):
+    """A layer's keys are ``partitions.J.<layer>.<rest>`` in the pipeline, ``<layer>.<rest>``
+    plainly (layers keep their names in the partitions). A load takes torchgpipe's keys
+    (``partitions.J.<layer>.<rest>``) as they are unless ``partitions`` is a layer's name,
+    and leaves the keys of the layers other ranks run to them.
+
+    Args:
+        partitions: the partitions (this rank's; another rank's are empty).
+        remote: the names of the layers other ranks run.
+    """
+
+    def __init__(self, partitions: Sequence[nn.Sequential], remote: set[str]) -> None:
+        super().__init__()
+        self.owner = {
+            name: j for j, partition in enumerate(partitions) for name in partition._modules
+        }
+        self.remote = remote
+
+    def to_plain(self, module: nn.Module, key: str) -> str | None:
+        if key == "partitions" or (key.count(".") < 2 and key.startswith("partitions.")):
+            return None  # the partitions themselves
+        if key.startswith("partitions."):
+            return key.split(".", 2)[2]
+        return key
+
+    def from_plain(self, module: nn.Module, key: str) -> str | None:
+        layer = key.partition(".")[0]
+        j = self.owner.get(layer)
+        if j is not None:
+            return f"partitions.{j}.{key}"
+        return None if layer in self.remote else key
