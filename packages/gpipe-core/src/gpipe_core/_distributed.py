@@ -73,7 +73,7 @@ __all__ = [
     "RemoteStageError",
     "check_group",
     "gloo_group",
-    "lanes",
+    "lower_group",
     "pipeline_tag",
 ]
 
@@ -154,7 +154,7 @@ class RemoteStageError(RuntimeError):
 
 
 @dataclass
-class _Failure:
+class _RemoteFailure:
     rank: int
     where: str
     summary: str
@@ -187,7 +187,7 @@ def _bytes(tensor: Tensor) -> Tensor:
 _Specs = Sequence[tuple[torch.dtype, tuple[int, ...]]]
 
 
-def _placed(start: int, sizes: Sequence[int]) -> tuple[list[int], int]:
+def _offsets(start: int, sizes: Sequence[int]) -> tuple[list[int], int]:
     """Where chunks of ``sizes`` bytes go in a buffer from ``start`` on (each aligned),
     and where the last one ends."""
     offsets = []
@@ -212,7 +212,7 @@ def _pack(buffer: Tensor, offsets: Sequence[int], chunks: Sequence[Tensor]) -> N
 def _unpack(buffer: Tensor, start: int, specs: _Specs) -> list[Tensor]:
     """Tensors of ``specs``, views of ``buffer`` placed from ``start`` on."""
     sizes = _nbytes(specs)
-    offsets, _ = _placed(start, sizes)
+    offsets, _ = _offsets(start, sizes)
     return [
         buffer[offset : offset + size].view(dtype).view(shape)
         for offset, size, (dtype, shape) in zip(offsets, sizes, specs, strict=True)
@@ -222,7 +222,7 @@ def _unpack(buffer: Tensor, start: int, specs: _Specs) -> list[Tensor]:
 def _whole(length: int, sizes: Sequence[int]) -> int:
     """The bytes of a message in one piece: the header with ``length`` bytes of metadata,
     then tensors of ``sizes`` bytes, each aligned."""
-    return _placed(_PREFIX + length, sizes)[1]
+    return _offsets(_PREFIX + length, sizes)[1]
 
 
 class _Capacity:
@@ -267,7 +267,7 @@ def _message(encoded: bytes, data: Sequence[Tensor], capacity: int) -> list[Tens
     sizes = [len(chunk) for chunk in data]
     fits = _PREFIX + len(encoded) <= capacity  # the metadata, in the header
     start = _PREFIX + len(encoded) if fits else _PREFIX
-    offsets, end = _placed(start, sizes)
+    offsets, end = _offsets(start, sizes)
     if not data:
         layout = "none"
     elif fits and end <= capacity:
@@ -290,7 +290,7 @@ def _message(encoded: bytes, data: Sequence[Tensor], capacity: int) -> list[Tens
     elif layout == "single":
         parts.append(data[0])
     elif layout == "packed":
-        offsets, total = _placed(0, sizes)
+        offsets, total = _offsets(0, sizes)
         packed = torch.empty(total, dtype=torch.uint8)
         _pack(packed, offsets, data)
         parts.append(packed)
@@ -308,7 +308,7 @@ class DistributedTransport(Transport):
             waits for what (None: no bound).
         tag: the point-to-point tag of this pipeline's headers (``tag + 1``: its
             payloads).
-        to_lower: a second process group of ``group``'s ranks (see :func:`lanes`):
+        to_lower: a second process group of ``group``'s ranks (see :func:`lower_group`):
             messages to a higher rank go on ``group``, to a lower one on this, so that
             each connection carries one direction (default: ``group`` for both).
     """
@@ -326,12 +326,12 @@ class DistributedTransport(Transport):
         self.group = group
         # Each peer's group and its rank there, for messages to it and from it.
         other = group if to_lower is None else to_lower
-        self.to_lane = {
-            peer: (group, peer) if peer > group.rank() else _lane(other, group, peer)
+        self.to_peer = {
+            peer: (group, peer) if peer > group.rank() else _peer_in(other, group, peer)
             for peer in range(group.size())
         }
-        self.from_lane = {
-            peer: (group, peer) if peer < group.rank() else _lane(other, group, peer)
+        self.from_peer = {
+            peer: (group, peer) if peer < group.rank() else _peer_in(other, group, peer)
             for peer in range(group.size())
         }
         self.rank = group.rank()
@@ -358,7 +358,7 @@ class DistributedTransport(Transport):
         self.peer_fields: dict[int, Fields | None] = {}
         #: When each peer was last heard from in this run (the run's start at first).
         self.heard = dict.fromkeys(self.peers, 0.0)
-        self.failures: list[_Failure] = []
+        self.failures: list[_RemoteFailure] = []
         self.finished: dict[int, Any] = {}  # peer -> its payload
         self.served = dict.fromkeys(self.peers, 0)  # the last run each receiver served
         self.dead: dict[int, str] = {}
@@ -499,7 +499,7 @@ class DistributedTransport(Transport):
     def _disagreement(
         self,
         error: BaseException | None,
-        failures: Sequence[_Failure],
+        failures: Sequence[_RemoteFailure],
         fields: dict[int, Fields | None],
     ) -> RanksDisagree | None:
         """The error every rank raises when a rank found that its run fields differ from
@@ -670,8 +670,8 @@ class DistributedTransport(Transport):
             for k, part in enumerate(parts):
                 tag = self.tag if k == 0 else self.tag + 1  # the header, then the payload
                 try:
-                    lane, there = self.to_lane[peer]
-                    work = dist.isend(part, group=lane, group_dst=there, tag=tag)
+                    carrier, there = self.to_peer[peer]
+                    work = dist.isend(part, group=carrier, group_dst=there, tag=tag)
                 except RuntimeError as error:  # the connection is closed
                     with self.cond:
                         self.dead.setdefault(peer, f"{type(error).__name__}: {error}")
@@ -731,7 +731,7 @@ class DistributedTransport(Transport):
                     self.dead[peer] = f"{type(error).__name__}: {error}"
                     if self.active:
                         self.failures.append(
-                            _Failure(
+                            _RemoteFailure(
                                 peer, "its run", f"the process died or left the group ({error})", ""
                             )
                         )
@@ -767,7 +767,7 @@ class DistributedTransport(Transport):
             self._recv(tensor.reshape(-1).view(torch.uint8), peer)
             tensors = [tensor]
         elif layout == "packed":
-            _, total = _placed(0, sizes)
+            _, total = _offsets(0, sizes)
             packed = torch.empty(total, dtype=torch.uint8)
             self._recv(packed, peer)
             tensors = _unpack(packed, 0, specs)
@@ -779,7 +779,7 @@ class DistributedTransport(Transport):
                 self.cond.notify_all()
                 return False
             if kind == "failed":
-                self.failures.append(_Failure(peer, *meta[1:]))
+                self.failures.append(_RemoteFailure(peer, *meta[1:]))
                 self.cancelled = True
             elif kind == "plan":
                 self.plan, self.plan_fields = meta[1], meta[2]
@@ -798,8 +798,8 @@ class DistributedTransport(Transport):
         while len(posted) < HEADERS_AHEAD:
             raw = bytearray(self.received[peer].size)
             header = torch.frombuffer(raw, dtype=torch.uint8)
-            lane, there = self.from_lane[peer]
-            work = dist.irecv(header, group=lane, group_src=there, tag=self.tag)
+            carrier, there = self.from_peer[peer]
+            work = dist.irecv(header, group=carrier, group_src=there, tag=self.tag)
             assert work is not None  # None only for a process outside the group
             posted.append((work, raw, header))
         work, raw, header = posted[0]
@@ -809,13 +809,13 @@ class DistributedTransport(Transport):
 
     def _recv(self, tensor: Tensor, peer: int) -> None:
         """Receive the next payload (or metadata that did not fit in its header)."""
-        lane, there = self.from_lane[peer]
-        dist.recv(tensor, group=lane, group_src=there, tag=self.tag + 1)
+        carrier, there = self.from_peer[peer]
+        dist.recv(tensor, group=carrier, group_src=there, tag=self.tag + 1)
 
 
 _GlooGroups = weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]
 _gloo_groups: _GlooGroups = weakref.WeakKeyDictionary()
-_lanes: _GlooGroups = weakref.WeakKeyDictionary()
+_lower_groups: _GlooGroups = weakref.WeakKeyDictionary()
 
 
 def _gloo_copy(group: dist.ProcessGroup, made: _GlooGroups) -> dist.ProcessGroup:
@@ -844,7 +844,7 @@ def gloo_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     return _gloo_copy(group, _gloo_groups)
 
 
-def lanes(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+def lower_group(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
     """A second gloo group of the ranks of ``group`` (a gloo group), for the messages to
     lower ranks (None for a group of one), made once per group (see :func:`_gloo_copy`).
 
@@ -854,14 +854,15 @@ def lanes(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
     """
     if group.size() < 2:
         return None
-    return _gloo_copy(group, _lanes)
+    return _gloo_copy(group, _lower_groups)
 
 
-def _lane(
-    lane: dist.ProcessGroup, group: dist.ProcessGroup, peer: int
+def _peer_in(
+    carrier: dist.ProcessGroup, group: dist.ProcessGroup, peer: int
 ) -> tuple[dist.ProcessGroup, int]:
-    """``lane`` and the rank there of ``group``'s rank ``peer``."""
-    return lane, dist.get_group_rank(lane, dist.get_global_rank(group, peer))
+    """``carrier`` (a group of the same ranks) and the rank there of ``group``'s rank
+    ``peer``."""
+    return carrier, dist.get_group_rank(carrier, dist.get_global_rank(group, peer))
 
 
 def _check_strided(key: MessageKey, tensors: Sequence[Tensor]) -> None:

@@ -139,7 +139,7 @@ class _WrappedKeys(KeyMap):
         return f"module.{key}" if key else "module"
 
 
-def _placed(layer: nn.Module | None) -> nn.Module | None:
+def _unwrapped(layer: nn.Module | None) -> nn.Module | None:
     """The layer that goes into a partition: the wrapped one for a :class:`WithDevice`."""
     return layer.module if isinstance(layer, WithDevice) else layer
 
@@ -152,7 +152,7 @@ def _check_wrappers(module: nn.Sequential) -> None:
     """Refuse a :class:`WithDevice` nested in a layer: only layers are placed."""
     layers: list[nn.Module | None] = list(module._modules.values())  # None: an empty slot
     for index, layer in enumerate(layers):
-        inner = _placed(layer)
+        inner = _unwrapped(layer)
         for path, nested in inner.named_modules() if inner is not None else ():
             if isinstance(nested, WithDevice) and path:
                 raise TypeError(
@@ -170,7 +170,7 @@ def placed_layers(module: nn.Sequential) -> nn.Sequential:
     """
     _check_wrappers(module)
     layers: list[tuple[str, nn.Module | None]] = list(module._modules.items())
-    placed = OrderedDict((name, _placed(layer)) for name, layer in layers)
+    placed = OrderedDict((name, _unwrapped(layer)) for name, layer in layers)
     return nn.Sequential(cast("OrderedDict[str, nn.Module]", placed))
 
 

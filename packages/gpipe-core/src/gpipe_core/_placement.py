@@ -181,11 +181,11 @@ class Placement:
         point-to-point tag (see :func:`~gpipe_core._distributed.pipeline_tag`)."""
         if self.group is None:
             return
-        from ._distributed import gloo_group, lanes
+        from ._distributed import gloo_group, lower_group
 
         self._tag = tag
         self._to_higher = gloo_group(self.group)
-        self._to_lower = lanes(self._to_higher)
+        self._to_lower = lower_group(self._to_higher)
 
     def transport(self) -> Transport:
         """The pipeline's transport, made on first use: between worker threads of this

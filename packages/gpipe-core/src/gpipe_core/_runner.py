@@ -136,7 +136,7 @@ def run(
     return outputs
 
 
-def _placed(stage: Stage) -> AbstractContextManager[object]:
+def _on_device(stage: Stage) -> AbstractContextManager[object]:
     """Make the stage's device and compute stream current (nothing to do on the CPU)."""
     if stage.device.type != "cuda" and not is_cuda(stage.stream):
         return nullcontext()
@@ -172,7 +172,7 @@ class _Executor:
     def run(self, j: int, actions: Sequence[Action], state: ThreadState) -> None:
         """Run stage ``j``'s actions in order on its worker, under the caller's ``state``."""
         failure = self.failure
-        with _placed(self.stage(j)), state.apply():
+        with _on_device(self.stage(j)), state.apply():
             for position, action in enumerate(actions):
                 if failure.cancelled:
                     return
@@ -191,7 +191,7 @@ class _Executor:
             for j, row in enumerate(rows):
                 action = row[column] if column < len(row) else None
                 if action is not None:
-                    with _placed(self.stage(j)):
+                    with _on_device(self.stage(j)):
                         self.act(j, action)
 
     def act(self, j: int, action: Action) -> None:
