@@ -53,6 +53,7 @@ from ._schedule import (
 )
 from ._sequential import PipeSequential
 from ._stage import LossSpec, Stage, nested
+from ._threads import check_intra_op_threads
 from ._timeline import Timeline
 from ._tracing import record, tracer_for
 from ._transport import Cancelled, LocalTransport, Transport
@@ -280,6 +281,14 @@ class GPipe(nn.Module):
         timeout: with ``group`` or ``data_group``, the seconds any wait for another rank
             may last (default: 1800) before the run fails with an error saying who waits
             for what.
+        intra_op_threads: the intra-op threads (``torch.set_num_threads``) of each worker
+            on the CPU. ``None`` (default): the caller's ``torch.get_num_threads()``
+            divided among the workers on the CPU that compute at once, set by each worker
+            as it starts a micro-batch's forward or backward pass, so that together they
+            use the cores the plain model would, not ``n`` times as many; an integer: that
+            many for every worker on the CPU; ``0``: torch's setting as it is (every worker
+            with the whole pool). Workers set the caller's count back at the end of a run
+            (see :ref:`intra-op-threads`).
 
     Raises:
         TypeError: ``module`` is not an :class:`~torch.nn.Sequential`, its skippable
@@ -318,6 +327,7 @@ class GPipe(nn.Module):
         group: dist.ProcessGroup | None = None,
         data_group: dist.ProcessGroup | None = None,
         timeout: float | datetime.timedelta | None = None,
+        intra_op_threads: int | None = None,
     ) -> None:
         super().__init__()
         check_module(module)
@@ -333,6 +343,8 @@ class GPipe(nn.Module):
         self._group = group
         self._data_group = data_group
         self._timeout = _check_timeout(timeout, group if group is not None else data_group)
+        #: The intra-op threads of each worker on the CPU (see ``intra_op_threads``).
+        self.intra_op_threads = check_intra_op_threads(intra_op_threads)
         if group is not None or data_group is not None:
             from ._distributed import check_group, gloo_group, lanes, pipeline_tag
         if data_group is not None:
@@ -521,27 +533,63 @@ class GPipe(nn.Module):
             f"device: {device!r})"
         )
 
-    def cuda(self, device: Any = None) -> NoReturn:
-        """Refused: partitions stay on their devices."""
-        self._refuse_move(".cuda()", device)
+    def _stays(self, device: torch.device) -> bool:
+        """Whether every partition of this process is on ``device`` already (a CUDA device
+        without an index meaning the current one): then moving there moves nothing."""
+        if str(device) == "cuda":  # no index
+            if not torch.cuda.is_available():
+                return False
+            device = torch.device("cuda", torch.cuda.current_device())
+        mine = [d for j, d in enumerate(self.devices) if self._local(j)]
+        return bool(mine) and all(d == device for d in mine)
 
-    def cpu(self) -> NoReturn:
-        """Refused: partitions stay on their devices."""
-        self._refuse_move(".cpu()", "cpu")
-
-    def to(self, *args: Any, **kwargs: Any) -> GPipe:
-        """Convert the dtype of parameters and buffers; moving to a device is refused.
+    def cuda(self, device: Any = None) -> GPipe:
+        """Nothing to do when every partition is on that CUDA device already; otherwise
+        refused: partitions stay on their devices.
 
         Raises:
-            TypeError: the arguments name a device (or a tensor, which has one).
+            TypeError: a partition is on another device.
         """
-        # A device index is refused as it is, before torch resolves it (without an
-        # accelerator torch would raise its own error for it).
+        if device is None:
+            target = torch.device("cuda")
+        elif isinstance(device, int):
+            target = torch.device("cuda", device)
+        else:
+            target = torch.device(device)
+        if not self._stays(target):
+            self._refuse_move(".cuda()", device)
+        return self
+
+    def cpu(self) -> GPipe:
+        """Nothing to do when every partition is on the CPU already; otherwise refused:
+        partitions stay on their devices.
+
+        Raises:
+            TypeError: a partition is on another device.
+        """
+        if not self._stays(torch.device("cpu")):
+            self._refuse_move(".cpu()", "cpu")
+        return self
+
+    def to(self, *args: Any, **kwargs: Any) -> GPipe:
+        """Convert the dtype of parameters and buffers; a device is accepted only where every
+        partition is already, and moving to another one is refused.
+
+        Raises:
+            TypeError: the arguments name a device (or a tensor, which has one) that a
+                partition is not on.
+        """
+        # A device index is a CUDA device, resolved here: without an accelerator torch
+        # would raise its own error for it.
         index = kwargs.get("device", args[0] if args else None)
         if isinstance(index, int) and not isinstance(index, bool):
-            self._refuse_move(".to(device)", index)
+            if not self._stays(torch.device("cuda", index)):
+                self._refuse_move(".to(device)", index)
+            rest = args[1:] if args and args[0] is index else args
+            kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+            return super().to(*rest, **kwargs) if rest or kwargs else self
         device: torch.device | None = torch._C._nn._parse_to(*args, **kwargs)[0]
-        if device is not None:
+        if device is not None and not self._stays(device):
             self._refuse_move(".to(device)", device)
         return super().to(*args, **kwargs)
 
@@ -768,7 +816,16 @@ class GPipe(nn.Module):
         # Deferred batch norms update their running statistics once, after all m
         # micro-batches (m may be less than chunks), and not at all if a micro-batch fails.
         with mini_batch(self) if self._deferred_batch_norm else nullcontext():
-            outputs = run(stages, transport, actions, batches, self._pool, state, threaded)
+            outputs = run(
+                stages,
+                transport,
+                actions,
+                batches,
+                self._pool,
+                state,
+                threaded,
+                intra_op_threads=self.intra_op_threads,
+            )
             if self._transport is not None and self._transport.cancelled:
                 raise Cancelled  # another rank failed: the session raises its error
         return outputs
