@@ -17,6 +17,7 @@ import shlex
 import shutil
 import sys
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
@@ -555,6 +556,114 @@ def build(session: nox.Session) -> None:
         "assert os.path.realpath(gpipe.__file__).startswith(venv + os.sep), gpipe.__file__\n"
     )
     session.run(python, "-c", check, external=True)
+
+    # Every other shell command of the READMEs and the docs, in the fresh venv.
+    for where, command in documented_commands():
+        session.log(f"{where}: {command}")
+        for part in command.split(" && "):
+            check_command(session, part, activate, python, installs)
+
+
+# An inline command that the docs give as what not to type: PyPI's "gpipe" is another project.
+_NOT_COMMANDS = {"pip install gpipe"}
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """Every shell command of the READMEs and the docs: ``(file:line, command)``.
+
+    The lines of Markdown ``console`` blocks, the ``$`` lines of reStructuredText
+    ``code-block:: console`` blocks (``\\`` continued), and inline ``pip install ...``
+    literals, except :data:`_NOT_COMMANDS`.
+    """
+    found: list[tuple[str, str]] = []
+    for path in [ROOT / "README.md", *sorted(PACKAGES_DIR.glob("*/README.md"))]:
+        in_block = False
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.startswith("```"):
+                in_block = line.strip() == "```console"
+            elif in_block and line.strip():
+                found.append((f"{path.relative_to(ROOT)}:{number}", line.strip()))
+            for inline in re.findall(r"`(pip install [^`]+)`", line):
+                found.append((f"{path.relative_to(ROOT)}:{number}", inline))
+    for path in sorted(DOCS_DIR.glob("**/*.rst")):
+        if "_build" in path.parts:
+            continue
+        lines = path.read_text(encoding="utf-8").splitlines()
+        in_block, pending = False, ""
+        for number, line in enumerate(lines, 1):
+            if line.startswith(".. code-block::"):
+                in_block = line.split("::")[1].strip() == "console"
+                continue
+            if in_block and line.strip() and not line.startswith(" "):
+                in_block = False
+            if in_block and (pending or line.strip().startswith("$ ")):
+                text = line.strip().removeprefix("$ ")
+                if text.endswith("\\"):
+                    pending += text[:-1]
+                    continue
+                found.append((f"{path.relative_to(ROOT)}:{number}", pending + text))
+                pending = ""
+            for inline in re.findall(r"``(pip install [^`]+)``", line):
+                found.append((f"{path.relative_to(ROOT)}:{number}", inline))
+    return [(where, command) for where, command in found if command not in _NOT_COMMANDS]
+
+
+def check_command(
+    session: nox.Session,
+    command: str,
+    activate: str,
+    python: str,
+    installs: Callable[[str], object],
+) -> None:
+    """Check one documented command in the fresh venv: run it, dry-run it, or parse it.
+
+    ``pip install`` is dry-run (it needs the index); ``pip wheel`` runs from the checkout's
+    root; ``nox`` must name sessions of this file, the demo's arguments after ``--`` must
+    pass the demo's checks; ``python -m gpipe demo`` and ``torchrun ... -m gpipe demo`` must
+    pass them too (under torchrun, with its world size), torchrun's own arguments its parser;
+    a benchmark script must start and take its arguments (``--help`` after them).
+    """
+    command = re.sub(r"\s+#.*$", "", command)  # a comment after it
+    argv = shlex.split(command)
+    if argv[0].startswith("python") and argv[1:3] == ["-m", "pip"]:
+        argv = ["pip", *argv[3:]]
+    where = f"documented command {command!r}"
+    demo_check = (
+        "import sys\nfrom gpipe._cli import build_parser, _check_demo\n"
+        "world = int(sys.argv[1])\nargs = build_parser().parse_args(sys.argv[2:])\n"
+        "_check_demo(args, None if world == 0 else (0, world))\n"
+    )
+    if argv[:2] == ["pip", "install"]:
+        installs(command)
+    elif argv[:2] == ["pip", "wheel"]:
+        session.run("sh", "-c", activate + command, external=True)
+    elif argv[0].startswith("python") and argv[1:3] == ["-m", "nox"]:
+        args = argv[3:]
+        sessions = [args[k + 1] for k, arg in enumerate(args) if arg == "-s"]
+        known = {name.split("(")[0] for name in nox.registry.get()}
+        if any(name not in known for name in sessions):
+            session.error(f"{where}: no such session (sessions: {sorted(known)})")
+        if sessions == ["demo"] and "--" in args:
+            demo = ["demo", *args[args.index("--") + 1 :]]
+            session.run(python, "-c", demo_check, "0", *demo, external=True)
+    elif argv[0].startswith("python") and argv[1:4] == ["-m", "gpipe", "demo"]:
+        session.run(python, "-c", demo_check, "0", *argv[3:], external=True)
+    elif argv[0] == "torchrun":
+        parse = (
+            "import sys\nfrom torch.distributed.run import get_args_parser\n"
+            "a = get_args_parser().parse_args(sys.argv[1:])\n"
+            "nodes = a.nnodes.split(':')[-1]\n"
+            "print(int(nodes) * int(a.nproc_per_node), a.module, a.training_script,"
+            " *a.training_script_args)\n"
+        )
+        out = str(session.run(python, "-c", parse, *argv[1:], silent=True, external=True))
+        world, module, script, *rest = out.split()
+        if module == "True" and script == "gpipe":
+            session.run(python, "-c", demo_check, world, *rest, external=True)
+    elif argv[0].startswith("python") and argv[1].startswith("benchmarks/"):
+        session.run("sh", "-c", f"{activate}{command} --help >/dev/null", external=True)
+    else:
+        session.error(f"{where}: no check for this kind of command")
 
 
 def _readme_install_commands(readme: Path, expected: int | None = 2) -> list[str]:
