@@ -207,9 +207,9 @@ def profile_times(
         module: the model, which is not changed (see the module docstring).
         sample: an input of the model: a tensor or a tuple of tensors.
         timeout: seconds to keep repeating the passes for, counted from the start, warm-up
-            included. ``0`` runs the minimum passes only. None (the default): until
-            :data:`DEFAULT_TIMEOUT` (1 s) has passed, or the minimum passes are done if
-            they take longer, which is no reason to warn.
+            included. ``0`` runs the minimum passes only. None (the default): until 1 s has
+            passed, or the minimum passes are done if they take longer, which is no reason
+            to warn.
         passes: the smallest number of measured passes (default 5), run even when they
             take longer than ``timeout``.
         device: the device to profile on; by default the device of ``sample``.
