@@ -133,7 +133,9 @@ def test_demo_in_one_process_trains_with_step(
 
 
 def test_schedule_option_in_one_process(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["demo", "--steps", "2", "--batch-size", "8", "--width", "8", "--schedule", "gpipe"])
+    code = main(
+        ["demo", "--steps", "2", "--batch-size", "8", "--width", "8", "--schedule", "gpipe"]
+    )
     assert code == 0
     assert "gpipe / plain" in capsys.readouterr().out
 
