@@ -17,10 +17,15 @@ import shlex
 import shutil
 import sys
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 import nox
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent
 PACKAGES_DIR = ROOT / "packages"
@@ -28,7 +33,9 @@ DIST_DIR = ROOT / "dist"
 DOCS_DIR = ROOT / "docs"
 
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
-TORCH_VERSIONS = ["2.13.0"]
+# Every torch this machine holds (torch is never downloaded): 2.13.0+cpu in /opt/wheels, and
+# 2.14.1 (a CUDA build, which runs on the CPU) in a local index; both for Python 3.11 only.
+TORCH_VERSIONS = ["2.13.0", "2.14.1"]
 # The interpreter and torch used by every session other than the test matrix.
 DEV_PYTHON = "3.11"
 DEV_TORCH = TORCH_VERSIONS[0]
@@ -63,7 +70,7 @@ def _expose_pyenv_interpreters() -> None:
     for python in PYTHONS:
         candidates = sorted(
             versions.glob(f"{python}.*/bin/python{python}"),
-            key=lambda path: [int(part) for part in re.findall(r"\d+", path.parent.parent.name)],
+            key=lambda path: Version(path.parent.parent.name),
         )
         if not candidates:
             continue
@@ -88,16 +95,9 @@ nox.options.error_on_missing_interpreters = shutil.which(f"python{DEV_PYTHON}") 
 # --------------------------------------------------------------------------------------------
 
 
-def _normalize(name: str) -> str:
-    """PEP 503 normalization of a distribution name."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def _requirement_name(requirement: str) -> str:
-    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
-    if match is None:
-        raise ValueError(f"cannot parse requirement: {requirement!r}")
-    return _normalize(match.group(1))
+    """The normalized distribution name of a requirement string (PEP 508)."""
+    return canonicalize_name(Requirement(requirement).name)
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ def discover_packages() -> tuple[Package, ...]:
     for pyproject in sorted(PACKAGES_DIR.glob("*/pyproject.toml")):
         data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
         project = data.get("project", {})
-        name = _normalize(project["name"])
+        name = canonicalize_name(project["name"])
         raw[name] = (pyproject.parent, project, data.get("tool", {}))
 
     packages: dict[str, Package] = {}
@@ -190,21 +190,17 @@ def discover_packages() -> tuple[Package, ...]:
             test_siblings=tuple(test_siblings),
         )
 
-    # Kahn's algorithm, alphabetical among packages that are ready at the same time.
+    # Dependencies first; alphabetical among the packages that are ready at the same time.
+    sorter = TopologicalSorter({name: package.siblings for name, package in packages.items()})
+    try:
+        sorter.prepare()
+    except CycleError as error:
+        raise RuntimeError(f"dependency cycle among packages: {error.args[1]}") from None
     ordered: list[Package] = []
-    done: set[str] = set()
-    while len(ordered) < len(packages):
-        ready = sorted(
-            name
-            for name, package in packages.items()
-            if name not in done and all(s in done for s in package.siblings)
-        )
-        if not ready:
-            left = sorted(set(packages) - done)
-            raise RuntimeError(f"dependency cycle among packages: {left}")
-        for name in ready:
-            ordered.append(packages[name])
-            done.add(name)
+    while sorter.is_active():
+        ready = sorted(sorter.get_ready())
+        ordered.extend(packages[name] for name in ready)
+        sorter.done(*ready)
     return tuple(ordered)
 
 
@@ -239,22 +235,47 @@ def external_requirements(packages: list[Package] | tuple[Package, ...]) -> list
 # --------------------------------------------------------------------------------------------
 
 
+def _local_indexes(session: nox.Session, python: str) -> list[str]:
+    """The package indexes of pip's configuration that are directories on this machine
+    (``file://`` URLs): an index of wheels on local disk is no download."""
+    output = session.run(python, "-m", "pip", "config", "list", silent=True, external=True)
+    urls: list[str] = []
+    for line in str(output or "").splitlines():
+        key, _, value = line.partition("=")
+        if key.endswith(("index-url", "extra-index-url")):
+            urls += [url for url in shlex.split(value)[0].split() if url.startswith("file:")]
+    return list(dict.fromkeys(urls))
+
+
 def install_torch(
     session: nox.Session, version: str, *, python: str = "python", skip: bool = False
 ) -> None:
-    """Install torch ``version`` from pip's find-links only and pin it for the rest of the session.
+    """Install torch ``version`` from this machine's disk and pin it for the rest of the session.
 
-    ``--no-index`` limits pip to its find-links directories (or a torch already installed), so
-    torch is never resolved from an index; torch's own dependencies come from the index after.
-    Without a fitting wheel the session is skipped (``skip=True``) or fails, with the reason.
+    torch itself comes from pip's find-links directories (``--no-index``), else from the
+    indexes of pip's configuration that are local directories (``file://``; such as the one
+    holding the 5.5 GB CUDA build of torch 2.14.1, which runs on the CPU too): it is never
+    downloaded. Its own dependencies come from pip's indexes after. Without a fitting wheel
+    the session is skipped (``skip=True``) or fails, with the reason.
     """
     pip = (python, "-m", "pip", "install", "--quiet")
-    try:
-        session.run(*pip, "--no-index", "--no-deps", f"torch=={version}", external=True)
-    except nox.command.CommandFailed:
+    attempts: list[list[str]] = [["--no-index"]]
+    local = _local_indexes(session, python)
+    if local:
+        attempts.append(["--index-url", local[0]])
+        for url in local[1:]:
+            attempts[-1] += ["--extra-index-url", url]
+    for where in attempts:
+        try:
+            session.run(*pip, *where, "--no-deps", f"torch=={version}", external=True)
+            break
+        except nox.command.CommandFailed:
+            continue
+    else:
         reason = (
             f"no torch=={version} wheel for Python {session.python} in pip's find-links "
-            "directories, and that torch is not installed; torch is never downloaded from an index"
+            f"directories or local indexes ({local}), and that torch is not installed; torch "
+            "is never downloaded"
         )
         if skip:
             session.skip(reason)
@@ -322,25 +343,72 @@ def install_all_packages(session: nox.Session) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+# pytest's options whose value is the next argument, which is never a package then.
+_PYTEST_VALUE_OPTIONS = frozenset(
+    ["-k", "-m", "-p", "-o", "-c", "--deselect", "--ignore", "--ignore-glob", "--rootdir"]
+)
+
+
+def select_packages(args: list[str]) -> tuple[list[Package], list[str]]:
+    """The packages named among ``args``, and the other arguments (for pytest).
+
+    A package is named by its distribution name (``gpipe-skip``, in any spelling that
+    normalizes to it: ``gpipe_skip``, ``GPipe.Skip``), its import name, or its directory
+    (``packages/gpipe-skip``). No package named: all of them. An argument that looks like a
+    package (``gpipe`` and a word, not an option or an existing path) but is none is an error.
+    The value of a pytest option that takes one (``-k gpipe``) is always pytest's.
+    """
+    packages = discover_packages()
+    by_name: dict[str, Package] = {}
+    for package in packages:
+        by_name[package.name] = package
+        by_name[canonicalize_name(package.import_name)] = package
+        by_name[package.rel] = package
+    selected: list[Package] = []
+    rest: list[str] = []
+    for k, arg in enumerate(args):
+        key = arg.rstrip("/")
+        package = by_name.get(key) or by_name.get(canonicalize_name(key))
+        if k and args[k - 1] in _PYTEST_VALUE_OPTIONS:
+            rest.append(arg)
+        elif package is not None and not arg.startswith("-"):
+            selected.append(package)
+        elif re.fullmatch(r"gpipe([-_.]\w+)?", arg, re.IGNORECASE) and not Path(arg).exists():
+            names = ", ".join(p.name for p in packages)
+            raise ValueError(f"no package named {arg!r} (packages: {names})")
+        else:
+            rest.append(arg)
+    chosen = {p.name for p in selected}
+    return [p for p in packages if p.name in chosen] or list(packages), rest
+
+
 @nox.session
 @nox.parametrize("torch", TORCH_VERSIONS)
 @nox.parametrize("python", PYTHONS)
 def tests(session: nox.Session, torch: str) -> None:
     """Each package's tests and docstring examples, with only its own dependency closure installed.
 
-    A cell without a local torch wheel is skipped, except the default interpreter with the
-    pinned torch: that cell fails, so that the run cannot pass without testing anything.
+    Arguments after ``--`` that name packages (``gpipe-skip``, ``gpipe_skip`` or
+    ``packages/gpipe-skip``) choose whose tests run; the others go to pytest. A cell without
+    its torch is skipped with the reason, except those of Python 3.11 (DEV_PYTHON), whose
+    torch this machine holds: they fail, so that the run cannot pass without testing it.
     """
-    install_torch(session, torch, skip=(session.python, torch) != (DEV_PYTHON, DEV_TORCH))
+    try:
+        chosen, pytest_args = select_packages(list(session.posargs))
+    except ValueError as error:
+        session.error(str(error))
+    install_torch(session, torch, skip=session.python != DEV_PYTHON)
     session.install(*TEST_DEPS)
-    packages = discover_packages()
-    for package in packages:
+    for package in chosen:
         if not package.tests.is_dir() or not any(package.tests.rglob("test_*.py")):
             session.error(f"{package.name} has no tests (expected {package.rel}/tests/test_*.py)")
-    wheels = build_wheels(session, packages)
+    needed_by = {package.name: closure(package, tests=True) for package in chosen}
+    wheels = build_wheels(
+        session, [p for p in discover_packages() if any(p in c for c in needed_by.values())]
+    )
 
-    for package in packages:
-        needed = closure(package, tests=True)
+    for package in chosen:
+        needed = needed_by[package.name]
         session.log(f"{package.name}: closure {[p.name for p in needed]}")
         uninstall_gpipe(session)
         session.install("--no-deps", *[str(wheels[p.name]) for p in needed])
@@ -354,7 +422,7 @@ def tests(session: nox.Session, torch: str) -> None:
         # each module is imported once, under its own name.
         session.run(
             "python", "-m", "pytest", f"{package.rel}/tests",
-            "--doctest-modules", "--pyargs", package.import_name, *session.posargs,
+            "--doctest-modules", "--pyargs", package.import_name, *pytest_args,
         )  # fmt: skip
     uninstall_gpipe(session)
 
@@ -454,7 +522,7 @@ def build(session: nox.Session) -> None:
         dry_run = f" --dry-run --quiet --report {shlex.quote(str(report))}"
         session.run("sh", "-c", activate + command + dry_run, external=True)
         items = json.loads(report.read_text(encoding="utf-8"))["install"]
-        return {_normalize(i["metadata"]["name"]): i["download_info"]["url"] for i in items}
+        return {canonicalize_name(i["metadata"]["name"]): i["download_info"]["url"] for i in items}
 
     # Each package README's commands, dry runs in the fresh venv: exactly the package's
     # closure, every one from the wheel just built in dist/.
@@ -488,6 +556,114 @@ def build(session: nox.Session) -> None:
         "assert os.path.realpath(gpipe.__file__).startswith(venv + os.sep), gpipe.__file__\n"
     )
     session.run(python, "-c", check, external=True)
+
+    # Every other shell command of the READMEs and the docs, in the fresh venv.
+    for where, command in documented_commands():
+        session.log(f"{where}: {command}")
+        for part in command.split(" && "):
+            check_command(session, part, activate, python, installs)
+
+
+# An inline command that the docs give as what not to type: PyPI's "gpipe" is another project.
+_NOT_COMMANDS = {"pip install gpipe"}
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """Every shell command of the READMEs and the docs: ``(file:line, command)``.
+
+    The lines of Markdown ``console`` blocks, the ``$`` lines of reStructuredText
+    ``code-block:: console`` blocks (``\\`` continued), and inline ``pip install ...``
+    literals, except :data:`_NOT_COMMANDS`.
+    """
+    found: list[tuple[str, str]] = []
+    for path in [ROOT / "README.md", *sorted(PACKAGES_DIR.glob("*/README.md"))]:
+        in_block = False
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.startswith("```"):
+                in_block = line.strip() == "```console"
+            elif in_block and line.strip():
+                found.append((f"{path.relative_to(ROOT)}:{number}", line.strip()))
+            for inline in re.findall(r"`(pip install [^`]+)`", line):
+                found.append((f"{path.relative_to(ROOT)}:{number}", inline))
+    for path in sorted(DOCS_DIR.glob("**/*.rst")):
+        if "_build" in path.parts:
+            continue
+        lines = path.read_text(encoding="utf-8").splitlines()
+        in_block, pending = False, ""
+        for number, line in enumerate(lines, 1):
+            if line.startswith(".. code-block::"):
+                in_block = line.split("::")[1].strip() == "console"
+                continue
+            if in_block and line.strip() and not line.startswith(" "):
+                in_block = False
+            if in_block and (pending or line.strip().startswith("$ ")):
+                text = line.strip().removeprefix("$ ")
+                if text.endswith("\\"):
+                    pending += text[:-1]
+                    continue
+                found.append((f"{path.relative_to(ROOT)}:{number}", pending + text))
+                pending = ""
+            for inline in re.findall(r"``(pip install [^`]+)``", line):
+                found.append((f"{path.relative_to(ROOT)}:{number}", inline))
+    return [(where, command) for where, command in found if command not in _NOT_COMMANDS]
+
+
+def check_command(
+    session: nox.Session,
+    command: str,
+    activate: str,
+    python: str,
+    installs: Callable[[str], object],
+) -> None:
+    """Check one documented command in the fresh venv: run it, dry-run it, or parse it.
+
+    ``pip install`` is dry-run (it needs the index); ``pip wheel`` runs from the checkout's
+    root; ``nox`` must name sessions of this file, the demo's arguments after ``--`` must
+    pass the demo's checks; ``python -m gpipe demo`` and ``torchrun ... -m gpipe demo`` must
+    pass them too (under torchrun, with its world size), torchrun's own arguments its parser;
+    a benchmark script must start and take its arguments (``--help`` after them).
+    """
+    command = re.sub(r"\s+#.*$", "", command)  # a comment after it
+    argv = shlex.split(command)
+    if argv[0].startswith("python") and argv[1:3] == ["-m", "pip"]:
+        argv = ["pip", *argv[3:]]
+    where = f"documented command {command!r}"
+    demo_check = (
+        "import sys\nfrom gpipe._cli import build_parser, _check_demo\n"
+        "world = int(sys.argv[1])\nargs = build_parser().parse_args(sys.argv[2:])\n"
+        "_check_demo(args, None if world == 0 else (0, world))\n"
+    )
+    if argv[:2] == ["pip", "install"]:
+        installs(command)
+    elif argv[:2] == ["pip", "wheel"]:
+        session.run("sh", "-c", activate + command, external=True)
+    elif argv[0].startswith("python") and argv[1:3] == ["-m", "nox"]:
+        args = argv[3:]
+        sessions = [args[k + 1] for k, arg in enumerate(args) if arg == "-s"]
+        known = {name.split("(")[0] for name in nox.registry.get()}
+        if any(name not in known for name in sessions):
+            session.error(f"{where}: no such session (sessions: {sorted(known)})")
+        if sessions == ["demo"] and "--" in args:
+            demo = ["demo", *args[args.index("--") + 1 :]]
+            session.run(python, "-c", demo_check, "0", *demo, external=True)
+    elif argv[0].startswith("python") and argv[1:4] == ["-m", "gpipe", "demo"]:
+        session.run(python, "-c", demo_check, "0", *argv[3:], external=True)
+    elif argv[0] == "torchrun":
+        parse = (
+            "import sys\nfrom torch.distributed.run import get_args_parser\n"
+            "a = get_args_parser().parse_args(sys.argv[1:])\n"
+            "nodes = a.nnodes.split(':')[-1]\n"
+            "print(int(nodes) * int(a.nproc_per_node), a.module, a.training_script,"
+            " *a.training_script_args)\n"
+        )
+        out = str(session.run(python, "-c", parse, *argv[1:], silent=True, external=True))
+        world, module, script, *rest = out.split()
+        if module == "True" and script == "gpipe":
+            session.run(python, "-c", demo_check, world, *rest, external=True)
+    elif argv[0].startswith("python") and argv[1].startswith("benchmarks/"):
+        session.run("sh", "-c", f"{activate}{command} --help >/dev/null", external=True)
+    else:
+        session.error(f"{where}: no check for this kind of command")
 
 
 def _readme_install_commands(readme: Path, expected: int | None = 2) -> list[str]:

@@ -128,6 +128,60 @@ def transformer(d_model: int, heads: int, layers: int) -> nn.Sequential:
     )
 
 
+class _Embedding(nn.Module):
+    """Token and position embeddings of a GPT-like model."""
+
+    def __init__(self, vocab: int, d_model: int, seq: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, d_model)
+        self.positions = nn.Parameter(torch.randn(seq, d_model) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tokens(x) + self.positions[: x.shape[1]]
+
+
+class _Block(nn.Module):
+    """A GPT block: causal self-attention and an MLP, each after a layer norm, residual."""
+
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(d_model)
+        self.attention = nn.MultiheadAttention(d_model, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[1]
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+        h = self.norm1(x)
+        x = x + self.attention(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class _Head(nn.Module):
+    """The last layer norm and the logits over the vocabulary."""
+
+    def __init__(self, d_model: int, vocab: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.logits = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.logits(self.norm(x))
+
+
+def gpt(vocab: int, d_model: int, heads: int, layers: int, seq: int) -> nn.Sequential:
+    """A small GPT: embeddings, ``layers`` blocks, head (``layers + 2`` layers)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        _Embedding(vocab, d_model, seq),
+        *[_Block(d_model, heads) for _ in range(layers)],
+        _Head(d_model, vocab),
+    )
+
+
 def tiny(n: int) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
@@ -138,6 +192,7 @@ BUILDERS: dict[str, Callable[..., nn.Sequential]] = {
     "mlp": mlp,
     "resnet": resnet,
     "transformer": transformer,
+    "gpt": gpt,
     "tiny": tiny,
 }
 
@@ -153,7 +208,7 @@ class Case:
     balance: list[int]
     chunks: int
     input_shape: tuple[int, ...]
-    loss: str  # "mse" or "cross_entropy"
+    loss: str  # "mse", "cross_entropy" or "lm" (cross-entropy of next tokens)
     classes: int = 0
     output_shape: tuple[int, ...] = ()
     checkpoint: str = "never"
@@ -164,6 +219,9 @@ class Case:
 
     def data(self) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(1)
+        if self.loss == "lm":
+            tokens = torch.randint(self.classes, self.input_shape, generator=generator)
+            return tokens, torch.randint(self.classes, self.input_shape, generator=generator)
         x = torch.randn(self.input_shape, generator=generator)
         if self.loss == "cross_entropy":
             y = torch.randint(self.classes, (self.input_shape[0],), generator=generator)
@@ -172,7 +230,14 @@ class Case:
         return x, y
 
     def loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        if self.loss == "lm":
+            return _lm_loss
         return F.cross_entropy if self.loss == "cross_entropy" else F.mse_loss
+
+
+def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of (batch, seq, vocab) logits against (batch, seq) tokens."""
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
 @dataclass(frozen=True)
@@ -187,17 +252,19 @@ class Sizes:
     d_model: int  # transformer
     seq: int
     tokens_batch: int
+    gpt_batch: int  # GPT: d_model and seq as the transformer's
+    vocab: int
 
     @classmethod
     def of(cls, quick: bool) -> Sizes:
         if quick:
-            return cls(0.005, 512, 256, 16, 16, 128, 32, 8)
+            return cls(0.005, 512, 256, 16, 16, 128, 32, 8, 8, 512)
         # Micro-batches of 512 rows: smaller ones make each GEMM slower on this CPU (the
         # "plain mb" column of bench_step.py shows what micro-batching alone costs).
-        return cls(0.020, 1024, 2048, 32, 32, 256, 64, 16)
+        return cls(0.020, 1024, 2048, 32, 32, 256, 64, 16, 32, 1024)
 
     def describe(
-        self, cases: Sequence[str] = ("fixed-time", "MLP", "ResNet", "transformer")
+        self, cases: Sequence[str] = ("fixed-time", "MLP", "ResNet", "transformer", "GPT")
     ) -> str:
         """The models of ``cases`` (names among the default's) in words."""
         words = {
@@ -210,6 +277,10 @@ class Sizes:
             "transformer": (
                 f"transformer: 4 encoder layers d_model {self.d_model}, 4 heads, batch "
                 f"{self.tokens_batch} x {self.seq} tokens"
+            ),
+            "GPT": (
+                f"GPT: embeddings, 4 causal blocks d_model {self.d_model}, 4 heads, head over "
+                f"{self.vocab} tokens, batch {self.gpt_batch} x {self.seq} tokens"
             ),
         }
         return "; ".join(words[case] for case in cases) + "; no checkpointing in these cases"
@@ -300,6 +371,20 @@ def transformer_case(sizes: Sizes) -> Case:
         4,
         (sizes.tokens_batch, sizes.seq, sizes.d_model),
         "mse",
+    )
+
+
+def gpt_case(sizes: Sizes) -> Case:
+    """A small GPT (4 blocks), P2 M4: embeddings and 2 blocks, then 2 blocks and the head."""
+    return Case(
+        "GPT P2 M4",
+        "gpt",
+        {"vocab": sizes.vocab, "d_model": sizes.d_model, "heads": 4, "layers": 4, "seq": sizes.seq},
+        [3, 3],
+        4,
+        (sizes.gpt_batch, sizes.seq),
+        "lm",
+        classes=sizes.vocab,
     )
 
 

@@ -1,7 +1,19 @@
 """Schedules and steps: gpipe's two paths side by side with plain PyTorch and its peers.
 
 Run it as a script (``python benchmarks/bench_step.py``, ``--quick`` for a short run), or
-with ``nox -s bench``. On the CPU, with one intra-op thread (``torch.set_num_threads(1)``),
+with ``nox -s bench``.
+
+First, at **default threading** (nothing sets the intra-op threads: torch's default, one per
+core, and gpipe's division of them among its workers), a GPT-like model, the MLP and the
+transformer: ``plain``, ``fwd+bwd`` and ``step`` with each schedule, interleaved, relative to
+``plain``. Targets: ``step`` at most 1.05 x plain, ``fwd+bwd`` at most 1.15 x. Beside them,
+the bound of a pipeline of ``n`` single-threaded workers, the plain model's single-thread
+time x ``(m + n - 1) / (n m)`` over plain's time (the single-thread time is measured in a
+child process started with ``OMP_NUM_THREADS=1``, so that this process never sets its
+threads): a target below the bound is one the machine cannot allow that way, and the table
+shows it.
+
+Then, with one intra-op thread (``torch.set_num_threads(1)``, or ``--threads``),
 one training step (forward, loss and backward of the whole batch) is timed these ways,
 interleaved round by round (each way goes first in turn) so that the machine's load affects
 them alike:
@@ -49,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -69,6 +82,7 @@ from _step_models import (
     calibrated_sleep,
     cnn_case,
     describe_sleep,
+    gpt_case,
     ideal_checks,
     measure,
     mlp_case,
@@ -194,6 +208,78 @@ class Ways:
 
 
 # --------------------------------------------------------------------------------------------
+# Default threading
+# --------------------------------------------------------------------------------------------
+
+DEFAULT_WAYS = ("plain", "fwd+bwd", "step gpipe", "step 1f1b")
+
+
+def default_cases(sizes: Sizes) -> list[Case]:
+    return [gpt_case(sizes), mlp_case(sizes), transformer_case(sizes)]
+
+
+def single_thread_plain(case_name: str, quick: bool, rounds: int) -> float:
+    """The plain model's median step time with one intra-op thread, in a child process
+    (``OMP_NUM_THREADS=1``), so that this process keeps torch's default."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    command = [sys.executable, os.path.abspath(__file__), "--single-thread-plain", case_name]
+    command += ["--rounds", str(rounds), *(["--quick"] if quick else [])]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return float(done.stdout.split()[-1])
+
+
+def default_threading(sizes: Sizes, quick: bool, rounds: int) -> list[Check]:
+    """The default-threading table and its targets (see the module docstring)."""
+    print(
+        f"Default threading: torch.get_num_threads() = {torch.get_num_threads()} (not set), "
+        f"{os.cpu_count()} cores, {rounds} rounds (medians), ways interleaved; no checkpointing"
+    )
+    print(f"  {sizes.describe(('GPT', 'MLP', 'transformer'))}")
+    rows, checks = [], []
+    for case in default_cases(sizes):
+        runners: dict[str, Runner | str] = {"plain": plain_runner(case)}
+        runners.update(gpipe_runners(case))
+        times = measure(runners, rounds)
+        single = single_thread_plain(case.name, quick, rounds)
+        n, m = len(case.balance), case.chunks
+        plain = times["plain"]
+        bound = single * (m + n - 1) / (n * m) / plain
+        ratios = {
+            w: times[w] / plain if isinstance(times[w], float) else None for w in DEFAULT_WAYS
+        }
+        rows.append(
+            [
+                case.name,
+                ms(plain),
+                ms(single),
+                f"{bound:.2f}",
+                *(f"{r:.2f}" if r is not None else "-" for r in list(ratios.values())[1:]),
+            ]
+        )
+        for way, limit in (("step gpipe", 1.05), ("step 1f1b", 1.05), ("fwd+bwd", 1.15)):
+            reach = "within reach" if bound <= limit else "beyond the bound"
+            checks.append(
+                (
+                    f"default threads, {case.name}: {way} / plain <= {limit:.2f} "
+                    f"(1-thread workers' bound {bound:.2f}: {reach})",
+                    ratios[way],
+                    limit,
+                )
+            )
+        print(f"  measured {case.name}", file=sys.stderr, flush=True)
+    print("Step time relative to plain at default threading (lower is better)")
+    print_table(
+        ["case", "plain ms", "1-thread ms", "bound", "fwd+bwd", "step gpipe", "step 1f1b"], rows
+    )
+    print(
+        "  bound: plain's 1-thread time x (m + n - 1) / (n m) over plain's time, what n "
+        "single-threaded workers can reach"
+    )
+    print()
+    return checks
+
+
+# --------------------------------------------------------------------------------------------
 # Activation memory
 # --------------------------------------------------------------------------------------------
 
@@ -275,12 +361,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds, smaller models")
     parser.add_argument("--rounds", type=int, default=None, help="timed steps per way and case")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
+    parser.add_argument(
+        "--default-threading-only",
+        action="store_true",
+        help="only the default-threading table and its targets",
+    )
+    parser.add_argument("--single-thread-plain", metavar="CASE", help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args(argv)  # nox -s bench passes its arguments to every script
-    torch.set_num_threads(args.threads)
     quick = args.quick
     rounds = args.rounds or (3 if quick else 10)
-
     sizes = Sizes.of(quick)
+    if args.single_thread_plain is not None:  # the child of single_thread_plain()
+        case = {c.name: c for c in default_cases(sizes)}[args.single_thread_plain]
+        print(measure({"plain": plain_runner(case)}, rounds)["plain"])
+        return
+
+    # Before anything sets the intra-op threads.
+    default_checks = default_threading(sizes, quick, rounds)
+    if args.default_threading_only:
+        print_targets(default_checks)
+        return
+    torch.set_num_threads(args.threads)
+
     mlp, cnn, transformer, tiny = (
         mlp_case(sizes),
         cnn_case(sizes),
@@ -434,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print_unrun(reasons)
 
     # Targets ---------------------------------------------------------------------------------
-    checks: list[Check] = ideal_checks(ideals, results, "step", 1.03)
+    checks: list[Check] = [*default_checks, *ideal_checks(ideals, results, "step", 1.03)]
     r = results["MLP P2 M4"]
     for schedule in SCHEDULES:
         value = r.get(f"step {schedule}")

@@ -44,6 +44,7 @@ extensions = [
     "sphinx.ext.viewcode",
     "myst_parser",
     "timeline_plot",
+    "cli_options",
 ]
 
 source_suffix = {".rst": "restructuredtext"}

@@ -161,3 +161,24 @@ def test_balance_is_the_same_in_several_runs() -> None:
     sample = torch.randn(2, 2)
     balances = [balance_by_time(3, model, sample, timeout=0) for _ in range(3)]
     assert balances == [[3, 1, 1]] * 3
+
+
+@pytest.mark.parametrize("profiler", ["profile_times", "balance_by_time"])
+def test_the_default_timeout_never_warns(clock: list[float], profiler: str) -> None:
+    # The minimum passes take 6 s, far past the default's 1 s: the default is a budget the
+    # caller did not choose, so no warning (issue 24: the docs' examples warned on a CPU).
+    layer, calls = probe(clock)
+    model = nn.Sequential(layer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if profiler == "profile_times":
+            profile_times(model, torch.randn(2, 2))
+        else:
+            balance_by_time(1, model, torch.randn(2, 2))
+    assert calls == [6]
+
+
+def test_the_default_timeout_measures_for_one_second(clock: list[float]) -> None:
+    layer, calls = probe(clock, dict.fromkeys(range(1, 100), 0.125))
+    profile_times(nn.Sequential(layer), torch.randn(2, 2))
+    assert calls == [8]  # 0.125 s each: passes start until 1 s has passed

@@ -118,9 +118,14 @@ def test_input_on_the_cpu_is_refused() -> None:
 
 def test_moving_is_refused_on_cuda() -> None:
     pipe = GPipe(model(), [3, 2], devices=["cuda:0", "cuda:0"])
-    for move in (lambda m: m.cuda(), lambda m: m.cpu(), lambda m: m.to("cuda:0")):
+    for move in (lambda m: m.cpu(), lambda m: m.to("cpu"), lambda m: m.to(torch.zeros(1))):
         with pytest.raises(TypeError, match=r"would move every partition"):
             move(pipe)
+    # Where every partition is already, nothing moves (issue 24).
+    with torch.cuda.device(0):
+        for stay in (lambda m: m.cuda(), lambda m: m.cuda(0), lambda m: m.to("cuda:0")):
+            assert stay(pipe) is pipe
+        assert pipe.to(0) is pipe
     assert pipe.to(torch.float32) is pipe
     assert all(p.dtype == torch.float32 and p.is_cuda for p in pipe.parameters())
 

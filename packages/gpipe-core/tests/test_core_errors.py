@@ -346,13 +346,10 @@ def test_partition_output_must_hold_a_tensor(
     [
         pytest.param(lambda m: m.cuda(), id="cuda()"),
         pytest.param(lambda m: m.cuda(0), id="cuda(0)"),
-        pytest.param(lambda m: m.cpu(), id="cpu()"),
-        pytest.param(lambda m: m.to("cpu"), id="to('cpu')"),
-        pytest.param(lambda m: m.to(torch.device("cpu")), id="to(device)"),
-        pytest.param(lambda m: m.to(device="cpu"), id="to(device=)"),
-        pytest.param(lambda m: m.to(torch.zeros(1)), id="to(tensor)"),
-        pytest.param(lambda m: m.to("cpu", torch.float64), id="to('cpu', dtype)"),
+        pytest.param(lambda m: m.cuda("cuda:0"), id="cuda('cuda:0')"),
         pytest.param(lambda m: m.to("meta"), id="to('meta')"),
+        pytest.param(lambda m: m.to("meta", torch.float64), id="to('meta', dtype)"),
+        pytest.param(lambda m: m.to(torch.zeros(1, device="meta")), id="to(meta tensor)"),
         pytest.param(lambda m: m.to(0), id="to(0)"),
         pytest.param(lambda m: m.to(device=0), id="to(device=0)"),
         pytest.param(lambda m: m.to("cuda"), id="to('cuda')"),
@@ -365,6 +362,33 @@ def test_moving_is_refused(move: object) -> None:
         move(pipe)  # type: ignore[operator]
     # Nothing moved or changed.
     assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in pipe.parameters())
+
+
+@pytest.mark.parametrize(
+    "move",
+    [
+        pytest.param(lambda m: m.cpu(), id="cpu()"),
+        pytest.param(lambda m: m.to("cpu"), id="to('cpu')"),
+        pytest.param(lambda m: m.to(torch.device("cpu")), id="to(device)"),
+        pytest.param(lambda m: m.to(device="cpu"), id="to(device=)"),
+        pytest.param(lambda m: m.to(torch.zeros(1)), id="to(tensor)"),
+    ],
+)
+def test_moving_to_where_every_partition_is_does_nothing(move: object) -> None:
+    # Issue 24: model.cpu() on a pipeline all on the CPU raised TypeError.
+    pipe = GPipe(three_layers(), [2, 1])
+    before = [p.data_ptr() for p in pipe.parameters()]
+    assert move(pipe) is pipe  # type: ignore[operator]
+    assert [p.data_ptr() for p in pipe.parameters()] == before
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in pipe.parameters())
+    pipe(torch.randn(4, 2))
+
+
+def test_a_device_where_every_partition_is_goes_with_a_dtype() -> None:
+    pipe = GPipe(three_layers(), [2, 1])
+    assert pipe.to("cpu", torch.float64) is pipe
+    assert pipe.to(device="cpu", dtype=torch.float16) is pipe
+    assert all(p.dtype == torch.float16 for p in pipe.parameters())
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -90,7 +91,54 @@ def test_parser_defaults() -> None:
     args = build_parser().parse_args(["demo"])
     assert (args.steps, args.batch_size, args.chunks, args.width) == (300, 256, 4, 512)
     assert args.checkpoint == "except_last"
-    assert args.no_progress is False
+    assert args.progress is None  # bars only on a terminal
+    assert build_parser().parse_args(["demo", "--progress"]).progress is True
+    assert build_parser().parse_args(["demo", "--no-progress"]).progress is False
+
+
+def test_progress_options_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["demo", "--progress", "--no-progress"])
+    assert info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_progress_bars_only_on_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Under pytest standard error is not a terminal: no bar by default, one when asked.
+    run_demo(DemoConfig(steps=2, batch_size=8, chunks=2, width=8))
+    assert "step" not in capsys.readouterr().err
+    run_demo(DemoConfig(steps=2, batch_size=8, chunks=2, width=8, progress=True))
+    assert "gpipe 1f1b" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_demo_in_one_process_trains_with_step(
+    schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpipe_core import GPipe
+
+    calls: list[str] = []
+    step = GPipe.step
+
+    def spy(self: GPipe, *args: object, **kwargs: object) -> object:
+        calls.append(str(kwargs["schedule"]))
+        return step(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(GPipe, "step", spy)
+    config = DemoConfig(steps=3, batch_size=8, chunks=2, width=8, progress=False, schedule=schedule)
+    report = run_demo(config)
+    assert calls == [schedule] * 3
+    assert report.final_loss > 0
+
+
+def test_schedule_option_in_one_process(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        ["demo", "--steps", "2", "--batch-size", "8", "--width", "8", "--schedule", "gpipe"]
+    )
+    assert code == 0
+    assert "gpipe / plain" in capsys.readouterr().out
 
 
 def test_run_demo_loss_decreases() -> None:
@@ -123,5 +171,9 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--version"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"gpipe {gpipe.__version__} (torch ")
-    assert torch.__version__ in out
+    # torch's distribution version, read without importing torch: the wheel's metadata,
+    # which may lack the local label of torch.__version__ (torch 2.14.1's wheel says
+    # 2.14.1, torch.__version__ 2.14.1+cu130; 2.13.0+cpu's says both).
+    installed = importlib.metadata.version("torch")
+    assert out == f"gpipe {gpipe.__version__} (torch {installed})\n"
+    assert torch.__version__.split("+")[0] == installed.split("+")[0]

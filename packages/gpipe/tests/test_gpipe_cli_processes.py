@@ -394,7 +394,6 @@ def test_parser_defaults_for_processes() -> None:
             ["--processes", "4", "--partitions", "2"],
             "(--partitions: 2, --processes: 4)",
         ),
-        (["--schedule", "1f1b"], "--schedule goes with --processes 2 or more"),
         (["--processes", "1", "--log-every", "5"], "--log-every goes with --processes 2 or more"),
         (["--timeout", "9"], "--timeout goes with --processes 2 or more"),
         (["--processes", "2", "--schedule", "zigzag"], "argument --schedule: invalid choice"),

@@ -17,7 +17,7 @@ def balance_by_time(
     module: nn.Sequential,
     sample: TensorOrTensors,
     *,
-    timeout: float = 1.0,
+    timeout: float | None = None,
     passes: int = MIN_PASSES,
     device: Device | None = None,
     progress: bool | None = None,
@@ -45,8 +45,9 @@ def balance_by_time(
         module: the model to split.
         sample: an input of the model (a tensor or a tuple of tensors) of any batch size;
             the batch size of one micro-batch gives the most faithful times.
-        timeout: seconds to keep repeating the measurements for (default 1.0), counted
-            from the start; ``0`` runs the warm-up and the minimum passes only.
+        timeout: seconds to keep repeating the measurements for, counted from the start;
+            ``0`` runs the warm-up and the minimum passes only. None (the default): for 1 s,
+            or until the minimum passes are done if they take longer (without a warning).
         passes: the smallest number of measured passes (default 5), run even when they
             take longer than ``timeout``.
         device: the device to profile on; by default the device of ``sample``, which must be
@@ -66,8 +67,8 @@ def balance_by_time(
             or ``passes`` is not a positive integer.
 
     Warns:
-        UserWarning: ``timeout`` is positive and the warm-up and the minimum ``passes`` took
-            longer than it (the warning names the timeout and the passes done); see
+        UserWarning: a positive ``timeout`` was given and the warm-up and the minimum
+            ``passes`` took longer than it (the warning names the timeout and the passes done); see
             :func:`~gpipe_balance.profile_times`.
 
     Example:

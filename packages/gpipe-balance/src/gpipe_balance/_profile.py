@@ -164,6 +164,8 @@ def _check_real(value: object, name: str) -> float:
 
 #: The smallest number of measured passes, whatever the timeout (see :func:`profile_times`).
 MIN_PASSES = 5
+#: The seconds :func:`profile_times` keeps measuring for when no timeout is given.
+DEFAULT_TIMEOUT = 1.0
 
 
 def check_passes(passes: object) -> int:
@@ -181,7 +183,7 @@ def profile_times(
     module: nn.Sequential,
     sample: TensorOrTensors,
     *,
-    timeout: float = 1.0,
+    timeout: float | None = None,
     passes: int = MIN_PASSES,
     device: Device | None = None,
     progress: bool | None = None,
@@ -205,8 +207,10 @@ def profile_times(
     Args:
         module: the model, which is not changed (see the module docstring).
         sample: an input of the model: a tensor or a tuple of tensors.
-        timeout: seconds to keep repeating the passes for (default 1.0), counted from the
-            start, warm-up included. ``0`` runs the minimum passes only.
+        timeout: seconds to keep repeating the passes for, counted from the start, warm-up
+            included. ``0`` runs the minimum passes only. None (the default): until 1 s has
+            passed, or the minimum passes are done if they take longer, which is no reason
+            to warn.
         passes: the smallest number of measured passes (default 5), run even when they
             take longer than ``timeout``.
         device: the device to profile on; by default the device of ``sample``.
@@ -223,11 +227,12 @@ def profile_times(
             or ``passes`` is not a positive integer.
 
     Warns:
-        UserWarning: ``timeout`` is positive and had passed before the warm-up pass and the
-            minimum ``passes`` were done: profiling took longer than asked, and the times
-            are the median of the minimum number of passes only. The warning names the
-            timeout, the passes done and the time they took. A ``timeout`` of 0 asks for
-            the minimum passes only, and never warns.
+        UserWarning: a positive ``timeout`` was given and had passed before the warm-up pass
+            and the minimum ``passes`` were done: profiling took longer than asked, and the
+            times are the median of the minimum number of passes only. The warning names
+            the timeout, the passes done and the time they took. A ``timeout`` of 0 asks
+            for the minimum passes only, and the default (None) for at least them: neither
+            warns.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
@@ -249,7 +254,7 @@ def _profile_times(
     module: nn.Sequential,
     sample: TensorOrTensors,
     *,
-    timeout: float,
+    timeout: float | None,
     passes: int,
     device: Device | None,
     progress: bool | None,
@@ -259,7 +264,9 @@ def _profile_times(
     module = check_module(module)
     batch = Batch(check(sample, "sample"))
     target = resolve_device(batch, device, "sample")
-    timeout = _check_real(timeout, "timeout")
+    # Only a timeout the caller chose can be run past; the default one is a budget.
+    chosen = timeout is not None
+    timeout = DEFAULT_TIMEOUT if timeout is None else _check_real(timeout, "timeout")
     passes = check_passes(passes)
     measured: list[list[float]] = []
     start = time.perf_counter()
@@ -284,7 +291,7 @@ def _profile_times(
         while len(measured) < passes:
             measured.append(_time_pass(module, batch, target, tick))
         elapsed = time.perf_counter() - start
-        if 0 < timeout < elapsed:
+        if chosen and 0 < timeout < elapsed:
             warnings.warn(
                 f"profiling ran past the timeout: the warm-up pass and the minimum {passes}"
                 f" measured passes took {elapsed:.3g} s (timeout: {timeout:g} s, passes:"

@@ -60,6 +60,7 @@ from ._schedule import Action, GPipeSchedule, Schedule, get_schedule, step_actio
 from ._sequential import PipeSequential
 from ._stage import LossSpec, Stage, nested
 from ._state_dict import PartitionKeys, map_keys
+from ._threads import check_intra_op_threads
 from ._timeline import Timeline
 from ._tracing import record, tracer_for
 from ._transport import Cancelled
@@ -154,6 +155,14 @@ class GPipe(nn.Module):
             constructor on, before the run fails with an error saying who waits for what
             (default: 1800; ``None``: no bound). A failed step raises within the timeout
             of the wait that failed, plus the time to tell the other ranks.
+        intra_op_threads: the intra-op threads (``torch.set_num_threads``) of each worker
+            on the CPU. ``None`` (default): the caller's ``torch.get_num_threads()``
+            divided among the workers on the CPU that compute at once, set by each worker
+            as it starts a micro-batch's forward or backward pass, so that together they
+            use the cores the plain model would, not ``n`` times as many; an integer: that
+            many for every worker on the CPU; ``0``: torch's setting as it is (every worker
+            with the whole pool). Workers set the caller's count back at the end of a run
+            (see :ref:`intra-op-threads`).
 
     Across processes, the ranks compare what they build and, at every run, how they are
     called; where they differ, every rank raises the same
@@ -200,6 +209,7 @@ class GPipe(nn.Module):
         group: dist.ProcessGroup | None = None,
         data_group: dist.ProcessGroup | None = None,
         timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
+        intra_op_threads: int | None = None,
     ) -> None:
         super().__init__()
         construction: Construction | None = None
@@ -215,7 +225,7 @@ class GPipe(nn.Module):
         try:
             self._build(
                 module, balance, devices, chunks, checkpoint, deferred_batch_norm,
-                group, data_group, timeout, construction,
+                group, data_group, timeout, intra_op_threads, construction,
             )  # fmt: skip
         except BaseException as error:
             if construction is not None:
@@ -233,6 +243,7 @@ class GPipe(nn.Module):
         group: dist.ProcessGroup | None,
         data_group: dist.ProcessGroup | None,
         timeout: float | datetime.timedelta | None,
+        intra_op_threads: int | None,
         construction: Construction | None,
     ) -> None:
         """The constructor's work: the checks, which change nothing; across processes the
@@ -248,6 +259,8 @@ class GPipe(nn.Module):
         self.chunks = check_chunks(chunks)
         self.checkpoint = _check_checkpoint(checkpoint)
         seconds = check_timeout(timeout, group if group is not None else data_group)
+        #: The intra-op threads of each worker on the CPU (see ``intra_op_threads``).
+        self.intra_op_threads = check_intra_op_threads(intra_op_threads)
         if data_group is not None:
             from ._distributed import check_group
 
@@ -435,27 +448,63 @@ class GPipe(nn.Module):
             f"device: {device!r})"
         )
 
-    def cuda(self, device: Any = None) -> NoReturn:
-        """Refused: partitions stay on their devices."""
-        self._refuse_move(".cuda()", device)
+    def _stays(self, device: torch.device) -> bool:
+        """Whether every partition of this process is on ``device`` already (a CUDA device
+        without an index meaning the current one): then moving there moves nothing."""
+        if str(device) == "cuda":  # no index
+            if not torch.cuda.is_available():
+                return False
+            device = torch.device("cuda", torch.cuda.current_device())
+        mine = self._placement.local_devices()
+        return bool(mine) and all(d == device for d in mine)
 
-    def cpu(self) -> NoReturn:
-        """Refused: partitions stay on their devices."""
-        self._refuse_move(".cpu()", "cpu")
-
-    def to(self, *args: Any, **kwargs: Any) -> GPipe:
-        """Convert the dtype of parameters and buffers; moving to a device is refused.
+    def cuda(self, device: Any = None) -> GPipe:
+        """Nothing to do when every partition is on that CUDA device already; otherwise
+        refused: partitions stay on their devices.
 
         Raises:
-            TypeError: the arguments name a device (or a tensor, which has one).
+            TypeError: a partition is on another device.
         """
-        # A device index is refused as it is, before torch resolves it (without an
-        # accelerator torch would raise its own error for it).
+        if device is None:
+            target = torch.device("cuda")
+        elif isinstance(device, int):
+            target = torch.device("cuda", device)
+        else:
+            target = torch.device(device)
+        if not self._stays(target):
+            self._refuse_move(".cuda()", device)
+        return self
+
+    def cpu(self) -> GPipe:
+        """Nothing to do when every partition is on the CPU already; otherwise refused:
+        partitions stay on their devices.
+
+        Raises:
+            TypeError: a partition is on another device.
+        """
+        if not self._stays(torch.device("cpu")):
+            self._refuse_move(".cpu()", "cpu")
+        return self
+
+    def to(self, *args: Any, **kwargs: Any) -> GPipe:
+        """Convert the dtype of parameters and buffers; a device is accepted only where every
+        partition is already, and moving to another one is refused.
+
+        Raises:
+            TypeError: the arguments name a device (or a tensor, which has one) that a
+                partition is not on.
+        """
+        # A device index is a CUDA device, resolved here: without an accelerator torch
+        # would raise its own error for it.
         index = kwargs.get("device", args[0] if args else None)
         if isinstance(index, int) and not isinstance(index, bool):
-            self._refuse_move(".to(device)", index)
+            if not self._stays(torch.device("cuda", index)):
+                self._refuse_move(".to(device)", index)
+            rest = args[1:] if args and args[0] is index else args
+            kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+            return super().to(*rest, **kwargs) if rest or kwargs else self
         device: torch.device | None = torch._C._nn._parse_to(*args, **kwargs)[0]
-        if device is not None:
+        if device is not None and not self._stays(device):
             self._refuse_move(".to(device)", device)
         return super().to(*args, **kwargs)
 
@@ -678,7 +727,16 @@ class GPipe(nn.Module):
         # Deferred batch norms update their running statistics once, after all m
         # micro-batches (m may be less than chunks), and not at all if a micro-batch fails.
         with mini_batch(self) if self._deferred_batch_norm else nullcontext():
-            outputs = run(stages, transport, actions, batches, self._pool, state, threaded)
+            outputs = run(
+                stages,
+                transport,
+                actions,
+                batches,
+                self._pool,
+                state,
+                threaded,
+                intra_op_threads=self.intra_op_threads,
+            )
             if transport.cancelled:
                 raise Cancelled  # another rank failed: the session raises its error
         return outputs

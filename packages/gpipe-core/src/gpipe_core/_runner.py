@@ -28,6 +28,7 @@ from contextlib import AbstractContextManager, ExitStack, nullcontext
 from functools import partial
 from typing import cast
 
+import torch
 from torch import Tensor
 
 from gpipe_microbatch import Batch, ThreadState, is_cuda, use_device, use_stream
@@ -36,6 +37,7 @@ from gpipe_skip import SkipKey
 from ._errors import add_note
 from ._schedule import Action, simulate
 from ._stage import Stage
+from ._threads import NO_SHARE, ThreadShare
 from ._transport import Cancelled, MessageKey, Transport
 from ._worker import ExcInfo, WorkerPool
 
@@ -95,6 +97,7 @@ def run(
     pool: WorkerPool,
     state: ThreadState,
     threaded: bool,
+    intra_op_threads: int | None = None,
 ) -> list[Batch | None]:
     """Run each stage's ``actions`` and return the last stage's output per micro-batch.
 
@@ -110,10 +113,14 @@ def run(
         threaded: run each stage of this process on its worker; otherwise in the
             calling thread (whose state is ``state``): every stage serially, or the one
             stage of this process.
+        intra_op_threads: GPipe's ``intra_op_threads``: how the workers on the CPU share
+            the caller's intra-op threads (see :mod:`gpipe_core._threads`).
     """
     outputs: list[Batch | None] = [None] * len({action.microbatch for action in actions[0]})
     failure = Failure(transport, actions)
-    executor = _Executor(stages, transport, inputs, outputs, failure)
+    # Workers divide the caller's intra-op threads; a run in the calling thread keeps them.
+    share = ThreadShare(intra_op_threads, torch.get_num_threads()) if threaded else NO_SHARE
+    executor = _Executor(stages, transport, inputs, outputs, failure, share)
     local = [j for j, stage in enumerate(stages) if stage is not None]
     try:
         if threaded:
@@ -156,6 +163,7 @@ class _Executor:
         inputs: Sequence[Batch],
         outputs: list[Batch | None],
         failure: Failure,
+        share: ThreadShare = NO_SHARE,
     ) -> None:
         self.stages = stages
         self.transport = transport
@@ -163,6 +171,7 @@ class _Executor:
         self.outputs = outputs
         self.failure = failure
         self.last = len(stages) - 1
+        self.share = share
 
     def stage(self, j: int) -> Stage:
         stage = self.stages[j]
@@ -171,8 +180,8 @@ class _Executor:
 
     def run(self, j: int, actions: Sequence[Action], state: ThreadState) -> None:
         """Run stage ``j``'s actions in order on its worker, under the caller's ``state``."""
-        failure = self.failure
-        with _on_device(self.stage(j)), state.apply():
+        failure, stage = self.failure, self.stage(j)
+        with _on_device(stage), state.apply(), self.share.worker(stage.device):
             for position, action in enumerate(actions):
                 if failure.cancelled:
                     return
@@ -221,7 +230,8 @@ class _Executor:
             message = transport.receive(MessageKey("skips", i, source, j))
             values = stage.accept(message.values(), message.requires_grad)
             skips.update(zip(keys, cast(list[Tensor | None], values), strict=True))
-        output, stashed, needs_grad = stage.forward(i, batch, skips)
+        with self.share.computing(stage.device):
+            output, stashed, needs_grad = stage.forward(i, batch, skips)
         if j == self.last:
             self.outputs[i] = output
         else:
@@ -246,7 +256,8 @@ class _Executor:
         for target, keys in stage.stashes.items():
             message = transport.receive(MessageKey("skip-gradients", i, target, j))
             skip_grads.update(zip(keys, cast(list[Tensor | None], message.values()), strict=True))
-        input_grads, popped = stage.backward(i, grads, skip_grads)
+        with self.share.computing(stage.device):
+            input_grads, popped = stage.backward(i, grads, skip_grads)
         if j != 0:
             transport.send(MessageKey("gradients", i, j, j - 1), input_grads)
         for source, keys in stage.pops.items():

@@ -16,7 +16,7 @@ __all__ = ["build_parser", "main"]
 #: The layers of the demo's network (``gpipe._demo.LAYERS``, without importing torch).
 LAYERS = 8
 #: The options that only the demo across processes takes.
-_PROCESSES_ONLY = ("schedule", "log_every", "timeout")
+_PROCESSES_ONLY = ("log_every", "timeout")
 
 
 def _torch_version() -> str:
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--schedule",
         choices=["1f1b", "gpipe"],
-        help="with --processes: the schedule of each training step (default: 1f1b)",
+        help="the schedule of each training step, GPipe.step (default: 1f1b)",
     )
     demo.add_argument(
         "--log-every",
@@ -93,7 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="with --processes: how long any wait for another process may last (default: 300)",
     )
-    demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    progress = demo.add_mutually_exclusive_group()
+    progress.add_argument(
+        "--progress",
+        action="store_true",
+        default=None,
+        help="show the progress bars (default: only when standard error is a terminal)",
+    )
+    progress.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="hide the progress bars"
+    )
     demo.add_argument(
         "--trace",
         metavar="PATH",
@@ -182,7 +191,7 @@ def _check_demo(args: argparse.Namespace, launched: tuple[int, int] | None) -> N
             if value is not None:
                 error(
                     f"{option} goes with --processes 2 or more: the demo in one process "
-                    f"trains with forward() and backward() ({option}: {value})"
+                    f"has no other process to wait for or log ({option}: {value})"
                 )
     else:
         for name in ("trace", "plot"):
@@ -225,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             width=args.width,
             checkpoint=args.checkpoint,
             seed=args.seed,
-            progress=not args.no_progress,
+            progress=args.progress,
             trace=args.trace,
             plot=args.plot,
             partitions=args.partitions,

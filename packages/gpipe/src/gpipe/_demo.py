@@ -19,6 +19,7 @@ __all__ = [
     "build_model",
     "demo_balance",
     "demo_setup",
+    "progress_disabled",
     "run_demo",
 ]
 
@@ -36,13 +37,15 @@ class DemoConfig:
     width: int = 512
     checkpoint: str = "except_last"
     seed: int = 0
-    progress: bool = True
+    #: Show progress bars: True, False, or None (the default) for bars only when standard
+    #: error is a terminal (tqdm's ``disable=None``), so that logs get no redraws.
+    progress: bool | None = None
     #: The number of partitions (at most :data:`LAYERS`).
     partitions: int = 2
     #: The number of processes (``--processes``): more than 1 runs the demo across
     #: processes (:mod:`gpipe._demo_processes`), with the options below.
     processes: int = 1
-    #: The schedule of :meth:`GPipe.step <gpipe_core.GPipe.step>` across processes.
+    #: The schedule of each training step (:meth:`GPipe.step <gpipe_core.GPipe.step>`).
     schedule: str = "1f1b"
     #: Across processes: print the loss of every ``log_every``-th step (and the first, last).
     log_every: int = 10
@@ -151,6 +154,17 @@ def _synchronize(devices: list[torch.device]) -> None:
             torch.cuda.synchronize(device)
 
 
+def progress_disabled(progress: bool | None) -> bool | None:
+    """tqdm's ``disable`` for ``progress``: None (no bar unless the stream is a terminal)
+    stays None.
+
+    Example:
+        >>> progress_disabled(None), progress_disabled(True), progress_disabled(False)
+        (None, False, True)
+    """
+    return None if progress is None else not progress
+
+
 def _train(
     model: nn.Module,
     steps: int,
@@ -158,12 +172,18 @@ def _train(
     target: torch.Tensor,
     devices: list[torch.device],
     description: str,
-    progress: bool,
+    progress: bool | None,
+    schedule: str = "1f1b",
 ) -> tuple[list[float], float]:
+    """Train ``model`` for ``steps`` steps; the losses of every tenth step and the time.
+
+    A :class:`~gpipe_core.GPipe` trains with :meth:`~gpipe_core.GPipe.step` in
+    ``schedule``, the plain network with its forward and backward passes.
+    """
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses: list[float] = []
     in_device, out_device = devices[0], devices[-1]
-    bar = tqdm(range(steps), desc=description, disable=not progress, unit="step")
+    bar = tqdm(range(steps), desc=description, disable=progress_disabled(progress), unit="step")
     _synchronize(devices)
     start = time.perf_counter()
     for step in bar:
@@ -171,8 +191,11 @@ def _train(
         x = data[index].to(in_device, non_blocking=True)
         y = target[index].to(out_device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()  # type: ignore[no-untyped-call]
+        if isinstance(model, GPipe):
+            loss = model.step(x, y, nn.functional.cross_entropy, schedule=schedule).reduced()
+        else:
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         if step % 10 == 0 or step == steps - 1:
             losses.append(loss.item())
@@ -184,12 +207,12 @@ def _train(
 def _record_step(
     model: GPipe, data: torch.Tensor, target: torch.Tensor, config: DemoConfig
 ) -> tuple[TimelineSummary, tuple[str, ...]]:
-    """Record one forward and backward pass of ``model``; write the trace and the plot."""
+    """Record one training step of ``model`` (in the config's schedule); write the trace and
+    the plot."""
     x = data[0].to(model.devices[0])
     y = target[0].to(model.devices[-1])
     with model.trace() as timeline:
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()  # type: ignore[no-untyped-call]
+        model.step(x, y, nn.functional.cross_entropy, schedule=config.schedule)
     for parameter in model.parameters():
         parameter.grad = None
     written = []
@@ -204,6 +227,9 @@ def _record_step(
 
 def run_demo(config: DemoConfig) -> DemoReport:
     """Train the demo network with and without pipelining on the same synthetic data.
+
+    The pipeline trains with :meth:`GPipe.step <gpipe_core.GPipe.step>` in
+    ``config.schedule``, the plain network with its forward and backward passes.
 
     Example:
         >>> report = run_demo(DemoConfig(steps=4, batch_size=8, chunks=2, width=16, progress=False))
@@ -221,7 +247,14 @@ def run_demo(config: DemoConfig) -> DemoReport:
         checkpoint=config.checkpoint,  # type: ignore[arg-type]
     )
     losses, elapsed = _train(
-        pipelined, config.steps, data, target, devices, "gpipe", config.progress
+        pipelined,
+        config.steps,
+        data,
+        target,
+        devices,
+        f"gpipe {config.schedule}",
+        config.progress,
+        config.schedule,
     )
     summary: TimelineSummary | None = None
     written: tuple[str, ...] = ()

@@ -11,6 +11,26 @@ Every process it starts is reaped before it returns, whatever happens: when a ra
 the others have ``grace`` seconds to end (they are told of the failure by the pipeline),
 then they are terminated, then killed; on ``KeyboardInterrupt`` (Ctrl-C) or ``SIGTERM`` all of
 them are stopped at once.
+
+Why not torch's elastic launch (``torch.distributed.launcher.api.elastic_launch``, what
+``torchrun`` runs) for starting, watching and reaping the ranks: read against torch 2.13's
+``launch_agent`` and ``LocalElasticAgent``, it lacks what this launcher is for.
+
+- **The failing rank's error first.** The agent stops every other rank (``SIGTERM``) as soon
+  as it sees one exit with an error. A rank told of another's failure
+  (``RemoteStageError``) often exits before the rank that failed has written its error, which
+  then dies without it, and the run would report the told rank. This launcher gives the
+  others ``grace`` seconds and prefers a rank's own error.
+- **Ranks end with their launcher.** The agent starts its workers in sessions of their own
+  (``start_new_session=True``) with nothing that ends them when it dies: a ``SIGKILL`` of
+  the agent leaves them running. Here each rank watches the pipe of its standard input
+  (:func:`watch_launcher`).
+- **The environment of the ranks** (``env``): the agent passes its own process's.
+
+It would give: the rendezvous store, and with it no race for ``MASTER_PORT`` (the retries
+here), and the error files of ``torch.distributed.elastic.multiprocessing.errors.record``.
+Moving to it is left open (issue 24) until the first point has an answer in the ranks, such
+as a told rank waiting ``grace`` seconds before it exits.
 """
 
 from __future__ import annotations
