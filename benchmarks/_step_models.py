@@ -543,6 +543,37 @@ def failed(error: Exception) -> str:
     return f"failed: {type(error).__name__}: {first}"
 
 
+def thread_round_trip(trips: int = 2000, rounds: int = 5) -> float:
+    """Seconds for one round trip between two Python threads on this machine: a value put in
+    a queue by one thread, taken by the other, which puts it back (median of ``rounds``
+    runs of ``trips`` trips). The price of waking a thread per message, against which the
+    pipeline's per-task overhead is read (it varies with the host far more than the code).
+    """
+    import queue
+
+    there: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+    back: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def echo() -> None:
+        while (value := there.get()) is not None:
+            back.put(value)
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    times = []
+    try:
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for k in range(trips):
+                there.put(k)
+                back.get()
+            times.append((time.perf_counter() - start) / trips)
+    finally:
+        there.put(None)
+        thread.join(10)
+    return statistics.median(times)
+
+
 def parallel_speedup(rounds: int = 5) -> float:
     """How much faster two threads run two equal loops of matmuls than one thread runs both.
 

@@ -96,6 +96,7 @@ from _step_models import (
     print_targets,
     print_unrun,
     sleep_case,
+    thread_round_trip,
     timed,
     tiny_case,
     transformer_case,
@@ -466,10 +467,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                 per_task = (value - plain) / tasks * 1e6 if isinstance(value, float) else None
                 overhead[name] = value if per_task is None else per_task
         reasons_of(overhead, reasons)
+        trip = thread_round_trip() * 1e6
         print(
             f"Overhead per task, tiny model (Linear(4, 4) per partition), P2 M32: "
             f"(time - plain) / (n * m), plain {plains[0] * 1e3:.2f} ms per step "
-            f"({plains[1] * 1e3:.2f} ms with the pipe ways, timed after the others)"
+            f"({plains[1] * 1e3:.2f} ms with the pipe ways, timed after the others); in "
+            f"round trips (RT) of a value between two threads, {trip:.1f} us here"
         )
         rows = []
         for way in WAYS[2:]:
@@ -477,8 +480,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             for mode in ("never", "except_last"):
                 value = overhead.get(f"{way} ({mode})")
                 row.append(f"{value:.0f}" if isinstance(value, float) else "-")
+                row.append(f"{value / trip:.2f}" if isinstance(value, float) else "-")
             rows.append(row)
-        print_table(["way", "never us", "except_last us"], rows)
+        print_table(["way", "never us", "never RT", "except_last us", "except_last RT"], rows)
         print()
 
         # One partition, one micro-batch ------------------------------------------------------
@@ -559,6 +563,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                     limit,
                 )
             )
+    # The same, in round trips between two threads (what the host charges per wake).
+    for way, limit in (("fwd+bwd", 1.0), ("step gpipe", 1.5), ("step 1f1b", 1.5)):
+        value = overhead.get(f"{way} ({'never'})")
+        checks.append(
+            (
+                f"tiny P2 M32 (never): {way} overhead per task <= {limit:g} round trips",
+                value / trip if isinstance(value, float) else None,
+                limit,
+            )
+        )
     for name, r in mem.items():
         n = int(name[1])
         gpipe_peak, onef_peak = r["step gpipe"], r["step 1f1b"]
