@@ -22,15 +22,12 @@ from gpipe_bn import (
 )
 from gpipe_checkpoint import is_checkpointing, is_recomputing
 from gpipe_microbatch import (
-    AbstractStream,
     Batch,
     Device,
     ThreadState,
     check_chunks,
     check_module,
-    current_stream,
     gather,
-    new_stream,
     scatter,
 )
 from gpipe_skip import SkipLayout, inspect_skip_layout, verify_skippables
@@ -60,6 +57,7 @@ from ._schedule import Action, GPipeSchedule, Schedule, get_schedule, step_actio
 from ._sequential import PipeSequential
 from ._stage import LossSpec, Stage, nested
 from ._state_dict import PartitionKeys, map_keys
+from ._stream import AbstractStream, current_stream, new_stream
 from ._timeline import Timeline
 from ._tracing import record, tracer_for
 from ._transport import Cancelled
