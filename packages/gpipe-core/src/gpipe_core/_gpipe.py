@@ -304,7 +304,9 @@ class GPipe(nn.Module):
         # A PipeSequential's partitions keep its calling convention (tuples unpacked).
         self._unpacks = isinstance(module, PipeSequential)
         # From every partition, before a rank releases the others'.
-        #: Which skip connections cross which partitions (see :mod:`gpipe_skip`).
+        #: Which skip connections cross which partitions (see :mod:`gpipe_skip`). Keeping it
+        #: is also how gpipe_skip knows that this module pairs its own skips: the
+        #: ``verify_skippables`` of a model this pipeline is nested in leaves them alone.
         self.skip_layout = inspect_skip_layout(layer_groups(module, self.balance))
         #: The names of the layers other ranks run.
         self._remote_layers = {
