@@ -23,8 +23,8 @@ from torch import nn
 
 from core_strategies import compositions
 from gpipe_core import GPipe, NoChunk, PipeSequential
+from gpipe_core._stream import CPUStream
 from gpipe_core._transport import LocalTransport, MessageKey
-from gpipe_microbatch import CPUStream
 from gpipe_skip import current_skip_tracker, pop, skippable, stash
 
 MODES = ("always", "except_last", "never")

@@ -460,7 +460,8 @@ def test_traced_module_can_be_collected() -> None:
 
 
 def test_copy_is_recorded_both_ways() -> None:
-    from gpipe_microbatch import Batch, CPUStream
+    from gpipe_core._stream import CPUStream
+    from gpipe_microbatch import Batch
 
     owner = object()
     with tracing.record(owner, [torch.device("cpu")] * 2) as timeline:

@@ -156,6 +156,18 @@ def test_a_module_with_its_own_skip_layout_pairs_its_own_skips() -> None:
     assert len(problems(nn.Sequential(inner))) == 2
 
 
+def test_a_module_pairs_its_own_skips_whatever_it_calls_its_layout() -> None:
+    # gpipe_skip recognises a module by the SkipLayout it keeps, not by an attribute name.
+    inner = nn.Sequential(Stash(), nn.ReLU(), Pop())
+    inner.routing = inspect_skip_layout([inner])
+    verify_skippables(nn.Sequential(nn.ReLU(), inner, nn.ReLU()))
+    assert inspect_skip_layout([nn.Sequential(inner), nn.Sequential(nn.ReLU())]).routes == ()
+    # Something else under the name a pipeline uses does not count.
+    other = nn.Sequential(Stash(), Pop())
+    other.skip_layout = "not a layout"
+    assert len(problems(nn.Sequential(other))) == 2
+
+
 def test_verify_needs_a_sequential() -> None:
     with pytest.raises(TypeError, match=r"module must be nn.Sequential .* \(module: Linear\)"):
         verify_skippables(nn.Linear(1, 1))  # type: ignore[arg-type]

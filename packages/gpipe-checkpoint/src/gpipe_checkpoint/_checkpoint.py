@@ -215,11 +215,11 @@ class Checkpointing:
         """Run the checkpoint phase: the function without autograd history.
 
         Args:
-            join: a phony (from :func:`~gpipe_microbatch.fork` or
-                :meth:`recompute_in_backward`) to join to this phase, as
-                :func:`~gpipe_microbatch.join` would join it to the input: in backward, the
-                phony's branch is released once this phase's backward is done. Saves an
-                autograd node per ordering edge.
+            join: a phony (:func:`~gpipe_microbatch.get_phony`) forked off earlier work,
+                such as the one :meth:`recompute_in_backward` returns, to join to this
+                phase as if it were joined to the input: in backward, the phony's branch is
+                released once this phase's backward is done. Saves an autograd node per
+                ordering edge.
             detached: return outputs without any autograd history; the caller then runs
                 :meth:`recompute` itself. Otherwise the outputs hang off one autograd node
                 that recomputes in backward once :meth:`recompute_in_backward` has armed it.
@@ -246,8 +246,8 @@ class Checkpointing:
         right before the checkpoint phase's backward, in the same autograd node.
 
         Returns:
-            A phony forked off the outputs, as :func:`~gpipe_microbatch.fork` would fork
-            it: the recomputation also waits for the phony's gradient, so joining it to
+            A phony (:func:`~gpipe_microbatch.get_phony`) forked off the outputs: the
+            recomputation also waits for the phony's gradient, so joining it to
             later work orders that work's backward before this recomputation. Without
             autograd (no output needs a gradient) it carries no edge.
         """

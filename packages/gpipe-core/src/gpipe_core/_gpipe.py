@@ -22,15 +22,12 @@ from gpipe_bn import (
 )
 from gpipe_checkpoint import is_checkpointing, is_recomputing
 from gpipe_microbatch import (
-    AbstractStream,
     Batch,
     Device,
     ThreadState,
     check_chunks,
     check_module,
-    current_stream,
     gather,
-    new_stream,
     scatter,
 )
 from gpipe_skip import SkipLayout, inspect_skip_layout, verify_skippables
@@ -60,6 +57,7 @@ from ._schedule import Action, GPipeSchedule, Schedule, get_schedule, step_actio
 from ._sequential import PipeSequential
 from ._stage import LossSpec, Stage, nested
 from ._state_dict import PartitionKeys, map_keys
+from ._stream import AbstractStream, current_stream, new_stream
 from ._threads import check_intra_op_threads
 from ._timeline import Timeline
 from ._tracing import record, tracer_for
@@ -319,7 +317,9 @@ class GPipe(nn.Module):
         # A PipeSequential's partitions keep its calling convention (tuples unpacked).
         self._unpacks = isinstance(module, PipeSequential)
         # From every partition, before a rank releases the others'.
-        #: Which skip connections cross which partitions (see :mod:`gpipe_skip`).
+        #: Which skip connections cross which partitions (see :mod:`gpipe_skip`). Keeping it
+        #: is also how gpipe_skip knows that this module pairs its own skips: the
+        #: ``verify_skippables`` of a model this pipeline is nested in leaves them alone.
         self.skip_layout = inspect_skip_layout(layer_groups(module, self.balance))
         #: The names of the layers other ranks run.
         self._remote_layers = {
@@ -572,6 +572,7 @@ class GPipe(nn.Module):
         autograd cannot reach across processes.
 
         Example:
+            >>> from gpipe_core import NoChunk
             >>> class Masked(nn.Module):
             ...     def forward(self, x, mask, scale):
             ...         return x * mask * scale
@@ -841,6 +842,7 @@ class GPipe(nn.Module):
 
             Several positional inputs for the first layer:
 
+            >>> from gpipe_core import NoChunk
             >>> class Masked(nn.Module):
             ...     def forward(self, x, mask):
             ...         return x * mask

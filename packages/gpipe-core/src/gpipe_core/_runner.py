@@ -31,12 +31,13 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from gpipe_microbatch import Batch, ThreadState, is_cuda, use_device, use_stream
+from gpipe_microbatch import Batch, ThreadState, use_device
 from gpipe_skip import SkipKey
 
 from ._errors import add_note
 from ._schedule import Action, simulate
 from ._stage import Stage
+from ._stream import is_cuda, use_stream
 from ._threads import NO_SHARE, ThreadShare
 from ._transport import Cancelled, MessageKey, Transport
 from ._worker import ExcInfo, WorkerPool

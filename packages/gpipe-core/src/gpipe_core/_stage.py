@@ -10,9 +10,9 @@ differ in one parameter, who drives the backward pass:
   the previous stage's graph, so the output's graph reaches the caller's input and every
   parameter; ``loss.backward()`` runs every stage's backward pass. A checkpointed
   micro-batch is recomputed by autograd right before its backward pass, and phony edges
-  (:func:`~gpipe_microbatch.fork`, :func:`~gpipe_microbatch.join`) make stage ``j``
-  finish the backward pass of micro-batch ``i`` before that of ``i - 1``, so that each
-  recomputation runs right before its own backward pass.
+  (:func:`~gpipe_core._dependency.fork`, :func:`~gpipe_core._dependency.join`) make stage
+  ``j`` finish the backward pass of micro-batch ``i`` before that of ``i - 1``, so that
+  each recomputation runs right before its own backward pass.
 * **the stage** (``GPipe.step``): the stage's graph starts at leaves cut from what it
   receives, and its backward pass (:meth:`Stage.backward`) differentiates its own
   outputs with the gradients the next stage sent back (or the loss), returning its
@@ -44,12 +44,14 @@ from gpipe_checkpoint import (
     run_backward,
     save_rng_states,
 )
-from gpipe_microbatch import AbstractStream, Batch, check_output, fork, join
+from gpipe_microbatch import Batch, check_output
 from gpipe_skip import SkipKey, SkipLayout
 
+from ._dependency import fork, join
 from ._losses import LossFunction
 from ._sequential import call_partition
 from ._skips import SkipCall
+from ._stream import AbstractStream
 from ._timeline import Phase
 from ._tracing import Tracer
 

@@ -40,11 +40,13 @@ import torch
 from torch import Tensor
 
 from gpipe_checkpoint import is_differentiable
-from gpipe_microbatch import AbstractStream, Batch, copy, make_tuple, wait
+from gpipe_microbatch import Batch, make_tuple
 
 from ._agreement import Fields
 from ._schedule import Action
+from ._stream import AbstractStream
 from ._tracing import Tracer
+from ._transfer import copy, wait
 
 __all__ = [
     "Cancelled",

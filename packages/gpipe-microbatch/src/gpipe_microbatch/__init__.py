@@ -1,7 +1,7 @@
-"""Micro-batches and the building blocks a pipeline is made of.
+"""Micro-batches, their checks, and the few pieces the packages above share.
 
-Most users never import this package: :class:`~gpipe_core.GPipe` uses it. It is public for
-whoever writes a pipeline or a transport of their own, and these are its building blocks:
+Most users never import this package: :class:`~gpipe_core.GPipe` uses it. These are its
+building blocks:
 
 * Micro-batches: :class:`Batch`, :func:`scatter` and :func:`gather` split a mini-batch
   into micro-batches and put them back together; :class:`NoChunk` marks a tensor every
@@ -10,18 +10,14 @@ whoever writes a pipeline or a transport of their own, and these are its buildin
   any type (a namedtuple) back together from its values.
 * The checks of a split: :func:`check_module`, :func:`check_balance` and
   :exc:`BalanceError`, shared by the balancing tools and the pipeline.
-* Devices and streams with a CPU fallback: :data:`Device` and :func:`normalize_device`;
-  :data:`CPUStream` stands in for the streams of a device without any, so
-  :func:`new_stream`, :func:`current_stream`, :func:`use_device`, :func:`use_stream`,
-  :func:`wait_stream`, :func:`record_stream`, :func:`get_device` and :func:`is_cuda` work
-  on every device.
-* Moving a micro-batch between devices: :func:`copy` (a differentiable device copy) and
-  :func:`wait` (a stream wait that backward makes in reverse).
-* Ordering in autograd: :func:`get_phony` gives an empty tensor that carries an edge;
-  :func:`fork` splits one off a tensor and :func:`join` makes another tensor's backward
-  run first.
-* :class:`ThreadState`: grad mode, autocast and saved-tensor hooks carried into worker
-  threads.
+* Devices as users name them, shared by the balancing tools and the pipeline:
+  :data:`Device`, :func:`normalize_device` and :func:`use_device` (a no-op but on CUDA).
+* What the checkpoint and the pipeline both carry a micro-batch's work with:
+  :func:`get_phony` gives an empty tensor that carries an edge in autograd, and
+  :class:`ThreadState` carries grad mode, autocast and saved-tensor hooks into worker
+  threads and recomputations.
+
+Streams, device copies and fork/join ordering are gpipe-core's, their only user.
 
 Example:
     >>> import torch
@@ -46,32 +42,13 @@ from ._batch import (
     make_tuple,
     scatter,
 )
-from ._dependency import fork, join
+from ._device import Device, normalize_device, use_device
 from ._phony import get_phony
-from ._stream import (
-    AbstractStream,
-    CPUStream,
-    CPUStreamType,
-    Device,
-    current_stream,
-    get_device,
-    is_cuda,
-    new_stream,
-    normalize_device,
-    record_stream,
-    use_device,
-    use_stream,
-    wait_stream,
-)
 from ._threadstate import ThreadState
-from ._transfer import copy, wait
 
 __all__ = [
-    "AbstractStream",
     "BalanceError",
     "Batch",
-    "CPUStream",
-    "CPUStreamType",
     "Device",
     "NoChunk",
     "TensorOrTensors",
@@ -82,21 +59,10 @@ __all__ = [
     "check_chunks",
     "check_module",
     "check_output",
-    "copy",
-    "current_stream",
-    "fork",
     "gather",
-    "get_device",
     "get_phony",
-    "is_cuda",
-    "join",
     "make_tuple",
-    "new_stream",
     "normalize_device",
-    "record_stream",
     "scatter",
     "use_device",
-    "use_stream",
-    "wait",
-    "wait_stream",
 ]

@@ -30,7 +30,8 @@ Example:
 """
 
 from .__about__ import __version__
-from ._layout import SkipLayout, SkipRoute, inspect_skip_layout
+from ._inspect import inspect_skip_layout
+from ._layout import SkipLayout, SkipRoute
 from ._namespace import DEFAULT_NAMESPACE, Namespace, SkipKey
 from ._skippable import Pop, Skippable, Stash, pop, skippable, stash
 from ._tracker import SkipTracker, current_skip_tracker, run_partition, use_skip_tracker

@@ -1,4 +1,9 @@
-"""Integrity of the skip connections of a sequential module."""
+"""Integrity of the skip connections of a sequential module.
+
+A layer that keeps a :class:`~gpipe_skip.SkipLayout` of its own (a pipeline keeps the layout
+of its partitions) pairs its skips itself, so the check leaves what is inside it alone. This
+is the only way a pipeline is recognised here: this package imports no package above it.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ._layout import SkipLayout
 from ._namespace import SkipKey
 from ._skippable import Skippable
 
@@ -32,10 +38,12 @@ def _skip(key: SkipKey) -> str:
 
 
 def _pairs_own_skips(module: nn.Module) -> bool:
-    """Whether ``module`` keeps a skip layout of its own, as a GPipe does: it pairs its skips."""
-    from ._layout import SkipLayout  # _layout imports this module
+    """Whether ``module`` keeps a :class:`SkipLayout` of its own: it pairs its skips itself.
 
-    return isinstance(module.__dict__.get("skip_layout"), SkipLayout)
+    A pipeline keeps the layout of its partitions (:func:`inspect_skip_layout`), under
+    whatever attribute it likes; this package knows no pipeline by name.
+    """
+    return any(isinstance(value, SkipLayout) for value in vars(module).values())
 
 
 def scan_layers(layers: Iterable[nn.Module]) -> _Scan:
@@ -114,8 +122,10 @@ def verify_skippables(module: nn.Sequential) -> None:
 
     In each namespace, every skip name must be stashed by exactly one layer and popped by
     exactly one later layer. Skippable modules must be layers of ``module`` itself, not
-    nested in one, but for those of a nested :class:`~gpipe_core.GPipe`, which pairs its
-    own. :class:`~gpipe_core.GPipe` runs the same check when it wraps a module.
+    nested in one, but for those of a nested module that keeps a :class:`SkipLayout` of
+    its own (as :func:`inspect_skip_layout` gives it), which pairs them itself: a nested
+    pipeline such as :class:`~gpipe_core.GPipe`. :class:`~gpipe_core.GPipe` runs the same
+    check when it wraps a module.
 
     Raises:
         TypeError: ``module`` is not an :class:`~torch.nn.Sequential`, or its skip

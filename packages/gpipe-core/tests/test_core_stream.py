@@ -1,23 +1,25 @@
-"""Tests of the stream abstraction: the CPU fallback here, CUDA streams under ``cuda``."""
+"""Tests of the stream abstraction: the CPU fallback here, CUDA streams under ``cuda``.
+
+``use_device`` is gpipe_microbatch's; it is used here beside ``use_stream`` as the stages use it.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gpipe_microbatch import (
+from gpipe_core._stream import (
     CPUStream,
     CPUStreamType,
     current_stream,
     get_device,
     is_cuda,
     new_stream,
-    normalize_device,
     record_stream,
-    use_device,
     use_stream,
     wait_stream,
 )
+from gpipe_microbatch import use_device
 
 CPU = torch.device("cpu")
 
@@ -91,15 +93,6 @@ def test_use_stream_makes_stream_current() -> None:
 
 @cuda
 @needs_cuda
-def test_use_device_makes_device_current() -> None:
-    last = torch.cuda.device_count() - 1
-    with use_device(torch.device("cuda", last)):
-        assert torch.cuda.current_device() == last
-    assert torch.cuda.current_device() == 0 or last == 0
-
-
-@cuda
-@needs_cuda
 def test_wait_stream_orders_work() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     producer = new_stream(device)
@@ -154,36 +147,10 @@ def test_cpu_stream_survives_copy_and_pickle_as_the_same_object() -> None:
     import copy
     import pickle
 
-    from gpipe_microbatch import CPUStream, is_cuda
+    from gpipe_core._stream import CPUStream, is_cuda
 
     for clone in (copy.copy(CPUStream), copy.deepcopy(CPUStream)):
         assert clone is CPUStream
     restored = pickle.loads(pickle.dumps(CPUStream))
     assert restored is CPUStream
     assert not is_cuda(restored)
-
-
-@pytest.mark.parametrize(
-    ("device", "expected"),
-    [
-        ("cpu", torch.device("cpu")),
-        (torch.device("cpu"), torch.device("cpu")),
-        # One CPU, as for tensors: torch.randn(1, device="cpu:0").device is the CPU.
-        ("cpu:0", torch.device("cpu")),
-        (torch.device("cpu", 1), torch.device("cpu")),
-        (1, torch.device("cuda", 1)),
-        ("cuda:2", torch.device("cuda", 2)),
-        ("meta", torch.device("meta")),
-    ],
-)
-def test_normalize_device(device: object, expected: torch.device) -> None:
-    assert normalize_device(device) == expected  # type: ignore[arg-type]
-
-
-def test_normalize_bare_cuda() -> None:
-    expected = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cuda")
-    )
-    assert normalize_device("cuda") == expected

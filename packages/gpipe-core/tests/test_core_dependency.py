@@ -1,17 +1,13 @@
-"""Tests of phony tensors and the fork/join ordering edges."""
+"""Tests of the fork/join ordering edges (the phony tensors are gpipe_microbatch's)."""
 
 from __future__ import annotations
 
 import threading
 from typing import Any
 
-import pytest
 import torch
 
-from gpipe_microbatch import fork, get_phony, join
-from gpipe_microbatch._dependency import Fork, Join
-
-CPU = torch.device("cpu")
+from gpipe_core._dependency import Fork, Join, fork, join
 
 
 def order(first: torch.Tensor, then: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,31 +33,6 @@ class Log(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         ctx.log.append(ctx.name)
         return grad, None, None
-
-
-# -- get_phony ----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("requires_grad", [False, True])
-def test_phony_is_empty_and_cached(requires_grad: bool) -> None:
-    phony = get_phony(CPU, requires_grad=requires_grad)
-    assert phony.numel() == 0
-    assert phony.shape == (0,)
-    assert phony.device == CPU
-    assert phony.requires_grad is requires_grad
-    assert get_phony(CPU, requires_grad=requires_grad) is phony
-    assert get_phony(torch.device("cpu"), requires_grad=requires_grad) is phony
-
-
-def test_phony_cache_is_per_requires_grad() -> None:
-    assert get_phony(CPU, requires_grad=True) is not get_phony(CPU, requires_grad=False)
-
-
-def test_phony_cache_is_per_device() -> None:
-    meta = get_phony(torch.device("meta"), requires_grad=False)
-    assert meta.device.type == "meta"
-    assert meta is not get_phony(CPU, requires_grad=False)
-    assert meta is get_phony(torch.device("meta"), requires_grad=False)
 
 
 # -- fork / join ------------------------------------------------------------------------

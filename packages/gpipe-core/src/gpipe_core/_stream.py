@@ -1,7 +1,10 @@
-"""Devices and streams, with a CPU fallback.
+"""Streams, with a CPU fallback: the stream abstraction of the pipeline's stages and copies.
 
 CUDA work is ordered by streams. On CPU there are none: :data:`CPUStream` stands in for
-them and every operation on it is a no-op, so the pipeline can treat both alike.
+them and every operation on it is a no-op, so the pipeline can treat both alike. Devices
+as users name them (``Device``, ``normalize_device``, ``use_device``) are
+gpipe_microbatch's, shared with gpipe-balance; this module knows nothing of partitions,
+messages or schedules.
 """
 
 from __future__ import annotations
@@ -14,14 +17,12 @@ import torch
 __all__ = [
     "AbstractStream",
     "CPUStream",
-    "Device",
+    "CPUStreamType",
     "current_stream",
     "get_device",
     "is_cuda",
     "new_stream",
-    "normalize_device",
     "record_stream",
-    "use_device",
     "use_stream",
     "wait_stream",
 ]
@@ -45,36 +46,6 @@ CPUStream = CPUStreamType()
 
 #: A CUDA stream or :data:`CPUStream`.
 AbstractStream = torch.cuda.Stream | CPUStreamType
-
-
-#: A device as users may name it: a :class:`torch.device`, a string, or a CUDA index.
-Device = torch.device | str | int
-
-
-def normalize_device(device: Device) -> torch.device:
-    """``device`` as a :class:`torch.device`, named as torch names the device of a tensor
-    made there, so that two names of one device compare equal.
-
-    A bare ``'cuda'`` gets the current index (without CUDA it stays as it is: no tensor
-    can be there; the caller says so). The CPU is one device, whatever its index:
-    ``'cpu:0'`` and ``torch.device('cpu', 1)`` are ``'cpu'``, as
-    ``torch.randn(1, device='cpu:0').device`` is.
-
-    Example:
-        >>> normalize_device(0)
-        device(type='cuda', index=0)
-        >>> normalize_device("cpu")
-        device(type='cpu')
-        >>> normalize_device("cpu:0")
-        device(type='cpu')
-    """
-    result = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    index: int | None = result.index
-    if result.type == "cuda" and index is None and torch.cuda.is_available():
-        result = torch.device("cuda", torch.cuda.current_device())
-    elif result.type == "cpu" and index is not None:
-        result = torch.device("cpu")
-    return result
 
 
 def is_cuda(stream: AbstractStream) -> bool:
@@ -101,16 +72,6 @@ def get_device(stream: AbstractStream) -> torch.device:
     if isinstance(stream, torch.cuda.Stream):
         return stream.device
     return torch.device("cpu")
-
-
-@contextmanager
-def use_device(device: torch.device) -> Generator[None, None, None]:
-    """Make ``device`` the current CUDA device; a no-op for other devices."""
-    if device.type != "cuda":
-        yield
-        return
-    with torch.cuda.device(device):
-        yield
 
 
 @contextmanager

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpipe_microbatch import Batch, CPUStream, copy, new_stream, use_stream, wait
-from gpipe_microbatch._transfer import Copy, Wait
+from gpipe_core._stream import CPUStream, new_stream, use_stream
+from gpipe_core._transfer import Copy, Wait, copy, wait
+from gpipe_microbatch import Batch
 
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

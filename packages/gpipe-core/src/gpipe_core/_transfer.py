@@ -1,7 +1,8 @@
 """A differentiable device copy and a stream wait, each ordered by explicit streams.
 
 Both are autograd functions, so the gradient makes the same trip back: a copy to the next
-device is a copy to the previous device in backward, on the same pair of streams.
+device is a copy to the previous device in backward, on the same pair of streams. The
+transport calls them; this module knows nothing of messages, partitions or schedules.
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._batch import Batch
+from gpipe_microbatch import Batch, use_device
+
 from ._stream import (
     AbstractStream,
     current_stream,
     get_device,
     is_cuda,
     record_stream,
-    use_device,
     use_stream,
     wait_stream,
 )
@@ -106,7 +107,7 @@ def copy(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream)
         next_stream: a stream of the target device (:data:`CPUStream` for the CPU).
 
     Example:
-        >>> from gpipe_microbatch import CPUStream
+        >>> from gpipe_core._stream import CPUStream
         >>> batch = Batch(torch.ones(2, requires_grad=True))
         >>> copy(batch, CPUStream, CPUStream)
         >>> batch.tensor.device, batch.tensor.requires_grad

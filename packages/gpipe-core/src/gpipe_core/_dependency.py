@@ -2,7 +2,9 @@
 
 ``fork`` splits a phony off a tensor; ``join`` makes another tensor depend on that phony.
 In backward, the gradient reaches the forked tensor's producer only after the joined
-tensor's backward has run, which fixes the order of otherwise independent work.
+tensor's backward has run, which fixes the order of otherwise independent work. The phony
+itself is gpipe_microbatch's (:func:`~gpipe_microbatch.get_phony`, shared with
+gpipe-checkpoint); the stages decide what to order.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._phony import get_phony
+from gpipe_microbatch import get_phony
 
 __all__ = ["Fork", "Join", "fork", "join"]
 
