@@ -23,9 +23,8 @@ of the process), nothing is divided: setting the count there would change it for
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
@@ -77,9 +76,16 @@ class ThreadShare:
         self.setting = setting
         self.caller = caller
         self.active = setting != 0 and per_thread_counts()
-        #: How many workers on the CPU compute now.
-        self.busy = 0
-        self._lock = threading.Lock()
+        # Whether a computation sets its share: with the default, and threads to divide.
+        self.divides = self.active and setting is None and caller > 1
+        # One entry per worker on the CPU computing now: list.append and list.pop are
+        # atomic, so counting takes no lock (a lock the workers contend for costs a wake).
+        self._computing: list[None] = []
+
+    @property
+    def busy(self) -> int:
+        """How many workers on the CPU compute now."""
+        return len(self._computing)
 
     def count(self) -> int:
         """The intra-op threads of a worker starting a computation now (``busy`` counted)."""
@@ -98,21 +104,20 @@ class ThreadShare:
         finally:
             torch.set_num_threads(self.caller)
 
-    @contextmanager
-    def computing(self, device: torch.device) -> Iterator[None]:
-        """Around one computation of a worker: its share of the cores, by default."""
-        if not (self.active and self.setting is None and device.type == "cpu"):
-            yield
-            return
-        with self._lock:
-            self.busy += 1
-            count = self.count()
-        torch.set_num_threads(count)
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.busy -= 1
+    def computing(self, device: torch.device) -> AbstractContextManager[object]:
+        """Around one computation of a worker: its share of the cores, by default (nothing
+        to do with one thread to share, or off the CPU). Cheap: it runs around every task."""
+        return self if self.divides and device.type == "cpu" else _NOTHING
+
+    def __enter__(self) -> None:
+        self._computing.append(None)
+        torch.set_num_threads(self.count())
+
+    def __exit__(self, *_: object) -> None:
+        self._computing.pop()
+
+
+_NOTHING = nullcontext()
 
 
 #: The share of a run whose stages run in the calling thread: nothing to divide.
