@@ -11,7 +11,10 @@ from __future__ import annotations
 import copy
 import datetime
 import io
+import os
 import socket
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -177,3 +180,43 @@ def test_no_warning_when_initialized_or_alone(
             GPipe(_model(), [1, 2])
         finally:
             _init_world()
+
+
+_WITHOUT_INIT = """
+import warnings, torch
+from torch import nn
+import torch.distributed as dist
+from gpipe_core import GPipe
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    pipe = GPipe(model, [1, 1], group=dist.group.WORLD)  # WORLD is None: not initialized
+print(pipe.stage_ranks, "|", " ".join(str(w.message) for w in caught))
+"""
+
+
+def test_two_torchrun_processes_without_init_process_group_each_warn() -> None:
+    """Two processes with torchrun's environment (RANK, WORLD_SIZE=2, a rendezvous) that
+    forget init_process_group: each builds the whole pipeline alone, and says so."""
+    base = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WITHOUT_INIT],
+            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outputs = [process.communicate(timeout=120) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+    for (out, err), process in zip(outputs, processes):
+        assert process.returncode == 0, err
+        ranks, _, message = out.strip().partition(" | ")
+        assert ranks == "[0, 0]"  # every partition in this process
+        assert "one of 2 (WORLD_SIZE=2)" in message and "init_process_group()" in message
