@@ -767,6 +767,17 @@ def _timed(call: Callable[[], Any]) -> dict[str, Any]:
     return {"error": outcome, "seconds": time.monotonic() - start}
 
 
+def _step_again(pipe: GPipe, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    """The step after a failure, from zeroed gradients: its loss and gradients."""
+    for p in pipe.parameters():
+        p.grad = None
+    losses = pipe.step(x, y, nn.MSELoss())
+    return {
+        "reduced": losses.reduced().item(),
+        "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
+    }
+
+
 def _train_alike(seed: int, timeout: float = 60) -> dict[str, Any]:
     """A pipeline built alike on every rank, one step: its losses and gradients."""
     world = dist.get_world_size()
@@ -845,14 +856,7 @@ def case_disagree_run(rank: int, *, field: str, odd_rank: int) -> dict[str, Any]
     grads = [p.grad for p in pipe.parameters()]
     outcome["no_grads_changed"] = all(g is None for g in grads)
     pipe.train()
-    for p in pipe.parameters():
-        p.grad = None
-    losses = pipe.step(x, y, nn.MSELoss())
-    return {
-        **outcome,
-        "reduced": losses.reduced().item(),
-        "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
-    }
+    return {**outcome, **_step_again(pipe, x, y)}
 
 
 class Unprintable(Exception):
@@ -911,9 +915,7 @@ def case_fail_unprintable(rank: int, *, odd_rank: int) -> dict[str, Any]:
     outcome = _timed(lambda: pipe.step(x, y, nn.MSELoss()))
     outcome["type_name"] = outcome["error"].get("type")
     refuse.armed = None
-    for p in pipe.parameters():
-        p.grad = None
-    return {**outcome, "reduced": pipe.step(x, y, nn.MSELoss()).reduced().item()}
+    return {**outcome, **_step_again(pipe, x, y)}
 
 
 def case_concurrent(rank: int) -> dict[str, Any]:
@@ -934,15 +936,7 @@ def case_concurrent(rank: int) -> dict[str, Any]:
     handle = next(iter(pipe)).register_forward_hook(hook)
     first = pipe.step(x, y, nn.MSELoss()).reduced().item()
     handle.remove()
-    for p in pipe.parameters():
-        p.grad = None
-    losses = pipe.step(x, y, nn.MSELoss())
-    return {
-        "other": other,
-        "first": first,
-        "reduced": losses.reduced().item(),
-        "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
-    }
+    return {"other": other, "first": first, **_step_again(pipe, x, y)}
 
 
 def case_reentrant(rank: int, *, odd_rank: int) -> dict[str, Any]:
@@ -957,14 +951,7 @@ def case_reentrant(rank: int, *, odd_rank: int) -> dict[str, Any]:
     outcome = _timed(lambda: pipe.step(x, y, nn.MSELoss()))
     if handle is not None:
         handle.remove()
-    for p in pipe.parameters():
-        p.grad = None
-    losses = pipe.step(x, y, nn.MSELoss())
-    return {
-        **outcome,
-        "reduced": losses.reduced().item(),
-        "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
-    }
+    return {**outcome, **_step_again(pipe, x, y)}
 
 
 def case_copy(rank: int) -> dict[str, Any]:
