@@ -191,9 +191,15 @@ class GPipe(nn.Module):
     """
 
     chunks: int
+    """The number of micro-batches a mini-batch is split into."""
     checkpoint: CheckpointMode
+    """Which micro-batches are checkpointed in training."""
     partitions: nn.ModuleList
+    """The partitions, in order (another rank's are empty, across processes)."""
     skip_layout: SkipLayout
+    """Which skip connections cross which partitions (see :mod:`gpipe_skip`)."""
+    intra_op_threads: int | None
+    """The intra-op threads of each worker on the CPU (see ``intra_op_threads``)."""
 
     def __init__(
         self,
