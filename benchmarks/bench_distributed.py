@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -89,17 +91,51 @@ WAYS = ("plain", "plain mb", "step gpipe", "step 1f1b", *RANK_WAYS)
 TIMEOUT = 120.0
 
 
-def _check_cost(overhead: dict[str, float | None], schedule: str) -> float | None:
-    """What the ranks' agreement check adds per task (µs): checked minus unchecked."""
-    checked, unchecked = (
-        overhead.get(f"dist {schedule}"),
-        overhead.get(f"dist {schedule} unchecked"),
+def paired_check_costs(
+    runners: dict[str, Any], pairs: int, *, tasks: int
+) -> dict[str, float | None]:
+    """What the ranks' agreement check of every run adds per task (us), for each schedule:
+    the median of the differences of ``pairs`` pairs of steps, checked and unchecked one
+    right after the other (each first in turn), so that the machine's drifts cancel."""
+    costs: dict[str, float | None] = {}
+    for schedule in SCHEDULES:
+        checked = runners.get(f"dist {schedule}")
+        unchecked = runners.get(f"dist {schedule} unchecked")
+        if not callable(checked) or not callable(unchecked):
+            costs[schedule] = None
+            continue
+        differences = []
+        for k in range(pairs):
+            if k % 2:
+                b, a = unchecked(), checked()
+            else:
+                a, b = checked(), unchecked()
+            differences.append(a - b)
+        costs[schedule] = statistics.median(differences) / tasks * 1e6
+    return costs
+
+
+def check_work_per_task(tasks: int, repeats: int = 2000) -> float:
+    """The work the agreement check adds to a step on one rank, timed alone (us per task):
+    its run fields pickled into the plan and into the last message and read back, and
+    compared once (what a build with the check turned off does not do)."""
+    import pickle
+
+    from gpipe_core._agreement import run_fields
+
+    fields = run_fields(
+        "step", schedule="1f1b", reduction="mean", unpack_input=False, training=True
     )
-    return None if checked is None or unchecked is None else checked - unchecked
+    start = time.perf_counter()
+    for _ in range(repeats):
+        for _message in range(2):  # the plan, and the last message of the run
+            theirs = pickle.loads(pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL))
+        _ = theirs != fields
+    return (time.perf_counter() - start) / repeats / tasks * 1e6
 
 
-def _difference(overhead: dict[str, float | None], schedule: str) -> str:
-    cost = _check_cost(overhead, schedule)
+def _difference(costs: dict[str, float | None], schedule: str) -> str:
+    cost = costs.get(schedule)
     return "-" if cost is None else f"{cost:+.1f} us per task"
 
 
@@ -249,11 +285,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan.append((tiny, [*others, *UNCHECKED_WAYS], rounds * 10))
 
     ways = Ways(args.threads)
+    check_costs: dict[str, float | None] = {}
     results: dict[str, dict[str, Any]] = {}
     ideals: dict[str, float] = {}
     try:
         for case, names, case_rounds in plan:
-            results[case.name] = measure(ways.build(case, names), case_rounds)
+            built = ways.build(case, names)
+            results[case.name] = measure(built, case_rounds)
+            if case is tiny:
+                tasks = len(tiny.balance) * tiny.chunks
+                check_costs = paired_check_costs(built, max(100, 30 * rounds), tasks=tasks)
             ways.close()
             if case.ideal is not None:
                 ideals[case.name] = case.ideal
@@ -321,8 +362,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print_table(["way", "us per task"], rows)
         print(
-            "  the ranks' agreement check of every run: dist - dist unchecked, "
-            + ", ".join(f"{schedule} {_difference(overhead, schedule)}" for schedule in SCHEDULES)
+            "  the ranks' agreement check of every run, median of paired differences "
+            "(dist - dist unchecked, one right after the other): "
+            + ", ".join(
+                f"{schedule} {_difference(check_costs, schedule)}" for schedule in SCHEDULES
+            )
+            + f"; the check's own work timed alone: {check_work_per_task(tasks):.2f} us per task"
         )
         print()
 
@@ -359,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         checks.append(
             (
                 f"{tiny.name}: dist {schedule} agreement check <= 5 us per task",
-                _check_cost(overhead, schedule),
+                check_costs.get(schedule),
                 5.0,
             )
         )
