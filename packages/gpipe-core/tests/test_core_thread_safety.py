@@ -63,10 +63,22 @@ def expected_grads(plain: nn.Sequential, pipe: GPipe, x: torch.Tensor, chunks: i
     return [p.grad.clone() for p in plain.parameters()]
 
 
-def train(seed: int, path: str, failures: list[str]) -> None:
-    chunks = 3
-    plain = model(seed)
-    pipe = GPipe(copy.deepcopy(plain), [3, 3], chunks=chunks, checkpoint="always")
+def pipelines(seeds: tuple[int, ...], chunks: int) -> list[tuple[nn.Sequential, GPipe]]:
+    """The plain model and its pipeline of each seed, made in this thread: building a model
+    seeds and draws from the shared generator, which no thread may do while another's
+    pipeline draws (only gpipe's own draws take the generator lock)."""
+    made = []
+    for seed in seeds:
+        plain = model(seed)
+        made.append(
+            (plain, GPipe(copy.deepcopy(plain), [3, 3], chunks=chunks, checkpoint="always"))
+        )
+    return made
+
+
+def train(
+    seed: int, plain: nn.Sequential, pipe: GPipe, chunks: int, path: str, failures: list[str]
+) -> None:
     generator = torch.Generator().manual_seed(seed)
     target = torch.randn(9, 2, dtype=torch.float64, generator=generator)
     for step in range(STEPS):
@@ -107,5 +119,14 @@ def run_threads(targets: list[Callable[[], None]]) -> None:
 @pytest.mark.parametrize("path", ["forward", "step"])
 def test_two_dropout_models_trained_in_two_threads_have_exact_gradients(path: str) -> None:
     failures: list[str] = []
-    run_threads([lambda seed=seed: train(seed, path, failures) for seed in (1, 2)])
+    chunks, seeds = 3, (1, 2)
+    made = pipelines(seeds, chunks)
+    run_threads(
+        [
+            lambda seed=seed, plain=plain, pipe=pipe: train(
+                seed, plain, pipe, chunks, path, failures
+            )
+            for seed, (plain, pipe) in zip(seeds, made)
+        ]
+    )
     assert failures == []
