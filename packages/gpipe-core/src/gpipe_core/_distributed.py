@@ -159,8 +159,9 @@ class _RemoteFailure:
     where: str
     summary: str
     text: str
-    #: The failing rank's run fields, when it failed because they differ from the plan's.
-    fields: Fields | None = None
+    #: Whether it failed because its run fields differ from the plan's (every rank then
+    #: compares the fields that each sent with its last message of the run).
+    disagrees: bool = False
 
     def error(self) -> RemoteStageError:
         return RemoteStageError(self.rank, self.where, self.summary, self.text)
@@ -169,10 +170,6 @@ class _RemoteFailure:
 class _Differs(ValueError):
     """This rank's run fields differ from the first stage's rank's: the run fails on every
     rank, which then raise the same :class:`~gpipe_core._agreement.RanksDisagree`."""
-
-    def __init__(self, fields: Fields, message: str) -> None:
-        super().__init__(message)
-        self.fields = fields
 
 
 def _aligned(offset: int) -> int:
@@ -506,7 +503,7 @@ class DistributedTransport(Transport):
         the plan's (None when none did): it names every rank's value, from the fields each
         sent with its last message of the run (ranks that failed before they had their
         fields aside)."""
-        if not isinstance(error, _Differs) and not any(f.fields for f in failures):
+        if not isinstance(error, _Differs) and not any(f.disagrees for f in failures):
             return None
         known = {rank: values for rank, values in sorted(fields.items()) if values}
         if self.plan_fields is not None:
@@ -537,7 +534,7 @@ class DistributedTransport(Transport):
         if theirs != fields:
             disagreement = compare({self.stage_ranks[0]: theirs, self.rank: fields})
             if disagreement is not None:
-                raise _Differs(fields, str(disagreement))
+                raise _Differs(str(disagreement))
         return plan
 
     # -- the Transport interface ----------------------------------------------------
@@ -593,9 +590,9 @@ class DistributedTransport(Transport):
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         except Exception:  # an exception that cannot be printed still travels
             text = "".join(traceback.format_tb(error.__traceback__)) + summary
-        fields = error.fields if isinstance(error, _Differs) else None
+        disagrees = isinstance(error, _Differs)
         for peer in self.peers:
-            self._post_if_alive(peer, ("failed", where, summary, text, fields))
+            self._post_if_alive(peer, ("failed", where, summary, text, disagrees))
 
     def fail(self, stage: int, action: Action | None, error: BaseException) -> None:
         self.tell((stage, action) if action is not None else None, error)
