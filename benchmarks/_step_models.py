@@ -794,7 +794,7 @@ def _gpipe_steps(
     )
     rank = dist.get_rank()
     x, y = case.data()
-    first, last = model.stage_ranks[0] == rank, model.stage_ranks[-1] == rank
+    first, last = model.partition_ranks[0] == rank, model.partition_ranks[-1] == rank
     x_or_none, y_or_none = (x if first else None), (y if last else None)
     loss_fn = case.loss_fn()
 

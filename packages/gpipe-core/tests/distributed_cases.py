@@ -343,7 +343,7 @@ def steps(
         group=group,
         timeout=60,
     )
-    first, last = pipe.stage_ranks[0] == rank, pipe.stage_ranks[-1] == rank
+    first, last = pipe.partition_ranks[0] == rank, pipe.partition_ranks[-1] == rank
     results = []
     for k, batch in enumerate(batches):
         x, y = data(seed + k, batch)
@@ -374,11 +374,11 @@ def steps(
 def case_forward(
     rank: int, *, layers: tuple[str, ...], balance: list[int], seed: int, batch: int, chunks: int
 ) -> torch.Tensor | None:
-    """Inference across the group: the output on the last stage's rank."""
+    """Inference across the group: the output on the last partition's rank."""
     pipe = GPipe(build(layers, seed), balance, chunks=chunks, group=dist.group.WORLD, timeout=60)
     pipe.eval()
     x, _ = data(seed, batch)
-    output = pipe(x if pipe.stage_ranks[0] == rank else None)
+    output = pipe(x if pipe.partition_ranks[0] == rank else None)
     return output
 
 
@@ -388,7 +388,7 @@ def case_inputs(rank: int, *, seed: int, chunks: int) -> dict[str, Any]:
     pipe = GPipe(inputs_model(seed), [1, 2], chunks=chunks, group=dist.group.WORLD, timeout=60)
     x, y = data(seed, 6)
     mask = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
-    first = pipe.stage_ranks[0] == rank
+    first = pipe.partition_ranks[0] == rank
     losses = pipe.step(
         (x, NoChunk(mask), 0.5) if first else None, y, nn.MSELoss(), unpack_input=True
     )
@@ -595,8 +595,8 @@ def case_die(rank: int, *, dying_rank: int) -> dict[str, Any]:
 def case_data_parallel(
     rank: int, *, layers: tuple[str, ...], balance: list[int], seed: int, batch: int, chunks: int
 ) -> dict[str, Any]:
-    """Two stages x two replicas on four ranks: pipelines {0, 1} and {2, 3}, replicas of
-    each stage {0, 2} and {1, 3}. Each replica trains on its half of the batch."""
+    """Two partitions x two replicas on four ranks: pipelines {0, 1} and {2, 3}, replicas of
+    each partition {0, 2} and {1, 3}. Each replica trains on its half of the batch."""
     pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     pipe = GPipe(
@@ -662,7 +662,7 @@ def case_load(
     pipe.load_state_dict(state)
     pipe.eval()
     x, _ = data(1, batch)
-    output = pipe(x if pipe.stage_ranks[0] == rank else None)
+    output = pipe(x if pipe.partition_ranks[0] == rank else None)
     return {
         "state": {key: value.clone() for key, value in pipe.state_dict().items()},
         "output": output,
@@ -735,8 +735,8 @@ def case_cuda(
     pipe = GPipe(build(layers, seed), balance, chunks=2, group=group, timeout=60)
     x, y = data(seed, 4)
     losses = pipe.step(
-        x.to(pipe.devices[0]) if pipe.stage_ranks[0] == rank else None,
-        y.to("cuda") if pipe.stage_ranks[-1] == rank else None,
+        x.to(pipe.devices[0]) if pipe.partition_ranks[0] == rank else None,
+        y.to("cuda") if pipe.partition_ranks[-1] == rank else None,
         nn.MSELoss(),
     )
     return {

@@ -364,7 +364,7 @@ def test_four_stages_match_plain(cluster4: Any, cases: ModuleType) -> None:
 
 
 def test_pipeline_times_data_parallel(cluster4: Any, cases: ModuleType) -> None:
-    """2 stages x 2 replicas: the gradients of the whole batch's mean loss, averaged over
+    """2 partitions x 2 replicas: the gradients of the whole batch's mean loss, averaged over
     the replicas by one all_reduce per step."""
     layers = ("linear", "tanh", "linear", "relu", "linear")
     results = cluster4.results(
@@ -378,7 +378,7 @@ def test_pipeline_times_data_parallel(cluster4: Any, cases: ModuleType) -> None:
         assert result["all_reduces"] == 1, result
         for name, grad in result["grads"].items():
             name = plain_name(name)
-            if name in grads:  # the other replica's stage: the same averaged gradient
+            if name in grads:  # the other replica's partition: the same averaged gradient
                 torch.testing.assert_close(grad, grads[name])
             grads[name] = grad
         half = slice((rank // 2) * 4, (rank // 2 + 1) * 4)

@@ -191,7 +191,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     pipe = GPipe(model, [1, 1], group=dist.group.WORLD)  # WORLD is None: not initialized
-print(pipe.stage_ranks, "|", " ".join(str(w.message) for w in caught))
+print(pipe.partition_ranks, "|", " ".join(str(w.message) for w in caught))
 """
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-import gpipe_core._stage as core_stage
+import gpipe_core._partition_run as core_partition_run
 from gpipe_checkpoint import is_recomputing
 from gpipe_core import GPipe
 from gpipe_core._transport import LocalTransport, MessageKey
@@ -368,7 +368,7 @@ def test_models_without_skippables_take_the_plain_path(
         def __init__(self, *args: Any) -> None:
             raise AssertionError("a model without skippable layers set up skip handling")
 
-    monkeypatch.setattr(core_stage, "SkipCall", Refused)
+    monkeypatch.setattr(core_partition_run, "SkipCall", Refused)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3)).double()
     plain = copy.deepcopy(model)

@@ -1,6 +1,7 @@
 """Tests of the stream abstraction: the CPU fallback here, CUDA streams under ``cuda``.
 
-``use_device`` is gpipe_microbatch's; it is used here beside ``use_stream`` as the stages use it.
+``use_device`` is gpipe_microbatch's; it is used here beside ``use_stream``, as partition runs
+use it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every CPU worker draws from one generator. A recomputation replays its micro-batch's draws
 by restoring the generator's state; another thread drawing between the restore and the
 put-back would change the replayed mask, or lose its own draws. The recomputation holds
-the device's generator lock, as drawing stages do, so both paths replay exactly: here two
+the device's generator lock, as drawing partitions do, so both paths replay exactly: here two
 models are trained in two threads for hundreds of steps, and every gradient equals the
 one the plain model gives with the masks the forward pass drew.
 """
@@ -57,7 +57,7 @@ def expected_grads(plain: nn.Sequential, pipe: GPipe, x: torch.Tensor, chunks: i
     for layer, used in zip(plain, pipe, strict=True):
         if isinstance(layer, MaskDropout):
             assert isinstance(used, MaskDropout)
-            layer.given = list(used.drawn)  # micro-batch order: each stage runs them in order
+            layer.given = list(used.drawn)  # micro-batch order: each partition runs them in order
     for micro in x.chunk(chunks):
         plain(micro).sum().backward()
     return [p.grad.clone() for p in plain.parameters()]

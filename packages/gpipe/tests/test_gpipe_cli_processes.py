@@ -486,7 +486,7 @@ def test_report_format() -> None:
     report = ProcessesReport(
         processes=2,
         balance=[4, 4],
-        stage_ranks=[0, 1],
+        partition_ranks=[0, 1],
         losses=[2.5, 2.0, 1.25],
         single_losses=[2.5, 2.0, 1.25],
         samples_per_s=3000.0,

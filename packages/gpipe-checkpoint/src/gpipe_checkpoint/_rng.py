@@ -109,7 +109,7 @@ def replay_rng_states(device: torch.device, states: RNGStates) -> Iterator[None]
     lock (:func:`device_rng_lock`), then put back their states.
 
     What a recomputation replays its random draws in: holding the lock, no other thread
-    that draws under the lock (a checkpointed pipeline stage, another recomputation) can
+    that draws under the lock (a checkpointed pipeline partition, another recomputation) can
     draw between the restore and the put-back, where its draws would be replayed or lost.
 
     Example:

@@ -4,7 +4,7 @@
 In backward, the gradient reaches the forked tensor's producer only after the joined
 tensor's backward has run, which fixes the order of otherwise independent work. The phony
 itself is gpipe_microbatch's (:func:`~gpipe_microbatch.get_phony`, shared with
-gpipe-checkpoint); the stages decide what to order.
+gpipe-checkpoint); the partitions decide what to order.
 """
 
 from __future__ import annotations

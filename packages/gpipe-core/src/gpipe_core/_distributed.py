@@ -1,7 +1,7 @@
-"""Stages in several processes: the transport on ``torch.distributed``.
+"""Partitions in several processes: the transport on ``torch.distributed``.
 
-With ``GPipe(..., group=group)``, stage ``s`` runs on rank ``s % group.size()`` of the
-process group, and :class:`DistributedTransport` carries the messages between stages of
+With ``GPipe(..., group=group)``, partition ``s`` runs on rank ``s % group.size()`` of the
+process group, and :class:`DistributedTransport` carries the messages between partitions of
 different ranks with point-to-point sends of ``torch.distributed`` on gloo (on a gloo
 group of the same ranks when the group uses another backend: see :func:`gloo_group`).
 
@@ -10,8 +10,8 @@ message is, its tensors' dtypes and shapes), followed in the same piece by its t
 they fit, in one ordered channel (the pipeline's tag); if they do not fit, the rest of the
 metadata and one payload (the tensor itself, or the tensors packed into one buffer) follow
 in a second channel (the next tag). A receiver thread per peer reads the headers in order
-and files each message under its key (:class:`MessageKey`); a stage waits for its key in
-that mailbox. So the order in which stages send never has to match the order in which
+and files each message under its key (:class:`MessageKey`); a partition waits for its key in
+that mailbox. So the order in which partitions send never has to match the order in which
 others receive, shapes may change from one run to the next, and every wait is a wait on a
 condition that a timeout, a cancellation or a failure ends.
 
@@ -28,7 +28,7 @@ travel in one piece, with no round trip.
 **A run** is bracketed on every rank by :meth:`DistributedTransport.begin` and
 :meth:`DistributedTransport.finish`. The last message of a run from each rank to each
 other rank says the run is finished there, and whether it went well (it carries the
-losses, from the last stage's rank). A rank whose action raises tells every other rank at
+losses, from the last partition's rank). A rank whose action raises tells every other rank at
 once (a ``failed`` message), which cancels their waits; every rank then finishes the run,
 and raises: the failing rank its own error, the others a :class:`RemoteStageError` naming
 the failing rank and its action. A rank that dies closes its connections:
@@ -168,7 +168,7 @@ class _RemoteFailure:
 
 
 class _Differs(ValueError):
-    """This rank's run fields differ from the first stage's rank's: the run fails on every
+    """This rank's run fields differ from the first partition's rank's: the run fails on every
     rank, which then raise the same :class:`~gpipe_core._agreement.RanksDisagree`."""
 
 
@@ -295,12 +295,12 @@ def _message(encoded: bytes, data: Sequence[Tensor], capacity: int) -> list[Tens
 
 
 class DistributedTransport(Transport):
-    """Messages between stages on the ranks of a gloo process group.
+    """Messages between partitions on the ranks of a gloo process group.
 
     Args:
         group: the pipeline's process group.
-        stage_ranks: the rank (in ``group``) of each stage.
-        devices: the device of each stage of this rank (others: unused).
+        partition_ranks: the rank (in ``group``) of each partition.
+        devices: the device of each partition of this rank (others: unused).
         timeout: seconds any wait may last before it fails with an error that says who
             waits for what (None: no bound).
         tag: the point-to-point tag of this pipeline's headers (``tag + 1``: its
@@ -313,7 +313,7 @@ class DistributedTransport(Transport):
     def __init__(
         self,
         group: dist.ProcessGroup,
-        stage_ranks: Sequence[int],
+        partition_ranks: Sequence[int],
         devices: Sequence[torch.device],
         *,
         timeout: float | None,
@@ -332,7 +332,7 @@ class DistributedTransport(Transport):
             for peer in range(group.size())
         }
         self.rank = group.rank()
-        self.stage_ranks = list(stage_ranks)
+        self.partition_ranks = list(partition_ranks)
         self.devices = list(devices)
         self.timeout = timeout
         self.tag = tag
@@ -348,7 +348,7 @@ class DistributedTransport(Transport):
         self.told = False  # whether this rank has told the others of its failure
         self.mailbox: dict[MessageKey, Message] = {}
         self.plan: _Meta | None = None
-        #: The run's fields on the first stage's rank (sent with the plan), on this rank,
+        #: The run's fields on the first partition's rank (sent with the plan), on this rank,
         #: and on each peer (sent with its last message of the run).
         self.plan_fields: Fields | None = None
         self.fields: Fields | None = None
@@ -420,7 +420,7 @@ class DistributedTransport(Transport):
         Args:
             error: what this rank raised in the run, if anything (the others are told,
                 unless they were already).
-            payload: what this rank gives every peer (the losses, from the last stage's
+            payload: what this rank gives every peer (the losses, from the last partition's
                 rank).
 
         Returns:
@@ -507,18 +507,18 @@ class DistributedTransport(Transport):
             return None
         known = {rank: values for rank, values in sorted(fields.items()) if values}
         if self.plan_fields is not None:
-            known.setdefault(self.stage_ranks[0], self.plan_fields)
+            known.setdefault(self.partition_ranks[0], self.plan_fields)
         return compare(known)
 
     def send_plan(self, plan: _Meta, fields: Fields) -> None:
         """Give every peer the run's plan (its micro-batches' sizes) and this rank's run
-        fields, from the first stage's rank."""
+        fields, from the first partition's rank."""
         self.plan_fields = self.fields = fields
         for peer in self.peers:
             self._post(peer, ("plan", plan, fields), [])
 
     def receive_plan(self, fields: Fields) -> _Meta:
-        """Wait for the run's plan from the first stage's rank, and check that this rank's
+        """Wait for the run's plan from the first partition's rank, and check that this rank's
         run ``fields`` are the same as there.
 
         Raises:
@@ -528,11 +528,13 @@ class DistributedTransport(Transport):
         """
         with self.cond:
             self.fields = fields
-            self._wait(lambda: self.plan is not None, "the plan of the run", self.stage_ranks[0])
+            self._wait(
+                lambda: self.plan is not None, "the plan of the run", self.partition_ranks[0]
+            )
             assert self.plan is not None and self.plan_fields is not None
             plan, theirs = self.plan, self.plan_fields
         if theirs != fields:
-            disagreement = compare({self.stage_ranks[0]: theirs, self.rank: fields})
+            disagreement = compare({self.partition_ranks[0]: theirs, self.rank: fields})
             if disagreement is not None:
                 raise _Differs(str(disagreement))
         return plan
@@ -549,7 +551,7 @@ class DistributedTransport(Transport):
         kind: type[tuple[Any, ...]] = tuple,
     ) -> None:
         message = outgoing(values, atomic, needs_grad, detach=True, kind=kind)
-        target = self.stage_ranks[key.target]
+        target = self.partition_ranks[key.target]
         if target == self.rank:
             with self.cond:
                 self.mailbox[key] = message
@@ -562,7 +564,7 @@ class DistributedTransport(Transport):
         self._post(target, meta, message.tensors.tensors)
 
     def receive(self, key: MessageKey) -> Message:
-        source = self.stage_ranks[key.source]
+        source = self.partition_ranks[key.source]
         with self.cond:
             self._wait(lambda: key in self.mailbox, _describe(key), source)
             message = self.mailbox.pop(key)
@@ -594,8 +596,8 @@ class DistributedTransport(Transport):
         for peer in self.peers:
             self._post_if_alive(peer, ("failed", where, summary, text, disagrees))
 
-    def fail(self, stage: int, action: Action | None, error: BaseException) -> None:
-        self.tell((stage, action) if action is not None else None, error)
+    def fail(self, partition: int, action: Action | None, error: BaseException) -> None:
+        self.tell((partition, action) if action is not None else None, error)
 
     def cancel(self) -> None:
         with self.cond:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
@@ -46,6 +47,7 @@ from ._partition import (
     placed_layers,
     split_module,
 )
+from ._partition_run import LossSpec, PartitionRun, nested
 from ._placement import (
     DEFAULT_TIMEOUT,
     Placement,
@@ -55,7 +57,6 @@ from ._placement import (
 from ._runner import run
 from ._schedule import Action, GPipeSchedule, Schedule, get_schedule, step_actions
 from ._sequential import PipeSequential
-from ._stage import LossSpec, Stage, nested
 from ._state_dict import PartitionKeys, map_keys
 from ._stream import AbstractStream, current_stream, new_stream
 from ._threads import check_intra_op_threads
@@ -136,10 +137,10 @@ class GPipe(nn.Module):
             per mini-batch, as the whole mini-batch would, rather than once per
             micro-batch. The layers keep their parameters and buffers; ``module`` is
             changed in place.
-        group: a ``torch.distributed`` process group to run the stages across
+        group: a ``torch.distributed`` process group to run the partitions across
             processes: partition ``s`` runs on rank ``s % group.size()`` of the group,
             which keeps only its own partitions' layers (see :doc:`/distributed`). The
-            messages between stages travel on gloo: on ``group`` if it uses gloo, else on
+            messages between partitions travel on gloo: on ``group`` if it uses gloo, else on
             a gloo group of the same ranks, made here (on every rank of ``group``). Then
             ``devices`` lists the devices of this rank's partitions (default: the CUDA
             device ``LOCAL_RANK`` when CUDA is available, else the CPU), and the other
@@ -365,9 +366,19 @@ class GPipe(nn.Module):
         return self._placement.devices
 
     @property
-    def stage_ranks(self) -> list[int]:
+    def partition_ranks(self) -> list[int]:
         """The rank (in ``group``) of each partition; all 0 without a group."""
         return self._placement.ranks
+
+    @property
+    def stage_ranks(self) -> list[int]:
+        """Deprecated name of :attr:`partition_ranks` (removed in a later release)."""
+        warnings.warn(
+            "GPipe.stage_ranks is deprecated: use GPipe.partition_ranks (same value)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.partition_ranks
 
     def __getstate__(self) -> dict[str, Any]:
         if self._placement.spans_processes:
@@ -696,7 +707,7 @@ class GPipe(nn.Module):
         state: ThreadState | None = None,
         unpack_input: bool = False,
     ) -> list[Batch | None]:
-        """Run ``actions`` over the partitions' stages (see :mod:`gpipe_core._runner`).
+        """Run ``actions`` over the partitions (see :mod:`gpipe_core._runner`).
 
         A pipeline nested in a checkpointed partition runs in the calling thread: the
         outer recomputation must replay its random draws in the same order, and its
@@ -705,10 +716,10 @@ class GPipe(nn.Module):
         m, n = len({action.microbatch for action in actions[0]}), len(self.partitions)
         tracer = tracer_for(self, m)
         streams = [current_stream(device) for device in self.devices]
-        stages = [
+        partitions = [
             None
             if not self._placement.local[j]
-            else Stage(
+            else PartitionRun(
                 j,
                 partition,
                 self.devices[j],
@@ -735,7 +746,7 @@ class GPipe(nn.Module):
         # micro-batches (m may be less than chunks), and not at all if a micro-batch fails.
         with mini_batch(self) if self._deferred_batch_norm else nullcontext():
             outputs = run(
-                stages,
+                partitions,
                 transport,
                 actions,
                 batches,
@@ -865,7 +876,7 @@ class GPipe(nn.Module):
         if losses is not None:
             return losses
         # Every rank returns the losses of the last partition's rank.
-        return from_numbers(session.payloads[self.stage_ranks[-1]])
+        return from_numbers(session.payloads[self.partition_ranks[-1]])
 
     def _step(
         self,

@@ -7,7 +7,7 @@ the seconds any wait for another rank may last. It makes the pipeline's transpor
 the only place that knows whether a pipeline spans processes: the rest of gpipe-core asks
 it which partitions are local and which transport carries their messages.
 
-It knows nothing of the layers beyond their count, of schedules or of stages.
+It knows nothing of the layers beyond their count, of schedules or of partitions.
 """
 
 from __future__ import annotations

@@ -1,21 +1,21 @@
-"""The runner: each stage's action list, executed on its worker, with one failure channel.
+"""The runner: each partition's action list, executed on its worker, with one failure channel.
 
-A run executes action lists (see :mod:`gpipe_core._schedule`) over stages
-(:mod:`gpipe_core._stage`): each stage's list on its worker thread, each action as soon
+A run executes action lists (see :mod:`gpipe_core._schedule`) over partitions
+(:mod:`gpipe_core._partition_run`): each partition's list on its worker thread, each action as soon
 as the messages it needs have arrived through the transport
-(:mod:`gpipe_core._transport`). The forward action of micro-batch ``i`` on stage ``j``
-receives its activations from stage ``j - 1`` (the first stage takes the micro-batch
-itself) and the skips it pops, runs the stage, and sends its output and the skips it
-stashes on; the backward action receives the gradients of both, runs the stage's backward
+(:mod:`gpipe_core._transport`). The forward action of micro-batch ``i`` on partition ``j``
+receives its activations from partition ``j - 1`` (the first partition takes the micro-batch
+itself) and the skips it pops, runs the partition, and sends its output and the skips it
+stashes on; the backward action receives the gradients of both, runs the partition's backward
 pass and sends its input's gradients back.
 
 **Failures.** The first error of a run is kept (:class:`Failure`); it cancels the
 transport, so that every wait for a message ends, and every worker stops after its
 current action. The caller gets the error with its traceback; among errors raised at
 about the same time, the one of the earliest action in unit time (:func:`simulate`), then
-the first stage, so that the outcome does not depend on thread timing.
+the first partition, so that the outcome does not depend on thread timing.
 
-**Serially.** With one stage, or inside a checkpointed partition (a nested pipeline), the
+**Serially.** With one partition, or inside a checkpointed partition (a nested pipeline), the
 actions run in the calling thread, in the order of :func:`simulate`: no wait ever blocks.
 """
 
@@ -35,8 +35,8 @@ from gpipe_microbatch import Batch, ThreadState, use_device
 from gpipe_skip import SkipKey
 
 from ._errors import add_note
+from ._partition_run import PartitionRun
 from ._schedule import Action, simulate
-from ._stage import Stage
 from ._stream import is_cuda, use_stream
 from ._threads import NO_SHARE, ThreadShare
 from ._transport import Cancelled, MessageKey, Transport
@@ -56,7 +56,7 @@ class Failure:
         self.cancelled = False
 
     def fail(self, j: int, position: int, exc_info: ExcInfo) -> None:
-        """Keep stage ``j``'s error, raised in its action at ``position`` (-1: outside
+        """Keep partition ``j``'s error, raised in its action at ``position`` (-1: outside
         any action), and end the run (see :meth:`Transport.fail`)."""
         with self.lock:
             self.errors.append((j, position, exc_info))
@@ -91,7 +91,7 @@ class Failure:
 
 
 def run(
-    stages: Sequence[Stage | None],
+    partitions: Sequence[PartitionRun | None],
     transport: Transport,
     actions: Sequence[Sequence[Action]],
     inputs: Sequence[Batch],
@@ -100,20 +100,20 @@ def run(
     threaded: bool,
     intra_op_threads: int | None = None,
 ) -> list[Batch | None]:
-    """Run each stage's ``actions`` and return the last stage's output per micro-batch.
+    """Run each partition's ``actions`` and return the last partition's output per micro-batch.
 
     Args:
-        stages: the stages, in pipeline order; None for a stage of another process, whose
-            actions that process runs.
+        partitions: the partitions, in pipeline order; None for a partition of another
+            process, whose actions that process runs.
         transport: carries messages between them.
-        actions: each stage's action list.
-        inputs: the micro-batches, on the first stage's device (none where the first stage
+        actions: each partition's action list.
+        inputs: the micro-batches, on the first partition's device (none where the first partition
             runs in another process).
-        pool: the workers, one per stage.
+        pool: the workers, one per partition.
         state: the caller's thread state, applied in every worker.
-        threaded: run each stage of this process on its worker; otherwise in the
-            calling thread (whose state is ``state``): every stage serially, or the one
-            stage of this process.
+        threaded: run each partition of this process on its worker; otherwise in the
+            calling thread (whose state is ``state``): every partition serially, or the one
+            partition of this process.
         intra_op_threads: GPipe's ``intra_op_threads``: how the workers on the CPU share
             the caller's intra-op threads (see :mod:`gpipe_core._threads`).
     """
@@ -121,8 +121,8 @@ def run(
     failure = Failure(transport, actions)
     # Workers divide the caller's intra-op threads; a run in the calling thread keeps them.
     share = ThreadShare(intra_op_threads, torch.get_num_threads()) if threaded else NO_SHARE
-    executor = _Executor(stages, transport, inputs, outputs, failure, share)
-    local = [j for j, stage in enumerate(stages) if stage is not None]
+    executor = _Executor(partitions, transport, inputs, outputs, failure, share)
+    local = [j for j, partition in enumerate(partitions) if partition is not None]
     try:
         if threaded:
             pool.run_jobs(
@@ -131,11 +131,11 @@ def run(
                 lambda k, exc_info: failure.fail(local[k], -1, exc_info),
                 failure.cancel,
             )
-        elif len(local) == len(stages):
+        elif len(local) == len(partitions):
             with state.apply():
                 executor.run_serially(actions)
         else:
-            # The one stage of this process; the others' actions run elsewhere.
+            # The one partition of this process; the others' actions run elsewhere.
             (j,) = local
             executor.run(j, actions[j], state)
         failure.raise_first()
@@ -144,45 +144,45 @@ def run(
     return outputs
 
 
-def _on_device(stage: Stage) -> AbstractContextManager[object]:
-    """Make the stage's device and compute stream current (nothing to do on the CPU)."""
-    if stage.device.type != "cuda" and not is_cuda(stage.stream):
+def _on_device(partition: PartitionRun) -> AbstractContextManager[object]:
+    """Make the partition's device and compute stream current (nothing to do on the CPU)."""
+    if partition.device.type != "cuda" and not is_cuda(partition.stream):
         return nullcontext()
     stack = ExitStack()
-    stack.enter_context(use_device(stage.device))
-    stack.enter_context(use_stream(stage.stream))
+    stack.enter_context(use_device(partition.device))
+    stack.enter_context(use_stream(partition.stream))
     return stack
 
 
 class _Executor:
-    """How each action runs: messages in, the stage's work, messages out."""
+    """How each action runs: messages in, the partition's work, messages out."""
 
     def __init__(
         self,
-        stages: Sequence[Stage | None],
+        partitions: Sequence[PartitionRun | None],
         transport: Transport,
         inputs: Sequence[Batch],
         outputs: list[Batch | None],
         failure: Failure,
         share: ThreadShare = NO_SHARE,
     ) -> None:
-        self.stages = stages
+        self.partitions = partitions
         self.transport = transport
         self.inputs = inputs
         self.outputs = outputs
         self.failure = failure
-        self.last = len(stages) - 1
+        self.last = len(partitions) - 1
         self.share = share
 
-    def stage(self, j: int) -> Stage:
-        stage = self.stages[j]
-        assert stage is not None, f"stage {j} runs in another process"
-        return stage
+    def partition(self, j: int) -> PartitionRun:
+        partition = self.partitions[j]
+        assert partition is not None, f"partition {j} runs in another process"
+        return partition
 
     def run(self, j: int, actions: Sequence[Action], state: ThreadState) -> None:
-        """Run stage ``j``'s actions in order on its worker, under the caller's ``state``."""
-        failure, stage = self.failure, self.stage(j)
-        with _on_device(stage), state.apply(), self.share.worker(stage.device):
+        """Run partition ``j``'s actions in order on its worker, under the caller's ``state``."""
+        failure, partition = self.failure, self.partition(j)
+        with _on_device(partition), state.apply(), self.share.worker(partition.device):
             for position, action in enumerate(actions):
                 if failure.cancelled:
                     return
@@ -201,7 +201,7 @@ class _Executor:
             for j, row in enumerate(rows):
                 action = row[column] if column < len(row) else None
                 if action is not None:
-                    with _on_device(self.stage(j)):
+                    with _on_device(self.partition(j)):
                         self.act(j, action)
 
     def act(self, j: int, action: Action) -> None:
@@ -219,20 +219,20 @@ class _Executor:
             raise
 
     def forward(self, j: int, i: int) -> None:
-        stage, transport = self.stage(j), self.transport
+        partition, transport = self.partition(j), self.transport
         if j == 0:
             batch = self.inputs[i]
         else:
             message = transport.receive(MessageKey("activations", i, j - 1, j))
-            values = stage.accept(message.values(), message.requires_grad)
+            values = partition.accept(message.values(), message.requires_grad)
             batch = Batch(message.value(values))
         skips: dict[SkipKey, Tensor | None] = {}
-        for source, keys in stage.pops.items():
+        for source, keys in partition.pops.items():
             message = transport.receive(MessageKey("skips", i, source, j))
-            values = stage.accept(message.values(), message.requires_grad)
+            values = partition.accept(message.values(), message.requires_grad)
             skips.update(zip(keys, cast(list[Tensor | None], values), strict=True))
-        with self.share.computing(stage.device):
-            output, stashed, needs_grad = stage.forward(i, batch, skips)
+        with self.share.computing(partition.device):
+            output, stashed, needs_grad = partition.forward(i, batch, skips)
         if j == self.last:
             self.outputs[i] = output
         else:
@@ -243,24 +243,24 @@ class _Executor:
                 needs_grad=needs_grad,
                 kind=output.kind,
             )
-        for target, keys in stage.stashes.items():
+        for target, keys in partition.stashes.items():
             values = [stashed[key] for key in keys]
             transport.send(MessageKey("skips", i, j, target), values, needs_grad=needs_grad)
 
     def backward(self, j: int, i: int) -> None:
-        stage, transport = self.stage(j), self.transport
+        partition, transport = self.partition(j), self.transport
         grads: list[Tensor | None] = []
         if j != self.last:
             message = transport.receive(MessageKey("gradients", i, j + 1, j))
             grads = cast(list[Tensor | None], message.values())
         skip_grads: dict[SkipKey, Tensor | None] = {}
-        for target, keys in stage.stashes.items():
+        for target, keys in partition.stashes.items():
             message = transport.receive(MessageKey("skip-gradients", i, target, j))
             skip_grads.update(zip(keys, cast(list[Tensor | None], message.values()), strict=True))
-        with self.share.computing(stage.device):
-            input_grads, popped = stage.backward(i, grads, skip_grads)
+        with self.share.computing(partition.device):
+            input_grads, popped = partition.backward(i, grads, skip_grads)
         if j != 0:
             transport.send(MessageKey("gradients", i, j, j - 1), input_grads)
-        for source, keys in stage.pops.items():
+        for source, keys in partition.pops.items():
             values = [popped.get(key) for key in keys]
             transport.send(MessageKey("skip-gradients", i, j, source), values)

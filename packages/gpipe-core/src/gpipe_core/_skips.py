@@ -1,15 +1,15 @@
-"""Skip connections in a stage, as explicit inputs and outputs.
+"""Skip connections in a partition, as explicit inputs and outputs.
 
-A stage with skippable layers runs as a function of its input and the skips it pops
-from earlier stages, returning its output and the skips it stashes for later stages
-(as :func:`gpipe_skip.run_partition` runs it). Both sides travel in one flat batch: the stage's
+A partition with skippable layers runs as a function of its input and the skips it pops
+from earlier partitions, returning its output and the skips it stashes for later partitions
+(as :func:`gpipe_skip.run_partition` runs it). Both sides travel in one flat batch: the partition's
 values first, then the skip tensors. Under checkpointing the checkpointed function is
 that flat function, so the recomputation stashes again for its own backward, and the
 gradient of every skip tensor flows like any other.
 
-A skip stashed by stage ``j`` and popped by stage ``k`` is sent by the transport from
+A skip stashed by partition ``j`` and popped by partition ``k`` is sent by the transport from
 ``j`` straight to ``k`` (see :mod:`gpipe_core._transport`): once per micro-batch, and
-never through the stages in between.
+never through the partitions in between.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Streams, with a CPU fallback: the stream abstraction of the pipeline's stages and copies.
+"""Streams, with a CPU fallback: the stream abstraction of the pipeline's partitions and copies.
 
 CUDA work is ordered by streams. On CPU there are none: :data:`CPUStream` stands in for
 them and every operation on it is a no-op, so the pipeline can treat both alike. Devices

@@ -1,4 +1,4 @@
-"""Intra-op threads of the workers: the CPU's cores divided among the stages computing at once.
+"""Intra-op threads of the workers: the CPU's cores divided among the partitions computing at once.
 
 torch computes one operator with several threads (its intra-op pool, ``torch.get_num_threads()``,
 by default one per core). Left alone, each worker of a pipeline would use all of them, and
@@ -120,5 +120,5 @@ class ThreadShare:
 _NOTHING = nullcontext()
 
 
-#: The share of a run whose stages run in the calling thread: nothing to divide.
+#: The share of a run whose partitions run in the calling thread: nothing to divide.
 NO_SHARE = ThreadShare(0, 1)

@@ -4,11 +4,11 @@ A pipeline run gets a :class:`Tracer` only when a ``with model.trace()`` block i
 that model or a :mod:`torch.profiler` profile is active; otherwise :func:`tracer_for`
 returns None and the pipeline runs exactly as it would without this module.
 
-Every task a stage runs itself (a forward pass, a loss, and in a step a recomputation
+Every task a partition runs itself (a forward pass, a loss, and in a step a recomputation
 and a backward pass) and every device copy goes through one entry point,
 :meth:`Tracer.run`. When autograd runs a backward pass instead (the graph of
-``GPipe.forward``), the stage marks it with two identity autograd functions: one on the
-stage's output, whose backward runs first (the start; for a checkpointed micro-batch the
+``GPipe.forward``), the partition marks it with two identity autograd functions: one on the
+partition's output, whose backward runs first (the start; for a checkpointed micro-batch the
 end of its recomputation is the start), and one on its input, whose backward runs last
 (the end); the recomputation inside autograd is recognised by
 :func:`~gpipe_checkpoint.is_recomputing`.
@@ -252,7 +252,7 @@ class Tracer:
         backward: bool,
         function: Callable[[], _T],
     ) -> _T:
-        """Run ``function`` as the task ``phase`` of stage ``j`` on micro-batch ``i``.
+        """Run ``function`` as the task ``phase`` of partition ``j`` on micro-batch ``i``.
 
         The one entry point through which every task of a run is labelled and timed (a
         task that raises is not recorded).
@@ -310,7 +310,7 @@ class Tracer:
         self._mark(batch, partial(self._end_backward, i, j, device, stream), force=force)
 
     def output(self, batch: Batch, i: int, j: int, stream: AbstractStream) -> None:
-        """Mark the start of stage ``j``'s backward on ``batch``, its output (in place)."""
+        """Mark the start of partition ``j``'s backward on ``batch``, its output (in place)."""
         self._mark(batch, partial(self._start_backward, i, j, stream))
 
     def _start_backward(self, i: int, j: int, stream: AbstractStream) -> None:
@@ -341,7 +341,7 @@ class Tracer:
         device: torch.device,
         backward: bool = False,
     ) -> None:
-        """Copy ``batch`` into stage ``j`` (as :func:`~gpipe_core._transfer.copy`), recorded.
+        """Copy ``batch`` into partition ``j`` (as :func:`~gpipe_core._transfer.copy`), recorded.
 
         The copy is queued on ``next_stream``; when autograd carries its gradient back (on
         ``prev_stream``), that copy is recorded too, between two markers. ``backward``:

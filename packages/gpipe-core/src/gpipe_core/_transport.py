@@ -1,19 +1,19 @@
-"""The transport: what moves between stages, and how.
+"""The transport: what moves between partitions, and how.
 
-Stages never hand each other tensors directly. The runner sends each stage's results
-through a :class:`Transport` and receives each stage's inputs from it, keyed by what they
-are (:class:`MessageKey`): the activations of micro-batch ``i`` from stage ``j`` to stage
+Partitions never hand each other tensors directly. The runner sends each partition's results
+through a :class:`Transport` and receives each partition's inputs from it, keyed by what they
+are (:class:`MessageKey`): the activations of micro-batch ``i`` from partition ``j`` to partition
 ``j + 1``, their gradients back, and the skip tensors and their gradients between the
-stage that stashes and the stage that pops. A message carries its tensors and what the
+partition that stashes and the partition that pops. A message carries its tensors and what the
 receiver needs to know of them (:class:`Message`): which values are tensors, whether each
 tensor required grad, whether the value was one value or a tuple. Values that are not
 tensors (``None`` included: a missing gradient, a ``None`` skip; or a number, a string,
 a small container a partition returned) travel as Python objects beside the tensors.
 
 :class:`LocalTransport` moves tensors between worker threads of one process: a stream wait
-when both stages share a device, else a device copy on the copy streams. A transport
+when both partitions share a device, else a device copy on the copy streams. A transport
 across processes implements the same interface on ``torch.distributed``; neither the
-stages nor the schedules know which transport carries their tensors.
+partitions nor the schedules know which transport carries their tensors.
 
 Every wait ends when its message arrives or when the run is cancelled
 (:meth:`Transport.cancel`): then it raises :class:`Cancelled`.
@@ -65,7 +65,7 @@ MessageKind = Literal["activations", "gradients", "skips", "skip-gradients"]
 
 
 class MessageKey(NamedTuple):
-    """What a message is: its kind, its micro-batch, and the stages it goes between."""
+    """What a message is: its kind, its micro-batch, and the partitions it goes between."""
 
     kind: MessageKind
     microbatch: int
@@ -74,7 +74,7 @@ class MessageKey(NamedTuple):
 
 
 class Message(NamedTuple):
-    """Values sent by one stage to another: tensors, and the other values beside them."""
+    """Values sent by one partition to another: tensors, and the other values beside them."""
 
     #: Whether the value was one value (rather than a tuple).
     atomic: bool
@@ -134,7 +134,7 @@ def outgoing(
 
 
 class Cancelled(Exception):
-    """Raised in a stage waiting for a message when the run has been cancelled."""
+    """Raised in a partition waiting for a message when the run has been cancelled."""
 
 
 #: A run's plan: what the first partition's process tells the others (the sizes of the
@@ -184,7 +184,7 @@ class RunLock:
 
 
 class Transport(ABC):
-    """Moves messages between stages, and owns the lifecycle of the run that sends them
+    """Moves messages between partitions, and owns the lifecycle of the run that sends them
     (see the module's docstring). One run at a time."""
 
     #: Whether the current run was cancelled (every wait raises :class:`Cancelled`).
@@ -268,15 +268,15 @@ class Transport(ABC):
 
     @abstractmethod
     def receive(self, key: MessageKey) -> Message:
-        """Wait for the message ``key``; its tensors are on the target stage's device,
+        """Wait for the message ``key``; its tensors are on the target partition's device,
         ready for its compute stream.
 
         Raises:
             Cancelled: the run was cancelled while waiting.
         """
 
-    def fail(self, stage: int, action: Action | None, error: BaseException) -> None:
-        """Stage ``stage``'s ``action`` raised ``error`` (``action`` is None outside any
+    def fail(self, partition: int, action: Action | None, error: BaseException) -> None:
+        """PartitionRun ``partition``'s ``action`` raised ``error`` (``action`` is None outside any
         action): end the run. The default cancels it; a transport across processes tells
         the other processes too."""
         self.cancel()
@@ -350,7 +350,7 @@ class LocalTransport(Transport):
     ) -> None:
         message = outgoing(values, atomic, needs_grad, detach=not self.keep_graph, kind=kind)
         if message.tensors:
-            # The copy to the other stage waits for this stage's computation.
+            # The copy to the other partition waits for this partition's computation.
             source, i = key.source, key.microbatch
             wait(message.tensors, self.compute_streams[source], self.copy_streams[source][i])
         with self.lock:

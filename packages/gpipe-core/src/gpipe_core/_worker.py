@@ -1,4 +1,4 @@
-"""Worker threads: one per stage, each fed its stage's part of a run through a queue.
+"""Worker threads: one per partition, each fed its partition's part of a run through a queue.
 
 A :class:`WorkerPool` belongs to one GPipe module. Its threads start on the first run that
 needs them and live until the module is garbage-collected (or :meth:`WorkerPool.close` is
@@ -36,7 +36,7 @@ def _worker_loop(in_queue: SimpleQueue[_Job | None]) -> None:
 
 
 class _Job:
-    """A stage's part of a run, as its worker runs it (see :meth:`WorkerPool.run_jobs`).
+    """A partition's part of a run, as its worker runs it (see :meth:`WorkerPool.run_jobs`).
 
     Whatever happens, its end is counted, an exception going to ``failed`` first.
     """
@@ -199,7 +199,7 @@ class WorkerPool:
         failed: Callable[[int, ExcInfo], None],
         stop: Callable[[], None],
     ) -> None:
-        """Run ``jobs[j]`` on stage ``j``'s worker, for every ``j``, and wait for all.
+        """Run ``jobs[j]`` on partition ``j``'s worker, for every ``j``, and wait for all.
 
         A job that raises reports to ``failed(j, exc_info)``; the caller raises what it
         keeps. Each job reports its own end, so an interrupt in the caller

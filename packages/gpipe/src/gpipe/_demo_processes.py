@@ -37,7 +37,7 @@ class ProcessesReport:
 
     processes: int
     balance: list[int]
-    stage_ranks: list[int]
+    partition_ranks: list[int]
     #: The loss of each step, across processes.
     losses: list[float]
     #: The loss of each step of the same pipeline in one process.
@@ -50,7 +50,7 @@ class ProcessesReport:
     def format(self) -> str:
         """The report as the command line prints it."""
         n = self.processes
-        ranks = ", ".join(f"{j} -> rank {r}" for j, r in enumerate(self.stage_ranks))
+        ranks = ", ".join(f"{j} -> rank {r}" for j, r in enumerate(self.partition_ranks))
         rows = [
             ("processes", f"{n} (gloo), partition {ranks}"),
             ("loss", f"{self.losses[0]:.4f} -> {self.losses[-1]:.4f}"),
@@ -91,13 +91,13 @@ def _train(
     seconds the steps took."""
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
-    first, last = pipe.stage_ranks[0] == rank, pipe.stage_ranks[-1] == rank
+    first, last = pipe.partition_ranks[0] == rank, pipe.partition_ranks[-1] == rank
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(config.steps):
         index = step % data.size(0)
         optimizer.zero_grad(set_to_none=True)
-        # Across processes, the input is used on the first stage's rank only, the target
+        # Across processes, the input is used on the first partition's rank only, the target
         # on the last one's: the others give None.
         step_losses = pipe.step(
             data[index] if first else None,
@@ -153,7 +153,7 @@ def run_rank(
             group=dist.group.WORLD,
             timeout=config.timeout,
         )
-        stage_ranks = list(pipe.stage_ranks)
+        partition_ranks = list(pipe.partition_ranks)
         if rank == 0:
             where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
             print(
@@ -190,7 +190,7 @@ def run_rank(
     return ProcessesReport(
         processes=world,
         balance=balance,
-        stage_ranks=stage_ranks,
+        partition_ranks=partition_ranks,
         losses=losses,
         single_losses=single_losses,
         samples_per_s=samples / elapsed,

@@ -1,27 +1,27 @@
-"""A stage: one partition on its device, running one micro-batch at a time.
+"""A partition's run: the partition on its device, running one micro-batch at a time.
 
-A :class:`Stage` does, for micro-batch ``i``: the forward pass (checkpointed or not),
-the loss on the last stage, the recomputation and the backward pass; and it keeps what
+A :class:`PartitionRun` does, for micro-batch ``i``: the forward pass (checkpointed or not),
+the loss on the last partition, the recomputation and the backward pass; and it keeps what
 they need in between (inputs, outputs, the checkpoint with its generator states, the
 skips). Both ``GPipe.forward`` and ``GPipe.step`` run their partitions through it; they
 differ in one parameter, who drives the backward pass:
 
-* **autograd** (``GPipe.forward``): the stage's graph hangs off its input, which carries
-  the previous stage's graph, so the output's graph reaches the caller's input and every
-  parameter; ``loss.backward()`` runs every stage's backward pass. A checkpointed
+* **autograd** (``GPipe.forward``): the partition's graph hangs off its input, which carries
+  the previous partition's graph, so the output's graph reaches the caller's input and every
+  parameter; ``loss.backward()`` runs every partition's backward pass. A checkpointed
   micro-batch is recomputed by autograd right before its backward pass, and phony edges
-  (:func:`~gpipe_core._dependency.fork`, :func:`~gpipe_core._dependency.join`) make stage
+  (:func:`~gpipe_core._dependency.fork`, :func:`~gpipe_core._dependency.join`) make partition
   ``j`` finish the backward pass of micro-batch ``i`` before that of ``i - 1``, so that
   each recomputation runs right before its own backward pass.
-* **the stage** (``GPipe.step``): the stage's graph starts at leaves cut from what it
-  receives, and its backward pass (:meth:`Stage.backward`) differentiates its own
-  outputs with the gradients the next stage sent back (or the loss), returning its
+* **the partition run** (``GPipe.step``): the partition's graph starts at leaves cut from what it
+  receives, and its backward pass (:meth:`PartitionRun.backward`) differentiates its own
+  outputs with the gradients the next partition sent back (or the loss), returning its
   inputs' gradients. A checkpointed micro-batch is recomputed where the schedule puts its
-  backward pass. Backward passes of different stages run at the same time, on the CPU
+  backward pass. Backward passes of different partitions run at the same time, on the CPU
   as well.
 
 Checkpointing is :class:`gpipe_checkpoint.Checkpointing` in both cases, placed by autograd
-or by the stage.
+or by the partition run.
 """
 
 from __future__ import annotations
@@ -55,14 +55,14 @@ from ._stream import AbstractStream
 from ._timeline import Phase
 from ._tracing import Tracer
 
-__all__ = ["LossSpec", "Stage", "clone", "nested"]
+__all__ = ["LossSpec", "PartitionRun", "clone", "nested"]
 
 _T = TypeVar("_T")
 _Function = Callable[[Any], object]
 
 
 class _LockDepth(threading.local):
-    """How many generator locks the current thread holds through a stage."""
+    """How many generator locks the current thread holds through a partition."""
 
     depth = 0
 
@@ -71,13 +71,13 @@ _held = _LockDepth()
 
 
 def nested() -> bool:
-    """Whether the calling thread runs inside a stage that holds a generator lock (a
+    """Whether the calling thread runs inside a partition that holds a generator lock (a
     pipeline nested in a partition): such a pipeline must run in this thread."""
     return _held.depth > 0
 
 
 def clone(batch: Batch) -> Batch:
-    """A batch of copies of ``batch``'s tensors (for a stage that modifies its input)."""
+    """A batch of copies of ``batch``'s tensors (for a partition that modifies its input)."""
     return batch.with_tensors(tensor.clone() for tensor in batch)
 
 
@@ -88,11 +88,11 @@ def _same_states(a: RNGStates, b: RNGStates) -> bool:
 
 
 class LossSpec:
-    """What the last stage of a step needs for the losses.
+    """What the last partition of a step needs for the losses.
 
     Args:
         loss_fn: ``loss_fn(output, target)`` returns a scalar tensor.
-        targets: the micro-batches of the target, on the last stage's device.
+        targets: the micro-batches of the target, on the last partition's device.
         scales: what each micro-batch's loss is multiplied by before its backward pass.
         backward: whether the losses are differentiated (a training step).
     """
@@ -131,43 +131,43 @@ class LossSpec:
 
 
 class _InFlight:
-    """What a stage keeps of a micro-batch between its forward and backward pass."""
+    """What a partition keeps of a micro-batch between its forward and backward pass."""
 
     __slots__ = ("call", "chk", "inputs", "loss", "outputs")
 
     def __init__(self, inputs: Batch, call: SkipCall | None, chk: Checkpointing | None) -> None:
-        #: The flat input: leaves (views of the mini-batch on the first stage).
+        #: The flat input: leaves (views of the mini-batch on the first partition).
         self.inputs = inputs
-        #: How the stage runs when it has skippable layers.
+        #: How the partition runs when it has skippable layers.
         self.call = call
         #: The checkpoint of a checkpointed micro-batch, until it is recomputed.
         self.chk = chk
         #: The flat output with its autograd graph (None while checkpointed).
         self.outputs: tuple[Tensor, ...] | None = None
-        #: The scaled loss to differentiate, on the last stage.
+        #: The scaled loss to differentiate, on the last partition.
         self.loss: Tensor | None = None
 
 
-class Stage:
+class PartitionRun:
     """Partition ``index`` on its device, for one run of ``microbatches`` micro-batches.
 
     Args:
-        index: the stage's position in the pipeline.
+        index: the partition's position in the pipeline.
         partition: its layers, on ``device``.
         device: where it computes.
         stream: its compute stream.
         microbatches: how many micro-batches the run has.
         checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed.
-        autograd_backward: autograd drives the backward pass through the stage's graph,
-            which hangs off its input (``GPipe.forward``); otherwise the stage's graph
+        autograd_backward: autograd drives the backward pass through the partition's graph,
+            which hangs off its input (``GPipe.forward``); otherwise the partition's graph
             starts at leaves cut from its input and :meth:`backward` runs it
             (``GPipe.step``).
         grad: whether the run records autograd history (training with grad enabled).
         skip_layout: the skip connections of the pipeline (None without any).
         unpack: a tuple input is the positional arguments of the partition's first layer
             (see :func:`~gpipe_core._sequential.call_partition`), not one value.
-        loss: the losses, on the last stage of a step.
-        tracer: labels and times the stage's tasks, if the run is traced.
+        loss: the losses, on the last partition of a step.
+        tracer: labels and times the partition's tasks, if the run is traced.
     """
 
     def __init__(
@@ -208,8 +208,8 @@ class Stage:
         # without checkpointing, autograd's own order serves and saves two nodes per task.
         self.phony: Tensor | None = None
         self.ordered = checkpoint_stop > 0 or device.type == "cuda"
-        # The skips the stage pops, by the stage that stashes them, and those it stashes,
-        # by the stage that pops them.
+        # The skips the partition pops, by the partition that stashes them, and those it stashes,
+        # by the partition that pops them.
         self.layout = skip_layout if skip_layout is not None and not skip_layout.empty else None
         self.pops: dict[int, list[SkipKey]] = {}
         self.stashes: dict[int, list[SkipKey]] = {}
@@ -232,7 +232,7 @@ class Stage:
         return bool(self.parameters)
 
     def record(self, phase: Phase, i: int, backward: bool, function: Callable[[], _T]) -> _T:
-        """Run ``function`` as the stage's task ``phase`` on micro-batch ``i``, traced."""
+        """Run ``function`` as the partition's task ``phase`` on micro-batch ``i``, traced."""
         if self.tracer is None:
             return function()
         return self.tracer.run(phase, i, self.index, self.device, self.stream, backward, function)
@@ -275,7 +275,7 @@ class Stage:
         A partition may modify its input in place (it starts with
         ``nn.ReLU(inplace=True)``, say). When the input shares its version counter with
         other tensors of the run (views of the mini-batch, the aliases that order backward
-        between micro-batches, or the sending stage's output), the partition gets a copy
+        between micro-batches, or the sending partition's output), the partition gets a copy
         and is watched, until it is seen not modifying its input.
         """
         shared = not self.autograd_backward or self.microbatches > 1
@@ -292,8 +292,8 @@ class Stage:
     # -- forward -------------------------------------------------------------------------
 
     def accept(self, values: Sequence[object], requires_grad: Sequence[bool]) -> list[object]:
-        """What the stage computes from: received ``values`` (with a ``requires_grad``
-        flag per tensor), their tensors cut into leaves when the stage drives its own
+        """What the partition computes from: received ``values`` (with a ``requires_grad``
+        flag per tensor), their tensors cut into leaves when the partition drives its own
         backward pass; values that are not tensors (None included) as they are."""
         if self.autograd_backward:
             return list(values)
@@ -310,15 +310,15 @@ class Stage:
     def forward(
         self, i: int, batch: Batch, skips: dict[SkipKey, Tensor | None]
     ) -> tuple[Batch, dict[SkipKey, Tensor | None], bool]:
-        """The forward pass of micro-batch ``i`` (and its loss on the last stage).
+        """The forward pass of micro-batch ``i`` (and its loss on the last partition).
 
         Args:
             i: the micro-batch.
             batch: its input (see :meth:`accept`).
-            skips: the skips the stage pops, by key.
+            skips: the skips the partition pops, by key.
 
         Returns:
-            The output, the skips the stage stashes (by key), and whether their
+            The output, the skips the partition stashes (by key), and whether their
             recomputation will need gradients (a checkpointed output has no autograd
             history yet).
         """
@@ -383,7 +383,7 @@ class Stage:
         except RuntimeError as error:
             if self.autograd_backward or "leaf Variable that requires grad" not in str(error):
                 raise
-            # As the forward pass refuses it: the stage's input is a leaf of its own graph.
+            # As the forward pass refuses it: the partition's input is a leaf of its own graph.
             raise RuntimeError(
                 f"partition {self.index} modified its input in place (micro-batch {i}), "
                 "which a step cannot differentiate: each partition's input is a leaf of "
@@ -436,7 +436,7 @@ class Stage:
         tensor, self.phony = fork(output[index])
         output.replace(index, tensor)
 
-    # -- backward (driven by the stage) --------------------------------------------------
+    # -- backward (driven by the partition run) ----------------------------------------------
 
     def backward(
         self, i: int, grads: Sequence[Tensor | None], skip_grads: dict[SkipKey, Tensor | None]
@@ -445,11 +445,11 @@ class Stage:
 
         Args:
             i: the micro-batch.
-            grads: the gradients of the stage's output (none on the last stage).
+            grads: the gradients of the partition's output (none on the last partition).
             skip_grads: the gradients of the skips it stashed, by key.
 
         Returns:
-            The gradients of the stage's input, and of the skips it popped (by key).
+            The gradients of the partition's input, and of the skips it popped (by key).
         """
         entry = self.in_flight.pop(i)
         if entry.chk is not None:
@@ -503,7 +503,7 @@ def _no_replay(device: torch.device, states: RNGStates) -> AbstractContextManage
 
 class _Replayed:
     """:func:`~gpipe_checkpoint.replay_rng_states`, counted as a generator lock held by a
-    stage (so that a pipeline nested in the partition runs serially)."""
+    partition (so that a pipeline nested in the partition runs serially)."""
 
     __slots__ = ("replay",)
 
@@ -520,6 +520,6 @@ class _Replayed:
 
 
 def _grad(tensor: Tensor) -> Tensor | None:
-    """The gradient a leaf of the stage received (the first stage's inputs are views of
+    """The gradient a leaf of the partition received (the first partition's inputs are views of
     the step's input, whose gradient the step hands back itself)."""
     return tensor.grad if tensor.is_leaf and tensor.requires_grad else None
