@@ -389,9 +389,9 @@ def case_inputs(rank: int, *, seed: int, chunks: int) -> dict[str, Any]:
     x, y = data(seed, 6)
     mask = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
     first = pipe.partition_ranks[0] == rank
-    losses = pipe.step(
-        (x, NoChunk(mask), 0.5) if first else None, y, nn.MSELoss(), unpack_input=True
-    )
+    # Only the first partition's rank passes the inputs; the others give none.
+    inputs = (x, NoChunk(mask), 0.5) if first else ()
+    losses = pipe.step(*inputs, target=y, loss_fn=nn.MSELoss())
     grads = {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()}
     pipe.eval()
     output = pipe(x, NoChunk(mask), 0.5) if first else pipe()

@@ -12,6 +12,7 @@ so that a convention lost at a partition boundary fails the comparison.
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,9 +234,10 @@ def check(spec: Spec) -> None:
         (out * seed).sum().backward()
         (expected[0] * seed).sum().backward()
     else:
-        losses = pipe.step(
-            pipe_args, (y, NoChunk(weight)), loss_fn, schedule=spec.run, unpack_input=unpack
-        )
+        # One convention for both: the positional arguments are the first layer's.
+        target = (y, NoChunk(weight))
+        step_args = pipe_args if unpack else (pipe_args,)
+        losses = pipe.step(*step_args, target=target, loss_fn=loss_fn, schedule=spec.run)
         expected_loss = loss_fn((expected[0], spec.batch, "tag", None), (y, weight))
         expected_loss.backward()
         assert list(losses.sizes) == sizes
@@ -394,6 +396,14 @@ def test_errors_leave_the_model_usable() -> None:
         pipe.step((x, torch.zeros(3, 1)), x, nn.MSELoss())
     with pytest.raises(TypeError, match="unpack_input=True takes a tuple"):
         pipe.step(x, x, nn.MSELoss(), unpack_input=True)
+    with pytest.raises(TypeError, match=r"1 positional arguments given; target: missing"):
+        pipe.step(x, loss_fn=nn.MSELoss())
+    with pytest.raises(TypeError, match=r"2 positional arguments given; target: missing, loss_"):
+        pipe.step(x, x)
+    with pytest.raises(TypeError, match="with target= and loss_fn= by keyword"):
+        pipe.step(x, mask, target=x, loss_fn=nn.MSELoss(), unpack_input=True)
+    with pytest.raises(TypeError, match="unpack_input must be True or False"):
+        pipe.step(x, x, nn.MSELoss(), unpack_input="yes")
     assert all(p.grad is None for p in pipe.parameters()) and x.grad is None
     out = pipe(x, mask, 2.0, "tag", None)[0]
     out.sum().backward()
@@ -434,3 +444,35 @@ def test_the_transport_carries_values_that_are_not_tensors(keep_graph: bool) -> 
     assert message.present == (False, True) and message.others == (None,)
     assert message.values()[0] is None
     assert transport.finish(None) == {}
+
+
+def test_step_takes_several_inputs_as_forward_does_and_the_old_flag_still_works() -> None:
+    """``step(a, b, target=, loss_fn=)`` calls the first layer as ``model(a, b)`` does;
+    ``step((a, b), target, loss_fn, unpack_input=True)`` is the same step, deprecated."""
+
+    class Masked(nn.Module):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return x * mask
+
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    mask = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
+    grads = []
+    for form in ("plain", "keywords", "deprecated"):
+        torch.manual_seed(1)
+        model = nn.Sequential(Masked(), nn.Linear(3, 2)).double()
+        if form == "plain":
+            nn.MSELoss()(model[1](model[0](x, mask)), y).backward()
+        else:
+            pipe = GPipe(model, [1, 1], chunks=3)
+            if form == "keywords":
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    pipe.step(x, NoChunk(mask), target=y, loss_fn=nn.MSELoss())
+            else:
+                with pytest.warns(DeprecationWarning, match=r"step\(\*input, target=target"):
+                    pipe.step((x, NoChunk(mask)), y, nn.MSELoss(), unpack_input=True)
+        grads.append([p.grad for p in model.parameters()])
+    for got in grads[1:]:
+        for g, want in zip(got, grads[0], strict=True):
+            torch.testing.assert_close(g, want)

@@ -37,7 +37,17 @@ from . import _agreement
 from ._agreement import Construction, Fields, RanksDisagree, layer_fields, run_fields
 from ._data_parallel import Replicas
 from ._errors import add_note
-from ._inputs import Leaves, batch_sizes, items, positional, tensor_of, to_device
+from ._inputs import (
+    UNSET,
+    Leaves,
+    StepArguments,
+    batch_sizes,
+    items,
+    positional,
+    step_arguments,
+    tensor_of,
+    to_device,
+)
 from ._losses import Losses, LossFunction, Reduction, from_numbers, to_numbers
 from ._partition import (
     balance_from_placement,
@@ -761,10 +771,9 @@ class GPipe(nn.Module):
 
     def step(
         self,
-        input: Any,
-        target: Any,
-        loss_fn: LossFunction,
-        *,
+        *inputs: Any,
+        target: Any = UNSET,
+        loss_fn: LossFunction | None = None,
         schedule: str | Schedule = "gpipe",
         reduction: Reduction | None = None,
         unpack_input: bool = False,
@@ -805,21 +814,25 @@ class GPipe(nn.Module):
         others raise :class:`~gpipe_core.RemoteStageError`). With ``data_group``, the
         gradients are then averaged over the replicas (see :doc:`/distributed`).
 
-        ``input`` is what ``model(input)`` takes: one value, a tuple passed as one value;
-        with ``unpack_input=True`` a tuple is the first layer's positional arguments, as
-        in ``model(*input)``. Its tensors are split into micro-batches, and a
+        The step takes its input as :meth:`forward` does: ``model.step(a, b,
+        target=y, loss_fn=f)`` calls the first layer as ``layer(a, b)``, like
+        ``model(a, b)``, and a tuple passed alone is one value. For one input,
+        ``model.step(x, y, f)`` is the same as ``model.step(x, target=y, loss_fn=f)``.
+        The input's tensors are split into micro-batches, and a
         :class:`~gpipe_microbatch.NoChunk` tensor or a value that is not a tensor is passed
         whole to every micro-batch, as in :meth:`forward`; ``target`` is split alike.
 
         Args:
-            input: the mini-batch: a tensor, or a tuple holding at least one tensor to
-                split along dimension 0; every tensor on ``devices[0]``.
+            inputs: the first layer's positional arguments, at least one of them holding a
+                tensor to split along dimension 0; every tensor on ``devices[0]``. Or, when
+                ``target`` and ``loss_fn`` are not given by keyword, exactly three values:
+                ``input, target, loss_fn``.
+
+        Keyword Args:
             target: a tensor or a tuple with the input's batch size, split alike (moved to
                 ``devices[-1]`` if it is elsewhere).
             loss_fn: called as ``loss_fn(output, target)`` on each micro-batch's output
                 and target (a tensor, or a tuple for a tuple); returns a scalar tensor.
-
-        Keyword Args:
             schedule: ``'gpipe'`` (every forward pass, then every backward pass),
                 ``'1f1b'`` (one forward, one backward), or a
                 :class:`~gpipe_core.Schedule`.
@@ -827,17 +840,21 @@ class GPipe(nn.Module):
                 ``'mean'`` or ``'sum'`` (default: ``loss_fn.reduction`` when it has one,
                 as the losses of :mod:`torch.nn` do, else ``'mean'``). When
                 ``loss_fn`` has a ``reduction``, this must match it.
-            unpack_input: ``input`` is a tuple of the first layer's positional
-                arguments (``model(*input)``), rather than one value (``model(input)``).
+            unpack_input: deprecated: with ``step(input, target, loss_fn)``, ``input``
+                is a tuple of the first layer's positional arguments. Pass them as
+                ``step(*input, target=target, loss_fn=loss_fn)`` instead.
 
         Returns:
             The loss of each micro-batch; :meth:`Losses.reduced() <gpipe_core.Losses.reduced>`
             is the loss of the mini-batch.
 
         Raises:
-            TypeError: ``input`` or ``target`` holds no tensor to split or holds a tensor
-                inside another value, ``loss_fn`` is not callable, or ``unpack_input`` is
-                not a bool or is True for an ``input`` that is not a tuple.
+            TypeError: the input or ``target`` holds no tensor to split or holds a tensor
+                inside another value, ``loss_fn`` is not callable, ``target`` and
+                ``loss_fn`` are neither both given by keyword nor passed as the second and
+                third of exactly three positional arguments, or ``unpack_input`` is not a
+                bool, is True for an input that is not a tuple, or is used with the
+                keyword form.
             ValueError: ``input`` is not on ``devices[0]``, ``target``'s batch size
                 differs from ``input``'s, ``loss_fn`` returns a non-scalar, an unknown
                 ``schedule`` or ``reduction``, or a ``reduction`` that contradicts
@@ -865,12 +882,13 @@ class GPipe(nn.Module):
             ...         return x * mask
             >>> model = GPipe(nn.Sequential(Masked(), nn.Linear(4, 1)), [1, 1], chunks=4)
             >>> mask = torch.tensor([1.0, 1.0, 0.0, 1.0])
-            >>> losses = model.step((x, NoChunk(mask)), y, nn.MSELoss(), unpack_input=True)
+            >>> losses = model.step(x, NoChunk(mask), target=y, loss_fn=nn.MSELoss())
             >>> len(losses)
             4
         """
         with self._replicas.averaging(self.parameters), self._session() as session:
-            losses = self._step(input, target, loss_fn, schedule, reduction, unpack_input)
+            arguments = step_arguments(inputs, target, loss_fn, unpack_input)
+            losses = self._step(arguments, schedule, reduction)
             if losses is not None:
                 session.payload = functools.partial(to_numbers, losses)
         if losses is not None:
@@ -880,26 +898,22 @@ class GPipe(nn.Module):
 
     def _step(
         self,
-        input: Any,
-        target: Any,
-        loss_fn: LossFunction,
+        arguments: StepArguments,
         schedule: str | Schedule,
         reduction: Reduction | None,
-        unpack_input: bool,
     ) -> Losses | None:
         """:meth:`step`'s work on this process: the losses on the last partition's rank,
         None elsewhere."""
         n = len(self.partitions)
         first, last = self._placement.is_local(0), self._placement.is_local(-1)
-        if not isinstance(unpack_input, bool):
-            raise TypeError(f"unpack_input must be True or False (unpack_input: {unpack_input!r})")
-        if first and unpack_input and not isinstance(input, tuple):
+        input, target, loss_fn = arguments.input, arguments.target, arguments.loss_fn
+        if first and arguments.unpack and not isinstance(input, tuple):
             raise TypeError(
                 "unpack_input=True takes a tuple of the first layer's positional arguments "
                 f"(input: {type(input).__name__})"
             )
         if first:
-            self._check_input_device(input, "input")
+            self._check_input_device(input, arguments.what)
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (loss_fn: {type(loss_fn).__name__})")
         reduction = _check_reduction(loss_fn, reduction)
@@ -914,12 +928,12 @@ class GPipe(nn.Module):
             "step",
             schedule=schedule,
             reduction=reduction,
-            unpack_input=unpack_input,
+            unpack_input=arguments.unpack_input,
             training=self.training,
         )
         input_leaves = Leaves(input, backward) if first else None
         batches, sizes = self._microbatches(
-            input_leaves.value if input_leaves else None, "input", fields
+            input_leaves.value if input_leaves else None, arguments.what, fields
         )
         losses: LossSpec | None = None
         target_leaves: Leaves | None = None
@@ -957,7 +971,7 @@ class GPipe(nn.Module):
             checkpoint_stop = self._checkpoint_stop(m) if backward else 0
             self._run(
                 batches, actions, backward, checkpoint_stop,
-                autograd_backward=False, loss=losses, state=state, unpack_input=unpack_input,
+                autograd_backward=False, loss=losses, state=state, unpack_input=arguments.unpack,
             )  # fmt: skip
         if input_leaves is not None:
             input_leaves.backward()

@@ -6,14 +6,25 @@ This module knows nothing of partitions, transports or schedules.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from gpipe_microbatch import Batch, NoChunk, make_tuple
 
-__all__ = ["Leaves", "batch_sizes", "items", "positional", "tensor_of", "to_device"]
+__all__ = [
+    "UNSET",
+    "Leaves",
+    "StepArguments",
+    "batch_sizes",
+    "items",
+    "positional",
+    "step_arguments",
+    "tensor_of",
+    "to_device",
+]
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -44,8 +55,9 @@ def batch_sizes(value: object, batches: Sequence[Batch]) -> list[int]:
 
 
 def positional(inputs: tuple[Any, ...]) -> tuple[object, bool, str]:
-    """``forward(*inputs)``'s mini-batch: the value, whether its tuple is the first layer's
-    positional arguments, and how error messages name it."""
+    """The mini-batch of ``forward(*inputs)`` and ``step(*inputs, ...)``: the value,
+    whether its tuple is the first layer's positional arguments, and how error messages
+    name it."""
     if not inputs:
         raise TypeError(
             "GPipe needs an input: the first layer's positional arguments, at least one of "
@@ -54,6 +66,70 @@ def positional(inputs: tuple[Any, ...]) -> tuple[object, bool, str]:
     if len(inputs) == 1:
         return inputs[0], False, "input"
     return inputs, True, "inputs"
+
+
+#: ``step()``'s ``target`` when it is not given by keyword.
+UNSET: Any = object()
+
+
+class StepArguments(NamedTuple):
+    """``step()``'s arguments, whichever way they were passed."""
+
+    #: The mini-batch (None where no input was given: another rank's first partition).
+    input: object
+    #: Whether ``input`` is a tuple of the first layer's positional arguments.
+    unpack: bool
+    #: How error messages name ``input``.
+    what: str
+    target: object
+    loss_fn: object
+    #: The ``unpack_input`` flag as given (compared across ranks).
+    unpack_input: bool
+
+
+def step_arguments(
+    inputs: tuple[Any, ...], target: object, loss_fn: object, unpack_input: object
+) -> StepArguments:
+    """Read ``step(*inputs, target=..., loss_fn=...)``, whose positional arguments are the
+    first layer's, as ``forward(*inputs)``'s are, or the shorthand for one input
+    ``step(input, target, loss_fn)`` (where the deprecated ``unpack_input=True`` makes a
+    tuple ``input`` the first layer's positional arguments)."""
+    if not isinstance(unpack_input, bool):
+        raise TypeError(f"unpack_input must be True or False (unpack_input: {unpack_input!r})")
+    if target is not UNSET and loss_fn is not None:
+        if unpack_input:
+            raise TypeError(
+                "unpack_input=True is for step(input, target, loss_fn) with a tuple input; "
+                "with target= and loss_fn= by keyword, pass the first layer's positional "
+                f"arguments themselves: step(a, b, target=..., loss_fn=...) "
+                f"({len(inputs)} positional arguments given)"
+            )
+        if not inputs:
+            return StepArguments(None, False, "input", target, loss_fn, False)
+        value, unpack, what = positional(inputs)
+        return StepArguments(value, unpack, what, target, loss_fn, False)
+    if target is UNSET and loss_fn is None and len(inputs) == 3:
+        input, target, loss_fn = inputs
+        if unpack_input:
+            warnings.warn(
+                "step(input, target, loss_fn, unpack_input=True) is deprecated: pass the "
+                "first layer's positional arguments themselves, as to forward(): "
+                "step(*input, target=target, loss_fn=loss_fn)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            return StepArguments(input, True, "input", target, loss_fn, True)
+        return StepArguments(input, False, "input", target, loss_fn, False)
+    given = ", ".join(
+        f"{name}: {'given' if present else 'missing'}"
+        for name, present in (("target", target is not UNSET), ("loss_fn", loss_fn is not None))
+    )
+    raise TypeError(
+        "step() takes the first layer's positional arguments with target and loss_fn by "
+        "keyword, step(*inputs, target=..., loss_fn=...), or one input, its target and the "
+        "loss function positionally, step(input, target, loss_fn) "
+        f"({len(inputs)} positional arguments given; {given})"
+    )
 
 
 class Leaves:
