@@ -7,7 +7,6 @@ the run, no process may still carry it (every rank reaped, also on failure and C
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import signal
@@ -309,18 +308,20 @@ def test_ranks_end_when_the_launcher_is_killed() -> None:
 
 
 RANKS = """
-    import json, os, sys, time
+    import os, sys, time
+    from gpipe._launch import report_error
+    from gpipe_core import RemoteStageError
     rank = int(os.environ["RANK"])
     assert os.environ["WORLD_SIZE"] == "3" and os.environ["MASTER_ADDR"] == "127.0.0.1"
     assert os.environ["OMP_NUM_THREADS"] == "1"
-    report = {{"rank": rank, "type": "E", "message": "m", "remote": rank == 0,
-              "traceback": f"Traceback: rank {{rank}}'s error"}}
-    if rank == {failing}:
-        time.sleep(0.5)  # the others' reports come first: still this one is shown
-        open(os.environ["GPIPE_RANK_ERROR_FILE"], "w").write(json.dumps(report))
-        sys.exit(1)
-    if rank == 0:
-        open(os.environ["GPIPE_RANK_ERROR_FILE"], "w").write(json.dumps(report))
+    try:
+        if rank == {failing}:
+            time.sleep(1.0)  # the others are told first: still this one is shown
+            raise ValueError("rank {failing}'s own error")
+        if rank == 0:
+            raise RemoteStageError({failing}, "the step", "ValueError: told", "")
+    except Exception as error:
+        assert report_error(error)
         sys.exit(1)
     time.sleep(600)  # stopped by the launcher
 """
@@ -329,29 +330,52 @@ RANKS = """
 def test_launcher_reports_the_failing_rank_not_the_told_ones(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """Rank 0 is told of rank 2's failure first; it waits (``grace``), so the agent sees
+    rank 2 end first, and the report is rank 2's own error."""
     mark = uuid.uuid4().hex
     script = textwrap.dedent(RANKS).format(failing=2)
     start = time.monotonic()
-    code = launch([sys.executable, "-c", script], 3, grace=2.0, env=_env(mark))
+    code = launch([sys.executable, "-c", script], 3, grace=30.0, env=_env(mark))
     assert code == 1
     assert time.monotonic() - start < 30
     err = capsys.readouterr().err
-    assert "error: rank 2 of 3 failed (then ranks [1] were stopped):" in err
-    assert "Traceback: rank 2's error" in err
+    assert "error: rank 2 of 3 failed (then ranks [0, 1] were stopped):" in err, err
+    assert "ValueError: rank 2's own error" in err
+    assert "Traceback (most recent call last)" in err
     _assert_no_leftover(mark)
+
+
+def test_launcher_prefers_a_rank_own_error_to_the_told_ones() -> None:
+    """Of the errors written, a rank's own error wins over another rank's report of it,
+    whichever the agent saw first."""
+    from gpipe._launch import _failure
+
+    class Failure:
+        def __init__(self, exitcode: int, message: str) -> None:
+            self.exitcode = exitcode
+            self.message = {"message": message, "extraInfo": {"py_callstack": message + "\n"}}
+
+    failures = {
+        0: Failure(1, "RemoteStageError: rank 1 failed in the step"),
+        1: Failure(1, "ValueError: boom"),
+    }
+    assert _failure(failures, 2) == "error: rank 1 of 2 failed:\nValueError: boom"
+    assert _failure({0: failures[0]}, 2).startswith("error: rank 0 of 2 failed:")
 
 
 def test_launcher_reports_a_rank_that_died_silently(capsys: pytest.CaptureFixture[str]) -> None:
     mark = uuid.uuid4().hex
     script = textwrap.dedent(
         """
-        import json, os, time
+        import os, time
+        from gpipe._launch import report_error
         if os.environ["RANK"] == "1":
             os._exit(7)  # no report: killed, crashed, or gone before it could say
-        time.sleep(0.3)  # then rank 0 fails because of it, with an error of its own
-        report = {"rank": 0, "type": "RuntimeError", "message": "rank 1 is gone",
-                  "remote": False, "traceback": "RuntimeError: rank 1 is gone"}
-        open(os.environ["GPIPE_RANK_ERROR_FILE"], "w").write(json.dumps(report))
+        try:
+            time.sleep(0.3)  # then rank 0 fails because of it, with an error of its own
+            raise RuntimeError("rank 1 is gone")
+        except RuntimeError as error:
+            report_error(error)
         raise SystemExit(1)
         """
     )
@@ -466,18 +490,28 @@ def test_no_leftover_helper_sees_marked_processes() -> None:
     assert sleeper.pid not in _marked(mark)
 
 
-def test_report_json_is_what_the_launcher_reads(tmp_path: Path) -> None:
-    from gpipe._launch import _read_error, report_error
+def test_report_error_writes_torch_error_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+    from gpipe._launch import _errors, report_error
+
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     try:
         raise KeyError("k")
     except KeyError as error:
-        report_error(error, 3, tmp_path / "e.json")
-    record = json.loads((tmp_path / "e.json").read_text())
-    assert record["rank"] == 3 and record["type"] == "KeyError" and not record["remote"]
-    read = _read_error(tmp_path / "e.json")
-    assert read is not None and "KeyError: 'k'" in read.traceback
-    assert _read_error(tmp_path / "missing.json") is None
+        assert not report_error(error)  # not a launched rank: nothing written
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "e.json"))
+    try:
+        raise KeyError("k")
+    except KeyError as error:
+        assert report_error(error)
+    # What the agent makes of it, and the launcher of that.
+    failure = ProcessFailure(local_rank=3, pid=1, exitcode=1, error_file=str(tmp_path / "e.json"))
+    (read,) = _errors({3: failure})
+    assert read.rank == 3 and read.reported and not read.remote
+    assert read.message == "KeyError: 'k'" and "raise KeyError" in read.traceback
 
 
 def test_report_format() -> None:
@@ -511,36 +545,3 @@ def test_layers_known_to_the_command_line() -> None:
     from gpipe import _cli, _demo
 
     assert _cli.LAYERS == _demo.LAYERS == len(_demo.build_model(4))
-
-
-def test_launcher_tries_another_port_when_the_first_is_taken(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from gpipe import _launch
-
-    script = textwrap.dedent(
-        """
-        import json, os, socket
-        if os.environ["RANK"] == "0":
-            try:
-                socket.create_server(("127.0.0.1", int(os.environ["MASTER_PORT"])))
-            except OSError as error:
-                report = {"rank": 0, "type": "DistNetworkError", "remote": False,
-                          "message": f"EADDRINUSE: {error}", "traceback": ""}
-                open(os.environ["GPIPE_RANK_ERROR_FILE"], "w").write(json.dumps(report))
-                raise SystemExit(1)
-        """
-    )
-    with socket.create_server(("127.0.0.1", 0)) as taken:
-        chosen: list[int] = []
-        real = _launch.free_port
-
-        def free_port() -> int:  # the first port chosen is taken when the rank listens
-            chosen.append(real() if chosen else taken.getsockname()[1])
-            return chosen[-1]
-
-        monkeypatch.setattr(_launch, "free_port", free_port)
-        mark = uuid.uuid4().hex
-        assert launch([sys.executable, "-c", script], 2, env=_env(mark)) == 0
-    assert len(chosen) == 2  # the taken port, then another
-    _assert_no_leftover(mark)

@@ -26,7 +26,7 @@ from torch import nn
 from gpipe_core import GPipe
 
 from ._demo import DemoConfig, demo_balance, demo_setup
-from ._launch import ERROR_FILE, report_error, watch_launcher
+from ._launch import report_error, watch_launcher
 
 __all__ = ["ProcessesReport", "rank_main", "run_rank"]
 
@@ -202,20 +202,19 @@ def run_rank(
 def rank_main(config: DemoConfig, rank: int, world: int) -> int:
     """The demo on one rank, as the command line runs it; the exit status.
 
-    Under :func:`gpipe._launch.launch`, an error is written to the launcher's file (which
-    prints the failing rank's error) and the status is 1; under ``torchrun`` it is raised.
+    Under :func:`gpipe._launch.launch` or ``torchrun``, an error is written to torch's
+    error file (the launcher prints the failing rank's error, ``torchrun`` its summary)
+    and the status is 1; elsewhere it is raised.
     Ctrl-C ends the rank quietly (status 130).
     """
     watch_launcher()
-    error_file = os.environ.get(ERROR_FILE)
     try:
         report = run_rank(config, rank, world)
     except KeyboardInterrupt:
         return 130
     except Exception as error:
-        if not error_file:
+        if not report_error(error):
             raise
-        report_error(error, rank, error_file)
         return 1
     if report is not None:
         print(report.format(), flush=True)

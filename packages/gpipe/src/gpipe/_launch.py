@@ -1,143 +1,123 @@
 """Local ranks: start a command in several processes of one gloo group, and reap them.
 
-:func:`launch` runs the same command as ranks ``0 .. n-1`` on this host, with the
-environment ``torchrun`` gives its processes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` a free port), one
-intra-op thread each (``OMP_NUM_THREADS=1``). A rank tells what it raised through the
-file named by ``GPIPE_RANK_ERROR_FILE`` (see :func:`report_error`), and ends itself when
-the launcher is gone (see :func:`watch_launcher`).
+:func:`launch` runs the same command as ranks ``0 .. n-1`` on this host through torch's
+elastic launch (:func:`torch.distributed.launcher.api.elastic_launch`, what ``torchrun``
+runs): the agent in this process starts the ranks with ``torchrun``'s environment
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, the agent's
+store, so no port can be taken between its choice and its use), watches them, stops the
+others when one fails, and reaps every one of them, also on ``KeyboardInterrupt`` (Ctrl-C)
+and ``SIGTERM``. A rank tells what it raised through torch's error file (``@record``'s
+protocol, see :func:`report_error`).
 
-Every process it starts is reaped before it returns, whatever happens: when a rank fails,
-the others have ``grace`` seconds to end (they are told of the failure by the pipeline),
-then they are terminated, then killed; on ``KeyboardInterrupt`` (Ctrl-C) or ``SIGTERM`` all of
-them are stopped at once.
+What torch lacks, kept here:
 
-Why not torch's elastic launch (``torch.distributed.launcher.api.elastic_launch``, what
-``torchrun`` runs) for starting, watching and reaping the ranks: read against torch 2.13's
-``launch_agent`` and ``LocalElasticAgent``, it lacks what this launcher is for.
-
-- **The failing rank's error first.** The agent stops every other rank (``SIGTERM``) as soon
-  as it sees one exit with an error. A rank told of another's failure
-  (``RemoteStageError``) often exits before the rank that failed has written its error, which
-  then dies without it, and the run would report the told rank. This launcher gives the
-  others ``grace`` seconds and prefers a rank's own error.
-- **Ranks end with their launcher.** The agent starts its workers in sessions of their own
-  (``start_new_session=True``) with nothing that ends them when it dies: a ``SIGKILL`` of
-  the agent leaves them running. Here each rank watches the pipe of its standard input
-  (:func:`watch_launcher`).
-- **The environment of the ranks** (``env``): the agent passes its own process's.
-
-It would give: the rendezvous store, and with it no race for ``MASTER_PORT`` (the retries
-here), and the error files of ``torch.distributed.elastic.multiprocessing.errors.record``.
-Moving to it is left open (issue 24) until the first point has an answer in the ranks, such
-as a told rank waiting ``grace`` seconds before it exits.
+- **The failing rank's error first.** The agent stops every other rank as soon as it sees
+  one exit with an error. A rank told of another's failure (``RemoteStageError``) would
+  often exit before the rank that failed has written its error, which the agent would
+  then stop before it could. So a told rank waits (:func:`report_error`, up to
+  ``grace`` seconds) and the agent sees the failing rank first; and of the errors the
+  ranks wrote, the report prefers a rank's own error to the others' reports of it.
+- **Ranks end with their launcher.** The agent starts its ranks in sessions of their own,
+  with nothing that ends them when it dies: a ``SIGKILL`` of the launcher would leave them
+  running. Each rank watches its parent (:func:`watch_launcher`).
+- **One intra-op thread per rank** and the ranks' environment (``env``), which the agent
+  takes from this process's.
+- **One line for the failure** on standard error, rather than the agent's log.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
 import os
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import traceback
-from collections.abc import Iterator, Sequence
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TextIO
 
 from gpipe_core import RemoteStageError
 
 __all__ = [
-    "ERROR_FILE",
+    "GRACE",
     "WATCH_LAUNCHER",
     "RankError",
-    "free_port",
     "launch",
     "report_error",
     "watch_launcher",
 ]
 
-#: The environment variable naming the file a rank writes its error to.
-ERROR_FILE = "GPIPE_RANK_ERROR_FILE"
-#: Set (to ``1``) for ranks whose standard input is a pipe from the launcher.
+#: The environment variable with the launcher's process id, for ranks that end with it.
 WATCH_LAUNCHER = "GPIPE_WATCH_LAUNCHER"
-#: How often the launcher looks at its ranks, in seconds.
+#: The environment variable with the seconds a told rank waits before it exits.
+GRACE = "GPIPE_TOLD_RANK_GRACE"
+#: The environment variable naming the file a rank writes its error to (torch's).
+_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+#: How often the agent looks at its ranks, and a rank at its launcher, in seconds.
 _POLL = 0.05
-#: How long a terminated rank has to exit before it is killed, in seconds.
-_TERMINATE_WAIT = 5.0
-#: How many times the ranks start, each with another free port, while the first rank finds
-#: its port taken (by another program, between the launcher's choice and the rank's listen).
-_PORT_ATTEMPTS = 3
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the first rank listens on it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+_WATCH_POLL = 0.2
+#: How long a stopped rank has to exit before it is killed, in seconds.
+_TERMINATE_WAIT = 5
 
 
 @dataclass(frozen=True)
 class RankError:
-    """What a rank reported it raised."""
+    """What a rank reported it raised, or how it ended without a report."""
 
     rank: int
-    type: str
+    #: The exit status (negative: the signal that killed it).
+    exitcode: int
+    #: ``"Type: message"`` from the rank's error file; empty without one.
     message: str
     traceback: str
-    #: Whether it is another rank's failure, told to this one (``RemoteStageError``).
-    remote: bool
+
+    @property
+    def reported(self) -> bool:
+        """Whether the rank wrote its error."""
+        return bool(self.message)
+
+    @property
+    def remote(self) -> bool:
+        """Whether it is another rank's failure, told to this one (``RemoteStageError``)."""
+        return self.message.startswith(f"{RemoteStageError.__name__}:")
 
 
-def report_error(error: BaseException, rank: int, path: str | os.PathLike[str]) -> None:
-    """Write ``error`` (raised on ``rank``) to ``path``, for the launcher."""
-    remote = isinstance(error, RemoteStageError)
-    record = {
-        "rank": rank,
-        "type": type(error).__name__,
-        "message": str(error),
-        "traceback": "".join(traceback.format_exception(error)),
-        "remote": remote,
-    }
-    Path(path).write_text(json.dumps(record), encoding="utf-8")
+def report_error(error: BaseException) -> bool:
+    """In a rank, inside the ``except`` block that caught ``error``: write it to torch's
+    error file (where the launcher, or ``torchrun``, reads it); a told rank
+    (``RemoteStageError``) then waits up to ``GPIPE_TOLD_RANK_GRACE`` seconds, so that the
+    rank that failed ends first and its error is the one reported.
 
+    Returns whether it was written: not outside a launched rank (no
+    ``TORCHELASTIC_ERROR_FILE``).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-def _read_error(path: Path) -> RankError | None:
-    try:
-        record: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-        return RankError(
-            rank=int(record["rank"]),
-            type=str(record["type"]),
-            message=str(record["message"]),
-            traceback=str(record["traceback"]),
-            remote=bool(record["remote"]),
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    if not os.environ.get(_ERROR_FILE):
+        return False
+    ErrorHandler().record_exception(error)
+    if isinstance(error, RemoteStageError):
+        time.sleep(float(os.environ.get(GRACE, "0")))  # the agent stops it sooner
+    return True
 
 
 def watch_launcher() -> None:
     """In a rank started by :func:`launch`: exit at once if the launcher goes away.
 
-    The launcher holds the write end of the rank's standard input; its end (even by
-    ``SIGKILL``) closes it, and the read here returns. Nothing is done without
+    The launcher is the rank's parent; when it ends (even by ``SIGKILL``), the rank gets
+    another parent, which a thread here notices. Nothing is done without
     ``GPIPE_WATCH_LAUNCHER`` in the environment (under ``torchrun``, for one).
     """
-    if os.environ.get(WATCH_LAUNCHER) != "1":
+    launcher = os.environ.get(WATCH_LAUNCHER)
+    if not launcher:
         return
 
     def watch() -> None:
-        # The raw descriptor: a thread blocked in the buffered reader would hold its lock
-        # at interpreter shutdown, which Python refuses.
-        with contextlib.suppress(OSError):
-            while os.read(0, 4096):
-                pass
+        while os.getppid() == int(launcher):
+            time.sleep(_WATCH_POLL)
         os._exit(1)
 
     threading.Thread(target=watch, name="gpipe-watch-launcher", daemon=True).start()
@@ -158,172 +138,122 @@ def launch(
     processes: int,
     *,
     grace: float = 10.0,
-    env: dict[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
     stderr: TextIO | None = None,
 ) -> int:
     """Run ``command`` as ``processes`` local ranks; the exit status for the launcher.
 
-    Each rank inherits standard output and standard error. When the first rank cannot
-    listen on the chosen port (another program took it meanwhile), the ranks start again
-    with another one (3 tries). 0 when every rank exits with
-    0; otherwise the failure of the rank that caused it is printed on ``stderr``, and the
+    Each rank inherits standard output and standard error. 0 when every rank exits with 0;
+    otherwise the failure of the rank that caused it is printed on ``stderr``, and the
     status is 1 (130 after ``KeyboardInterrupt``, 143 after ``SIGTERM``): a rank that died
-    without reporting an
-    error (killed, crashed) if any, else the first rank's own error with its traceback
-    rather than the others' reports of it (``RemoteStageError``, which names it).
+    without reporting an error (killed, crashed) if any, else a rank's own error with its
+    traceback rather than the others' reports of it (``RemoteStageError``, which names
+    it). Call it from the main thread (the agent handles the signals there).
 
     Args:
         command: the program and its arguments, the same for every rank.
         processes: how many ranks.
 
     Keyword Args:
-        grace: the seconds the other ranks have to end after one failed, before they are
-            stopped.
+        grace: the seconds a rank told of another's failure waits before it exits, so
+            that the rank that failed is seen first (the agent then stops the others).
         env: the environment of the ranks (default: this process's), to which the rank's
             variables are added.
         stderr: where the failure is told (default: ``sys.stderr``).
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     out = sys.stderr if stderr is None else stderr
-    base = dict(os.environ if env is None else env)
-    with _terminate_raises():
-        return _launch(command, processes, grace, base, out)
-
-
-class _Terminated(Exception):
-    """``SIGTERM`` reached the launcher."""
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=processes,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",  # the agent's store, on a port it holds
+        max_restarts=0,
+        monitor_interval=_POLL,
+        local_addr="127.0.0.1",
+        shutdown_timeout=_TERMINATE_WAIT,
+    )
+    ranks_env = {
+        **(os.environ if env is None else env),
+        "OMP_NUM_THREADS": "1",
+        WATCH_LAUNCHER: str(os.getpid()),
+        GRACE: str(grace),
+    }
+    with _environment(ranks_env), _quiet("torch.distributed.elastic"):
+        try:
+            elastic_launch(config, entrypoint=command[0])(*command[1:])
+        except ChildFailedError as failed:
+            print(_failure(failed.failures, processes), file=out, flush=True)
+            return 1
+        except (KeyboardInterrupt, SignalException) as stop:
+            terminated = getattr(stop, "sigval", None) == signal.SIGTERM
+            how, status = ("terminated", 143) if terminated else ("interrupted", 130)
+            print(f"{how}: stopped the {processes} ranks", file=out, flush=True)
+            return status
+    return 0
 
 
 @contextlib.contextmanager
-def _terminate_raises() -> Iterator[None]:
-    """Turn ``SIGTERM`` into :class:`_Terminated` (in the main thread), so that the ranks
-    are stopped and reaped rather than left behind."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def terminate(signum: int, frame: object) -> None:
-        raise _Terminated
-
-    previous = signal.signal(signal.SIGTERM, terminate)
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """Make ``env`` this process's environment while the agent starts the ranks (it gives
+    them its own), then restore it."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
     try:
         yield
     finally:
-        if previous is not None:  # None: a handler not set from Python, which stays
-            signal.signal(signal.SIGTERM, previous)
+        os.environ.clear()
+        os.environ.update(saved)
 
 
-def _launch(
-    command: Sequence[str], processes: int, grace: float, base: dict[str, str], out: TextIO
-) -> int:
-    for attempt in range(1, _PORT_ATTEMPTS + 1):
-        with tempfile.TemporaryDirectory(prefix="gpipe-ranks-") as tmp:
-            files = [Path(tmp) / f"rank-{rank}.json" for rank in range(processes)]
-            children: list[subprocess.Popen[bytes]] = []
-            try:
-                port = free_port()
-                for rank in range(processes):
-                    rank_env = dict(
-                        base,
-                        RANK=str(rank),
-                        LOCAL_RANK=str(rank),
-                        WORLD_SIZE=str(processes),
-                        LOCAL_WORLD_SIZE=str(processes),
-                        MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(port),
-                        OMP_NUM_THREADS="1",
-                        **{ERROR_FILE: str(files[rank]), WATCH_LAUNCHER: "1"},
-                    )
-                    children.append(
-                        subprocess.Popen(list(command), env=rank_env, stdin=subprocess.PIPE)
-                    )
-                failed = _wait(children, grace)
-            except (KeyboardInterrupt, _Terminated) as stop:
-                _stop(children)
-                how, status = ("interrupted", 130)
-                if isinstance(stop, _Terminated):
-                    how, status = ("terminated", 143)
-                print(f"{how}: stopped the {len(children)} ranks", file=out, flush=True)
-                return status
-            finally:
-                stopped = _stop(children)  # all of them reaped, on any way out
-            if not failed:
-                return 0
-            # The free port was taken before the first rank listened on it: another one.
-            if attempt < _PORT_ATTEMPTS and _port_taken(files[0]):
-                continue
-            print(_failure(children, failed, stopped, files), file=out, flush=True)
-            return 1
-    raise AssertionError("unreachable")
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """Silence the agent's log (its progress and its own account of a failure): the
+    launcher prints the failure once, its own way."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
-def _port_taken(error_file: Path) -> bool:
-    """Whether the first rank reported that its port was in use (and nothing else ran)."""
-    error = _read_error(error_file)
-    return error is not None and "EADDRINUSE" in error.message
+def _errors(failures: Mapping[int, Any]) -> list[RankError]:
+    """The failed ranks, in the order of their global rank, from the agent's account."""
+    errors = []
+    for rank, failure in sorted(failures.items()):
+        message, trace = "", ""
+        if isinstance(failure.message, dict):  # from the rank's error file
+            message = str(failure.message.get("message", ""))
+            trace = str(failure.message.get("extraInfo", {}).get("py_callstack", ""))
+        errors.append(RankError(rank, int(failure.exitcode), message, trace))
+    return errors
 
 
-def _wait(children: list[subprocess.Popen[bytes]], grace: float) -> list[int]:
-    """Wait until every rank has exited, or ``grace`` seconds after the first failure;
-    the ranks that failed, in the order they did."""
-    failed: list[int] = []
-    first_failure = 0.0
-    while True:
-        codes = [child.poll() for child in children]
-        for rank, code in enumerate(codes):
-            if code not in (None, 0) and rank not in failed:
-                failed.append(rank)
-                first_failure = first_failure or time.monotonic()
-        if all(code is not None for code in codes):
-            return failed
-        if failed and time.monotonic() - first_failure > grace:
-            return failed
-        time.sleep(_POLL)
-
-
-def _stop(children: list[subprocess.Popen[bytes]]) -> list[int]:
-    """End every rank still running (terminate, then kill) and reap all of them; the
-    ranks that had to be ended."""
-    stopped = []
-    for rank, child in enumerate(children):
-        if child.poll() is None:
-            stopped.append(rank)
-            with contextlib.suppress(OSError):
-                child.terminate()
-    deadline = time.monotonic() + _TERMINATE_WAIT
-    for child in children:
-        try:
-            child.wait(max(0.0, deadline - time.monotonic()))
-        except (subprocess.TimeoutExpired, KeyboardInterrupt, _Terminated):  # slow, or again
-            deadline = 0.0
-            with contextlib.suppress(OSError):
-                child.kill()
-            child.wait()
-        if child.stdin is not None:
-            with contextlib.suppress(OSError):
-                child.stdin.close()
-    return stopped
-
-
-def _failure(
-    children: list[subprocess.Popen[bytes]],
-    failed: list[int],
-    stopped: list[int],
-    files: list[Path],
-) -> str:
+def _failure(failures: Mapping[int, Any], world: int) -> str:
     """The message for a failed run: the error of the rank that caused it."""
-    world = len(children)
-    errors = {rank: error for rank in failed if (error := _read_error(files[rank])) is not None}
+    errors = _errors(failures)
+    # The ranks the agent stopped once the run had failed (a told rank has reported).
+    stopped = [e.rank for e in errors if e.exitcode == -signal.SIGTERM]
     note = f" (then ranks {stopped} were stopped)" if stopped else ""
     # A rank that died without a word (killed, crashed, or failed before it could report)
     # first: the others' errors are about it. Then a rank's own error, and last another
     # rank's report of a failure (which names the failing rank).
-    silent = [rank for rank in failed if rank not in errors]
+    silent = [e for e in errors if not e.reported and e.rank not in stopped]
     if silent:
-        rank = silent[0]
-        code = children[rank].returncode
-        return (
-            f"error: rank {rank} of {world} {_describe_exit(code)} without reporting an error{note}"
-        )
-    own = [rank for rank in failed if not errors[rank].remote]
-    rank = (own or failed)[0]
-    return f"error: rank {rank} of {world} failed{note}:\n{errors[rank].traceback.rstrip()}"
+        rank, code = silent[0].rank, silent[0].exitcode
+        return f"error: rank {rank} of {world} {_describe_exit(code)} without reporting an error"
+    reported = [e for e in errors if e.reported]
+    if not reported:  # every failed rank was stopped: say so
+        return f"error: ranks {stopped} of {world} were stopped without reporting an error"
+    own = [e for e in reported if not e.remote]
+    error = (own or reported)[0]
+    text = (error.traceback or error.message).rstrip()
+    return f"error: rank {error.rank} of {world} failed{note}:\n{text}"
