@@ -506,11 +506,20 @@ class PartitionRun:
             entry.chk = None
         roots, seeds = _roots(entry, grads, skip_grads)
         inputs = entry.inputs.tensors
-        leaves = [tensor for tensor in inputs if tensor.is_leaf and tensor.requires_grad]
+        # The first partition's inputs are views of the step's leaves: their gradients are
+        # passed on to those leaves.
+        wanted = [tensor for tensor in inputs if tensor.requires_grad]
+        views = [tensor for tensor in wanted if not tensor.is_leaf]
 
         def compute() -> None:
-            if roots and leaves:
-                torch.autograd.backward(roots, seeds, inputs=leaves, retain_graph=True)
+            if not roots or not wanted:
+                return
+            torch.autograd.backward(roots, seeds, inputs=wanted, retain_graph=True)
+            pairs = [(view, view.grad) for view in views if view.grad is not None]
+            for view in views:
+                view.grad = None
+            if pairs:
+                torch.autograd.backward([v for v, _ in pairs], [g for _, g in pairs])
 
         self.record(Phase.INPUT_GRADIENT, i, True, compute)
         self.deferred[i] = (roots, seeds)
