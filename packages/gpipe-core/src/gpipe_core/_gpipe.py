@@ -840,8 +840,9 @@ class GPipe(nn.Module):
 
         Keyword Args:
             schedule: ``'gpipe'`` (every forward pass, then every backward pass),
-                ``'1f1b'`` (one forward, one backward), or a
-                :class:`~gpipe_core.Schedule`.
+                ``'1f1b'`` (one forward, one backward), ``'interleaved-1f1b'``,
+                ``'zb-h1'`` or ``'zbv'`` (several partitions per worker, see
+                ``placement``), or a :class:`~gpipe_core.Schedule`.
             reduction: how ``loss_fn`` reduces over the samples of a micro-batch:
                 ``'mean'`` or ``'sum'`` (default: ``loss_fn.reduction`` when it has one,
                 as the losses of :mod:`torch.nn` do, else ``'mean'``). When
