@@ -152,7 +152,15 @@ def test_one_partition_runs_in_the_calling_thread() -> None:
 def test_labels() -> None:
     assert task_label(Phase.BACKWARD, 2, 11) == "gpipe/backward/p2/mb11"
     assert task_label("copy", 0, 0) == "gpipe/copy/p0/mb0"
-    assert [str(p) for p in Phase] == ["forward", "recompute", "backward", "copy", "loss"]
+    assert [str(p) for p in Phase] == [
+        "forward",
+        "recompute",
+        "backward",
+        "input-gradient",
+        "weight-gradient",
+        "copy",
+        "loss",
+    ]
     with pytest.raises(ValueError):
         task_label("sideways", 0, 0)
 

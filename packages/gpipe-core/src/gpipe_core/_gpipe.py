@@ -172,6 +172,13 @@ class GPipe(nn.Module):
             many for every worker on the CPU; ``0``: torch's setting as it is (every worker
             with the whole pool). Workers set the caller's count back at the end of a run
             (see :ref:`intra-op-threads`).
+        placement: several partitions per worker, where one worker thread runs the
+            actions of all its partitions in one list (see :doc:`/schedules`). A worker
+            is an entry of ``devices`` in one process (two ``"cpu"`` entries are two
+            workers), a rank of ``group`` across processes. ``"loop"`` puts partition ``j``
+            on worker ``j % W``; ``"v"`` puts partitions ``j`` and ``2W - 1 - j`` on worker
+            ``j``; a list gives each partition's worker. ``None`` (default): each
+            partition is a worker of its own.
 
     Across processes, the ranks compare what they build and, at every run, how they are
     called; where they differ, every rank raises the same
@@ -187,7 +194,8 @@ class GPipe(nn.Module):
         ValueError: too few devices, bad ``chunks``, ``checkpoint`` or ``timeout``, a
             parameter shared by partitions on different devices, a
             :class:`~gpipe_core.WithDevice` layer in a partition on another device, or a
-            NCCL ``data_group`` for partitions that are not on CUDA.
+            NCCL ``data_group`` for partitions that are not on CUDA, or a ``placement``
+            that does not fit the partitions and workers.
         RanksDisagree: across processes, the ranks would build different pipelines.
         RemoteStageError: across processes, another rank's constructor failed.
         TimeoutError: across processes, a rank did not build the pipeline within
@@ -225,6 +233,7 @@ class GPipe(nn.Module):
         data_group: dist.ProcessGroup | None = None,
         timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
         intra_op_threads: int | None = None,
+        placement: str | Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         construction: Construction | None = None
@@ -240,7 +249,7 @@ class GPipe(nn.Module):
         try:
             self._build(
                 module, balance, devices, chunks, checkpoint, deferred_batch_norm,
-                group, data_group, timeout, intra_op_threads, construction,
+                group, data_group, timeout, intra_op_threads, construction, placement,
             )  # fmt: skip
         except BaseException as error:
             if construction is not None:
@@ -260,6 +269,7 @@ class GPipe(nn.Module):
         timeout: float | datetime.timedelta | None,
         intra_op_threads: int | None,
         construction: Construction | None,
+        placement_spec: str | Sequence[int] | None = None,
     ) -> None:
         """The constructor's work: the checks, which change nothing; across processes the
         ranks' agreement on what they build; then the partitions."""
@@ -285,6 +295,11 @@ class GPipe(nn.Module):
                 "balance must be given with group (balance: None): it says which layers "
                 "each rank runs"
             )
+        if balance is None and placement_spec is not None:
+            raise TypeError(
+                f"balance must be given with placement (balance: None, placement: "
+                f"{placement_spec!r})"
+            )
         if balance is None and devices is None:
             balance, devices = balance_from_placement(module)
         elif balance is None:
@@ -292,7 +307,9 @@ class GPipe(nn.Module):
                 "balance must be given with devices (balance: None, devices: "
                 f"{devices!r}); without both, partitions follow where the layers are"
             )
-        placement = Placement(check_balance(module, balance), devices, group, seconds)
+        placement = Placement(
+            check_balance(module, balance), devices, group, seconds, placement_spec
+        )
         self._placement = placement
         local = placement.local
         if data_group is not None and str(dist.get_backend(data_group)) == "nccl":
@@ -359,7 +376,7 @@ class GPipe(nn.Module):
         """The state that is not copied or pickled: copy streams and worker threads (the
         placement makes its transport anew)."""
         self._copy_streams: list[list[AbstractStream]] = [[] for _ in self.devices]
-        self._pool = WorkerPool(self._placement.local_count)
+        self._pool = WorkerPool(self._placement.local_workers)
         # The workers and the transport's threads hold no reference to the module:
         # collecting it stops them.
         weakref.finalize(self, self._pool.close)
@@ -633,7 +650,7 @@ class GPipe(nn.Module):
                 return scatter(value, 1, what=what)[0].value
         batches, sizes = self._microbatches(value, what, fields)
         m = len(sizes)
-        actions = step_actions(GPipeSchedule(), m, n, False)
+        actions = step_actions(GPipeSchedule(), m, n, False, self._placement.workers)
         # In eval mode the output still has a graph (when grad mode is on); nothing is
         # checkpointed.
         grad = torch.is_grad_enabled()
@@ -723,7 +740,8 @@ class GPipe(nn.Module):
         outer recomputation must replay its random draws in the same order, and its
         workers would wait forever for a generator lock the calling thread holds.
         """
-        m, n = len({action.microbatch for action in actions[0]}), len(self.partitions)
+        m = len({action.microbatch for row in actions for action in row})
+        n = len(self.partitions)
         tracer = tracer_for(self, m)
         streams = [current_stream(device) for device in self.devices]
         partitions = [
@@ -764,6 +782,7 @@ class GPipe(nn.Module):
                 state,
                 threaded,
                 intra_op_threads=self.intra_op_threads,
+                workers=self._placement.workers,
             )
             if transport.cancelled:
                 raise Cancelled  # another rank failed: the session raises its error
@@ -834,8 +853,9 @@ class GPipe(nn.Module):
             loss_fn: called as ``loss_fn(output, target)`` on each micro-batch's output
                 and target (a tensor, or a tuple for a tuple); returns a scalar tensor.
             schedule: ``'gpipe'`` (every forward pass, then every backward pass),
-                ``'1f1b'`` (one forward, one backward), or a
-                :class:`~gpipe_core.Schedule`.
+                ``'1f1b'`` (one forward, one backward), ``'interleaved-1f1b'``,
+                ``'zb-h1'`` or ``'zbv'`` (several partitions per worker, see
+                ``placement``), or a :class:`~gpipe_core.Schedule`.
             reduction: how ``loss_fn`` reduces over the samples of a micro-batch:
                 ``'mean'`` or ``'sum'`` (default: ``loss_fn.reduction`` when it has one,
                 as the losses of :mod:`torch.nn` do, else ``'mean'``). When
@@ -965,7 +985,7 @@ class GPipe(nn.Module):
                     if backward:
                         torch.autograd.backward(loss)
         else:
-            actions = step_actions(plan, m, n, backward)
+            actions = step_actions(plan, m, n, backward, self._placement.workers)
             with torch.set_grad_enabled(backward):
                 state = ThreadState.capture()
             checkpoint_stop = self._checkpoint_stop(m) if backward else 0

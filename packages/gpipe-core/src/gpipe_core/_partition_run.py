@@ -202,6 +202,8 @@ class PartitionRun:
         #: Whether the partition modifies its input in place (None: not known yet).
         self.modifies_input: bool | None = None
         self.in_flight: dict[int, _InFlight] = {}
+        #: What the weight gradient of each micro-batch differentiates, after its input gradient.
+        self.deferred: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         # The phony forked off the previous micro-batch's output (autograd backward), and
         # whether to order the micro-batches' backward passes so: recomputations need it
         # (each runs right before its own backward pass), and CUDA streams; on the CPU
@@ -485,6 +487,64 @@ class PartitionRun:
                 popped.update((key, _grad(by_key[key]) if key in by_key else None) for key in keys)
         return input_grads, popped
 
+    # -- the backward pass split in two: input gradient, then weight gradient ------------
+
+    def backward_input(
+        self, i: int, grads: Sequence[Tensor | None], skip_grads: dict[SkipKey, Tensor | None]
+    ) -> tuple[list[Tensor | None], dict[SkipKey, Tensor | None]]:
+        """The input gradient of micro-batch ``i`` (after its recomputation if checkpointed):
+        the gradients of the partition's input and popped skips, as :meth:`backward`
+        returns them, keeping the graph for :meth:`backward_weight`.
+
+        Autograd runs the paths from the outputs to the inputs only; the weight gradient
+        later runs the graph again to the parameters (the activation gradients it needs
+        are computed a second time: exact, at the cost of that repetition).
+        """
+        entry = self.in_flight.pop(i)
+        if entry.chk is not None:
+            self._recompute(i, entry)
+            entry.chk = None
+        roots, seeds = _roots(entry, grads, skip_grads)
+        inputs = entry.inputs.tensors
+        # The first partition's inputs are views of the step's leaves: their gradients are
+        # passed on to those leaves.
+        wanted = [tensor for tensor in inputs if tensor.requires_grad]
+        views = [tensor for tensor in wanted if not tensor.is_leaf]
+
+        def compute() -> None:
+            if not roots or not wanted:
+                return
+            torch.autograd.backward(roots, seeds, inputs=wanted, retain_graph=True)
+            pairs = [(view, view.grad) for view in views if view.grad is not None]
+            for view in views:
+                view.grad = None
+            if pairs:
+                torch.autograd.backward([v for v, _ in pairs], [g for _, g in pairs])
+
+        self.record(Phase.INPUT_GRADIENT, i, True, compute)
+        self.deferred[i] = (roots, seeds)
+        call = entry.call
+        count = call.inputs if call is not None else len(inputs)
+        input_grads = [_grad(tensor) for tensor in inputs[:count]]
+        popped: dict[SkipKey, Tensor | None] = {}
+        if call is not None:
+            by_key = dict(zip(call.in_keys, inputs[count:], strict=True))
+            for keys in self.pops.values():
+                popped.update((key, _grad(by_key[key]) if key in by_key else None) for key in keys)
+        return input_grads, popped
+
+    def backward_weight(self, i: int) -> None:
+        """The weight gradient of micro-batch ``i``, after its :meth:`backward_input`:
+        accumulated into the parameters' ``.grad``; the graph is freed."""
+        roots, seeds = self.deferred.pop(i)
+        parameters = list(self.parameters)
+
+        def compute() -> None:
+            if roots and parameters:
+                torch.autograd.backward(roots, seeds, inputs=parameters)
+
+        self.record(Phase.WEIGHT_GRADIENT, i, True, compute)
+
     def _recompute(self, i: int, entry: _InFlight) -> None:
         chk = entry.chk
         assert chk is not None
@@ -517,6 +577,27 @@ class _Replayed:
     def __exit__(self, *exc_info: object) -> None:
         _held.depth -= 1
         self.replay.__exit__(None, None, None)
+
+
+def _roots(
+    entry: _InFlight, grads: Sequence[Tensor | None], skip_grads: dict[SkipKey, Tensor | None]
+) -> tuple[list[Tensor], list[Tensor]]:
+    """What a split backward pass differentiates: the loss and the outputs (the skips
+    stashed included) that received a gradient, and those gradients."""
+    gradients = list(grads)
+    if entry.call is not None:
+        assert entry.call.structure is not None
+        gradients.extend(skip_grads.get(key) for key in entry.call.structure[2])
+    roots: list[Tensor] = []
+    seeds: list[Tensor] = []
+    if entry.loss is not None and entry.loss.requires_grad:
+        roots.append(entry.loss)
+        seeds.append(torch.ones_like(entry.loss))
+    for tensor, gradient in zip(entry.outputs or (), gradients, strict=False):
+        if gradient is not None and tensor.requires_grad:
+            roots.append(tensor)
+            seeds.append(gradient)
+    return roots, seeds
 
 
 def _grad(tensor: Tensor) -> Tensor | None:

@@ -1,11 +1,13 @@
 """Placement: which partitions a pipeline has, where each runs, and which are this process's.
 
-A :class:`Placement` is built once, from ``balance``, ``devices`` and ``group``: the rank
-(in ``group``) that runs each partition, each partition's device (``meta`` for another
-rank's), and, across processes, the process groups and the tag its messages travel on and
-the seconds any wait for another rank may last. It makes the pipeline's transport. It is
-the only place that knows whether a pipeline spans processes: the rest of gpipe-core asks
-it which partitions are local and which transport carries their messages.
+A :class:`Placement` is built once, from ``balance``, ``devices``, ``group`` and
+``placement``: the worker that runs each partition (one worker thread runs one action list
+for all its partitions), the rank (in ``group``) that runs each partition, each
+partition's device (``meta`` for another rank's), and, across processes, the process
+groups and the tag its messages travel on and the seconds any wait for another rank may
+last. It makes the pipeline's transport. It is the only place that knows whether a
+pipeline spans processes: the rest of gpipe-core asks it which partitions are local and
+which transport carries their messages.
 
 It knows nothing of the layers beyond their count, of schedules or of partitions.
 """
@@ -18,6 +20,7 @@ import os
 import threading
 import warnings
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -25,6 +28,7 @@ import torch.distributed as dist
 from gpipe_microbatch import Device
 
 from ._partition import resolve_devices
+from ._schedule import place_partitions
 from ._transport import LocalTransport, Transport
 
 __all__ = [
@@ -105,13 +109,20 @@ class Placement:
             :func:`~gpipe_core._partition.resolve_devices`, or across processes the CUDA
             device ``LOCAL_RANK``, else the CPU).
         group: the process group whose ranks run the partitions (None: this process runs
-            them all). Partition ``j`` runs on rank ``j % group.size()``.
+            them all). Partition ``j`` runs on rank ``j % group.size()`` unless
+            ``placement`` says otherwise.
         timeout: across processes, the seconds any wait for another rank may last (None:
             no bound).
+        placement: None (each partition is a worker of its own), or several partitions per
+            worker (see :func:`~gpipe_core._schedule.place_partitions`): ``"loop"``,
+            ``"v"`` or each partition's worker. A worker is an entry of ``devices`` in one
+            process, a rank of ``group`` across processes.
 
     Raises:
-        ValueError: the number of partitions is not a multiple of the group's size, or
-            ``devices`` does not fit (see :func:`~gpipe_core._partition.resolve_devices`).
+        ValueError: the number of partitions is not a multiple of the group's size,
+            ``devices`` does not fit (see :func:`~gpipe_core._partition.resolve_devices`),
+            or ``placement`` does not fit the partitions and workers.
+        TypeError: ``placement`` is not a placement.
     """
 
     def __init__(
@@ -120,6 +131,7 @@ class Placement:
         devices: Iterable[Device] | None,
         group: dist.ProcessGroup | None,
         timeout: float | None,
+        placement: object = None,
     ) -> None:
         n = len(balance)
         self.balance = list(balance)
@@ -138,12 +150,23 @@ class Placement:
                 )
             self.rank = group.rank()
             self.ranks = [j % size for j in range(n)]
+        #: The worker of each partition (each its own without ``placement``).
+        self.workers = list(range(n))
+        if placement is not None:
+            self.workers = _workers(placement, n, devices, group)
+            if group is not None:
+                self.ranks = list(self.workers)
         #: Whether each partition runs in this process.
         self.local = [rank == self.rank for rank in self.ranks]
         #: The device of each partition (``meta`` for another rank's).
-        self.devices = (
-            resolve_devices(devices, n) if group is None else _rank_devices(devices, self.local)
-        )
+        if group is not None:
+            self.devices = _rank_devices(devices, self.local)
+        elif placement is not None:
+            # One device per worker: its partitions share it.
+            own = resolve_devices(devices, max(self.workers, default=-1) + 1)
+            self.devices = [own[w] for w in self.workers]
+        else:
+            self.devices = resolve_devices(devices, n)
         self._transport: Transport | None = None
         self._tag = 0
         self._to_higher: dist.ProcessGroup | None = None
@@ -164,6 +187,11 @@ class Placement:
         """How many partitions this process runs."""
         return sum(self.local)
 
+    @property
+    def local_workers(self) -> int:
+        """How many workers (worker threads) this process runs."""
+        return len({w for w, here in zip(self.workers, self.local, strict=True) if here})
+
     def local_devices(self) -> list[torch.device]:
         """The devices of this process's partitions."""
         return [device for device, here in zip(self.devices, self.local, strict=True) if here]
@@ -173,7 +201,7 @@ class Placement:
         them in the calling thread: with several local partitions, unless the pipeline is
         ``nested`` in a checkpointed partition (whose recomputation must replay its draws
         in order) and all of them are here."""
-        return self.local_count > 1 and (self.spans_processes or not nested)
+        return self.local_workers > 1 and (self.spans_processes or not nested)
 
     def connect(self, tag: int) -> None:
         """Make the process groups the messages travel on (collective over ``group``: every
@@ -221,6 +249,26 @@ class Placement:
         if self.group is None:
             return "no process group"
         return f"ranks: {dist.get_process_group_ranks(self.group)}"
+
+
+def _workers(
+    placement: object, partitions: int, devices: Iterable[Device] | None, group: object
+) -> list[int]:
+    """The worker of each partition for ``placement``: the workers are the ranks of
+    ``group``, else the entries of ``devices``."""
+    if group is not None:
+        workers: int | None = cast(dist.ProcessGroup, group).size()
+    elif devices is not None and not isinstance(devices, (str, torch.device, int)):
+        devices = list(devices)
+        workers = len(devices)
+    elif isinstance(placement, str):
+        raise ValueError(
+            f"placement {placement!r} needs devices (one per worker) or group (placement: "
+            f"{placement!r}, devices: {devices!r})"
+        )
+    else:
+        workers = None
+    return place_partitions(placement, partitions, workers)
 
 
 def _rank_devices(devices: Iterable[Device] | None, local: Sequence[bool]) -> list[torch.device]:

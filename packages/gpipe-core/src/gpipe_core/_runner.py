@@ -1,13 +1,17 @@
-"""The runner: each partition's action list, executed on its worker, with one failure channel.
+"""The runner: each worker's action list, executed on its worker thread, with one failure channel.
 
 A run executes action lists (see :mod:`gpipe_core._schedule`) over partitions
-(:mod:`gpipe_core._partition_run`): each partition's list on its worker thread, each action as soon
-as the messages it needs have arrived through the transport
-(:mod:`gpipe_core._transport`). The forward action of micro-batch ``i`` on partition ``j``
-receives its activations from partition ``j - 1`` (the first partition takes the micro-batch
-itself) and the skips it pops, runs the partition, and sends its output and the skips it
-stashes on; the backward action receives the gradients of both, runs the partition's backward
-pass and sends its input's gradients back.
+(:mod:`gpipe_core._partition_run`): each worker's list on its worker thread, for all the
+partitions of that worker, each action as soon as the messages it needs have arrived through
+the transport (:mod:`gpipe_core._transport`). The forward action of micro-batch ``i`` on
+partition ``j`` receives its activations from partition ``j - 1`` (the first partition takes
+the micro-batch itself) and the skips it pops, runs the partition, and sends its output and
+the skips it stashes on; the backward action (or the input gradient of a split one) receives
+the gradients of both, runs the partition's backward pass and sends its input's gradients
+back; a weight gradient sends nothing.
+
+Messages between two partitions of one worker stay in that worker's thread: a mailbox of the
+run, never the transport.
 
 **Failures.** The first error of a run is kept (:class:`Failure`); it cancels the
 transport, so that every wait for a message ends, and every worker stops after its
@@ -26,7 +30,7 @@ import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from functools import partial
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -39,7 +43,7 @@ from ._partition_run import PartitionRun
 from ._schedule import Action, simulate
 from ._stream import is_cuda, use_stream
 from ._threads import NO_SHARE, ThreadShare
-from ._transport import Cancelled, MessageKey, Transport
+from ._transport import Cancelled, Message, MessageKey, Transport, outgoing
 from ._worker import ExcInfo, WorkerPool
 
 __all__ = ["Failure", "run"]
@@ -48,21 +52,32 @@ __all__ = ["Failure", "run"]
 class Failure:
     """The failure channel of one run: the first error, and the cancellation it causes."""
 
-    def __init__(self, transport: Transport, actions: Sequence[Sequence[Action]]) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        actions: Sequence[Sequence[Action]],
+        workers: Sequence[int] | None = None,
+    ) -> None:
         self.transport = transport
         self.actions = actions
+        #: The worker of each partition (None: partition ``j`` on worker ``j``).
+        self.workers = workers
         self.lock = threading.Lock()
         self.errors: list[tuple[int, int, ExcInfo]] = []
         self.cancelled = False
 
-    def fail(self, j: int, position: int, exc_info: ExcInfo) -> None:
-        """Keep partition ``j``'s error, raised in its action at ``position`` (-1: outside
+    def fail(self, w: int, position: int, exc_info: ExcInfo) -> None:
+        """Keep worker ``w``'s error, raised in its action at ``position`` (-1: outside
         any action), and end the run (see :meth:`Transport.fail`)."""
         with self.lock:
-            self.errors.append((j, position, exc_info))
+            self.errors.append((w, position, exc_info))
         self.cancelled = True
-        action = self.actions[j][position] if position >= 0 else None
-        self.transport.fail(j, action, exc_info[1])
+        action = self.actions[w][position] if position >= 0 else None
+        if action is not None and action.partition is not None:
+            partition = action.partition
+        else:
+            partition = w if self.workers is None else list(self.workers).index(w)
+        self.transport.fail(partition, action, exc_info[1])
 
     def cancel(self) -> None:
         """Stop every worker after its current action; wake every wait."""
@@ -76,7 +91,7 @@ class Failure:
         errors, self.errors = self.errors, []
         if len(errors) > 1:
             # The unit-time column of each action (computed only when errors compete).
-            rows = simulate(self.actions)
+            rows = simulate(self.actions, placement=self.workers)
 
             def order(error: tuple[int, int, ExcInfo]) -> tuple[int, int]:
                 j, position, _ = error
@@ -99,30 +114,33 @@ def run(
     state: ThreadState,
     threaded: bool,
     intra_op_threads: int | None = None,
+    workers: Sequence[int] | None = None,
 ) -> list[Batch | None]:
-    """Run each partition's ``actions`` and return the last partition's output per micro-batch.
+    """Run each worker's ``actions`` and return the last partition's output per micro-batch.
 
     Args:
         partitions: the partitions, in pipeline order; None for a partition of another
             process, whose actions that process runs.
         transport: carries messages between them.
-        actions: each partition's action list.
+        actions: each worker's action list, every action naming its partition.
         inputs: the micro-batches, on the first partition's device (none where the first partition
             runs in another process).
-        pool: the workers, one per partition.
+        pool: the worker threads, one per worker of this process.
         state: the caller's thread state, applied in every worker.
         threaded: run each partition of this process on its worker; otherwise in the
             calling thread (whose state is ``state``): every partition serially, or the one
             partition of this process.
         intra_op_threads: GPipe's ``intra_op_threads``: how the workers on the CPU share
             the caller's intra-op threads (see :mod:`gpipe_core._threads`).
+        workers: the worker of each partition (default: partition ``j`` on worker ``j``).
     """
     outputs: list[Batch | None] = [None] * len({action.microbatch for action in actions[0]})
-    failure = Failure(transport, actions)
+    failure = Failure(transport, actions, workers)
     # Workers divide the caller's intra-op threads; a run in the calling thread keeps them.
     share = ThreadShare(intra_op_threads, torch.get_num_threads()) if threaded else NO_SHARE
-    executor = _Executor(partitions, transport, inputs, outputs, failure, share)
-    local = [j for j, partition in enumerate(partitions) if partition is not None]
+    where = list(range(len(partitions))) if workers is None else list(workers)
+    executor = _Executor(partitions, transport, inputs, outputs, failure, share, where)
+    local = sorted({where[j] for j, partition in enumerate(partitions) if partition is not None})
     try:
         if threaded:
             pool.run_jobs(
@@ -131,13 +149,13 @@ def run(
                 lambda k, exc_info: failure.fail(local[k], -1, exc_info),
                 failure.cancel,
             )
-        elif len(local) == len(partitions):
+        elif all(partition is not None for partition in partitions):
             with state.apply():
                 executor.run_serially(actions)
         else:
-            # The one partition of this process; the others' actions run elsewhere.
-            (j,) = local
-            executor.run(j, actions[j], state)
+            # The one worker of this process; the others' actions run elsewhere.
+            (w,) = local
+            executor.run(w, actions[w], state)
         failure.raise_first()
     finally:
         transport.reset()
@@ -165,8 +183,13 @@ class _Executor:
         outputs: list[Batch | None],
         failure: Failure,
         share: ThreadShare = NO_SHARE,
+        workers: Sequence[int] | None = None,
     ) -> None:
         self.partitions = partitions
+        #: The worker of each partition.
+        self.workers = list(range(len(partitions))) if workers is None else list(workers)
+        #: The messages between partitions of one worker (each read by the thread that wrote it).
+        self.mailbox: dict[MessageKey, Message] = {}
         self.transport = transport
         self.inputs = inputs
         self.outputs = outputs
@@ -179,28 +202,35 @@ class _Executor:
         assert partition is not None, f"partition {j} runs in another process"
         return partition
 
-    def run(self, j: int, actions: Sequence[Action], state: ThreadState) -> None:
-        """Run partition ``j``'s actions in order on its worker, under the caller's ``state``."""
-        failure, partition = self.failure, self.partition(j)
+    def run(self, w: int, actions: Sequence[Action], state: ThreadState) -> None:
+        """Run worker ``w``'s actions in order on its thread, under the caller's ``state``."""
+        failure = self.failure
+        partition = self.partition(self.workers.index(w))
         with _on_device(partition), state.apply(), self.share.worker(partition.device):
             for position, action in enumerate(actions):
                 if failure.cancelled:
                     return
                 try:
-                    self.act(j, action)
+                    j = cast(int, action.partition)
+                    if self.partition(j).device == partition.device:
+                        self.act(j, action)
+                    else:
+                        with _on_device(self.partition(j)):
+                            self.act(j, action)
                 except Cancelled:
                     return
                 except BaseException:
-                    failure.fail(j, position, cast(ExcInfo, sys.exc_info()))
+                    failure.fail(w, position, cast(ExcInfo, sys.exc_info()))
                     return
 
     def run_serially(self, actions: Sequence[Sequence[Action]]) -> None:
         """Run every action in the calling thread, column by column of :func:`simulate`."""
-        rows = simulate(actions)
+        rows = simulate(actions, placement=self.workers)
         for column in range(max((len(row) for row in rows), default=0)):
-            for j, row in enumerate(rows):
+            for row in rows:
                 action = row[column] if column < len(row) else None
                 if action is not None:
+                    j = cast(int, action.partition)
                     with _on_device(self.partition(j)):
                         self.act(j, action)
 
@@ -208,8 +238,12 @@ class _Executor:
         try:
             if action.kind == "forward":
                 self.forward(j, action.microbatch)
+            elif action.kind == "weight":
+                partition = self.partition(j)
+                with self.share.computing(partition.device):
+                    partition.backward_weight(action.microbatch)
             else:
-                self.backward(j, action.microbatch)
+                self.backward(j, action.microbatch, split=action.kind == "input")
         except Cancelled:
             raise
         except Exception as error:
@@ -219,16 +253,16 @@ class _Executor:
             raise
 
     def forward(self, j: int, i: int) -> None:
-        partition, transport = self.partition(j), self.transport
+        partition = self.partition(j)
         if j == 0:
             batch = self.inputs[i]
         else:
-            message = transport.receive(MessageKey("activations", i, j - 1, j))
+            message = self.receive(MessageKey("activations", i, j - 1, j))
             values = partition.accept(message.values(), message.requires_grad)
             batch = Batch(message.value(values))
         skips: dict[SkipKey, Tensor | None] = {}
         for source, keys in partition.pops.items():
-            message = transport.receive(MessageKey("skips", i, source, j))
+            message = self.receive(MessageKey("skips", i, source, j))
             values = partition.accept(message.values(), message.requires_grad)
             skips.update(zip(keys, cast(list[Tensor | None], values), strict=True))
         with self.share.computing(partition.device):
@@ -236,7 +270,7 @@ class _Executor:
         if j == self.last:
             self.outputs[i] = output
         else:
-            transport.send(
+            self.send(
                 MessageKey("activations", i, j, j + 1),
                 output.values,
                 atomic=output.atomic,
@@ -245,22 +279,52 @@ class _Executor:
             )
         for target, keys in partition.stashes.items():
             values = [stashed[key] for key in keys]
-            transport.send(MessageKey("skips", i, j, target), values, needs_grad=needs_grad)
+            self.send(MessageKey("skips", i, j, target), values, needs_grad=needs_grad)
 
-    def backward(self, j: int, i: int) -> None:
-        partition, transport = self.partition(j), self.transport
+    def backward(self, j: int, i: int, split: bool = False) -> None:
+        """The backward pass of micro-batch ``i`` on partition ``j``, or only its input
+        gradient if ``split``."""
+        partition = self.partition(j)
         grads: list[Tensor | None] = []
         if j != self.last:
-            message = transport.receive(MessageKey("gradients", i, j + 1, j))
+            message = self.receive(MessageKey("gradients", i, j + 1, j))
             grads = cast(list[Tensor | None], message.values())
         skip_grads: dict[SkipKey, Tensor | None] = {}
         for target, keys in partition.stashes.items():
-            message = transport.receive(MessageKey("skip-gradients", i, target, j))
+            message = self.receive(MessageKey("skip-gradients", i, target, j))
             skip_grads.update(zip(keys, cast(list[Tensor | None], message.values()), strict=True))
         with self.share.computing(partition.device):
-            input_grads, popped = partition.backward(i, grads, skip_grads)
+            if split:
+                input_grads, popped = partition.backward_input(i, grads, skip_grads)
+            else:
+                input_grads, popped = partition.backward(i, grads, skip_grads)
         if j != 0:
-            transport.send(MessageKey("gradients", i, j, j - 1), input_grads)
+            self.send(MessageKey("gradients", i, j, j - 1), input_grads)
         for source, keys in partition.pops.items():
             values = [popped.get(key) for key in keys]
-            transport.send(MessageKey("skip-gradients", i, j, source), values)
+            self.send(MessageKey("skip-gradients", i, j, source), values)
+
+    def send(
+        self,
+        key: MessageKey,
+        values: Sequence[object],
+        *,
+        atomic: bool = False,
+        needs_grad: bool = False,
+        kind: type[tuple[Any, ...]] = tuple,
+    ) -> None:
+        """Send a message: into the mailbox between partitions of one worker (one device,
+        one compute stream: nothing to wait for), else through the transport."""
+        if self.workers[key.source] != self.workers[key.target]:
+            self.transport.send(key, values, atomic=atomic, needs_grad=needs_grad, kind=kind)
+            return
+        detach = not self.partition(key.source).autograd_backward
+        self.mailbox[key] = outgoing(values, atomic, needs_grad, detach=detach, kind=kind)
+
+    def receive(self, key: MessageKey) -> Message:
+        """The message ``key``: from the mailbox between partitions of one worker (sent
+        earlier in this worker's list, as :func:`check_actions` ensures), else from the
+        transport."""
+        if self.workers[key.source] != self.workers[key.target]:
+            return self.transport.receive(key)
+        return self.mailbox.pop(key)

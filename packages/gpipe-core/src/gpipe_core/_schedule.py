@@ -1,47 +1,67 @@
-"""Pipeline schedules as data: the order in which each partition runs its actions.
+"""Pipeline schedules as data: the order in which each worker runs its actions.
 
-A schedule says, for ``m`` micro-batches and ``n`` partitions, which actions each
-partition runs and in which order: the forward pass of micro-batch ``i`` (``F i``) and its
-backward pass (``B i``). It says nothing about time. :meth:`GPipe.step
-<gpipe_core.GPipe.step>` gives each partition's list to that partition's worker, which runs
-each action as soon as its inputs are there: the forward pass of micro-batch ``i`` on
-partition ``j`` needs the output of partition ``j - 1``; its backward pass needs the
-gradient from partition ``j + 1`` (or, on the last partition, the loss).
+A schedule says, for ``m`` micro-batches, ``n`` partitions and a placement (the worker of
+each partition), which actions each worker runs and in which order. An action names a
+micro-batch ``i``, a partition ``j`` and what to do: the forward pass (``F``), the
+backward pass (``B``), or the backward pass split in two, the input gradient (``I``, sent
+upstream at once) and the weight gradient (``W``, accumulated into ``.grad`` later). It
+says nothing about time. :meth:`GPipe.step <gpipe_core.GPipe.step>` gives each worker its
+list, and the worker runs each action as soon as its inputs are there: the forward pass
+of micro-batch ``i`` on partition ``j`` needs the output of partition ``j - 1``; its
+backward pass (or input gradient) needs the gradient from partition ``j + 1`` (or, on the
+last partition, the loss); a weight gradient needs its input gradient.
+
+With one partition per worker (the default placement, partition ``j`` on worker ``j``),
+an action may leave its partition out: it is the worker's. Several partitions per worker
+come from a placement: ``"loop"`` puts partition ``j`` on worker ``j % W``, ``"v"`` puts
+partitions ``j`` and ``2W - 1 - j`` on worker ``j`` (see :func:`place_partitions`).
 
 Adding a schedule means writing its action lists: subclass :class:`Schedule` and implement
-:meth:`Schedule.actions`. :func:`check_actions` tells whether lists can run at all, and
-:func:`simulate` and :meth:`Schedule.grid` show how they run when every action takes the
-same time.
+:meth:`Schedule.actions` (one partition per worker: any placement then runs it, each
+worker running its partitions' lists merged) or :meth:`Schedule.worker_actions` (the
+lists of any placement). :func:`check_actions` tells whether lists can run at all, and
+:func:`simulate` and :meth:`Schedule.grid` show how they run, every action taking one
+unit of time or the durations given.
 
 Example:
     >>> print(get_schedule("1f1b").grid(microbatches=4, partitions=2))
     p0: F0 F1 .  B0 F2 B1 F3 B2 .  B3
     p1: .  F0 B0 F1 B1 F2 B2 F3 B3 .
+    >>> print(get_schedule("interleaved-1f1b").grid(2, 4, placement="loop", workers=2))
+    w0: 0F0 0F1 2F0 2F1 .   2B0 .   2B1 0B0 0B1
+    w1: .   1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1 .
 """
 
 from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 __all__ = [
     "Action",
     "GPipeSchedule",
+    "Interleaved1F1BSchedule",
     "OneFOneBSchedule",
     "Schedule",
     "ScheduleError",
+    "ZeroBubbleH1Schedule",
+    "ZeroBubbleVSchedule",
     "check_actions",
     "clock_cycles",
     "get_schedule",
+    "place_partitions",
     "schedules",
     "simulate",
     "step_actions",
 ]
 
-ActionKind = Literal["forward", "backward"]
+ActionKind = Literal["forward", "backward", "input", "weight"]
+_LETTERS: dict[str, str] = {"forward": "F", "backward": "B", "input": "I", "weight": "W"}
+#: The kinds that send a gradient upstream: the whole backward pass, or its input gradient.
+_GRADIENT_KINDS = ("backward", "input")
 
 
 class ScheduleError(ValueError):
@@ -50,62 +70,237 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """One action of a partition: the forward or backward pass of one micro-batch.
+    """One action of a worker: the forward pass, backward pass, input gradient or weight
+    gradient of one micro-batch, on one partition (None: the worker's only partition).
+
+    Written ``F3`` (``B``, ``I``, ``W``) without a partition, ``2F3`` (partition 2) with one.
 
     Example:
-        >>> Action("forward", 3), str(Action("backward", 0))
-        (Action('forward', 3), 'B0')
+        >>> Action("forward", 3), str(Action("backward", 0)), str(Action("input", 1, 2))
+        (Action('forward', 3), 'B0', '2I1')
     """
 
     kind: ActionKind
     microbatch: int
+    partition: int | None = None
 
     def __str__(self) -> str:
-        return ("F" if self.kind == "forward" else "B") + str(self.microbatch)
+        label = _LETTERS[self.kind] + str(self.microbatch)
+        return label if self.partition is None else f"{self.partition}{label}"
 
     def __repr__(self) -> str:
-        return f"Action({self.kind!r}, {self.microbatch})"
+        if self.partition is None:
+            return f"Action({self.kind!r}, {self.microbatch})"
+        return f"Action({self.kind!r}, {self.microbatch}, {self.partition})"
 
 
-def _forward(i: int) -> Action:
-    return Action("forward", i)
+def _forward(i: int, j: int | None = None) -> Action:
+    return Action("forward", i, j)
 
 
-def _backward(i: int) -> Action:
-    return Action("backward", i)
+def _backward(i: int, j: int | None = None) -> Action:
+    return Action("backward", i, j)
+
+
+# -- placement ------------------------------------------------------------------------------
+
+PlacementSpec = Literal["loop", "v"] | Sequence[int] | None
+
+
+def place_partitions(placement: object, partitions: int, workers: int | None = None) -> list[int]:
+    """The worker of each partition.
+
+    Args:
+        placement: None (partition ``j`` on worker ``j``), ``"loop"`` (partition ``j`` on
+            worker ``j % workers``), ``"v"`` (partitions ``j`` and ``2 * workers - 1 - j``
+            on worker ``j``), or a list giving each partition's worker.
+        partitions: the number of partitions.
+        workers: the number of workers (default: one per partition for None, the
+            length of the list's range for a list; needed for ``"loop"`` and ``"v"``).
+
+    Raises:
+        ValueError: the placement does not fit the numbers (every worker must run a
+            partition).
+        TypeError: ``placement`` is none of the above.
+
+    Example:
+        >>> place_partitions("loop", 4, 2), place_partitions("v", 4, 2)
+        ([0, 1, 0, 1], [0, 1, 1, 0])
+    """
+    _check_sizes(partitions=partitions)
+    if placement is None:
+        if workers is not None and workers != partitions:
+            raise ValueError(
+                "placement must be given to run several partitions per worker "
+                f"(placement: None, partitions: {partitions}, workers: {workers})"
+            )
+        return list(range(partitions))
+    if isinstance(placement, str):
+        if placement not in ("loop", "v"):
+            raise ValueError(
+                f"placement must be 'loop', 'v', a list of workers or None "
+                f"(placement: {placement!r})"
+            )
+        if workers is None:
+            raise ValueError(f"placement {placement!r} needs the number of workers")
+        _check_sizes(workers=workers)
+        if placement == "loop":
+            if partitions % workers:
+                raise ValueError(
+                    "placement 'loop' needs a multiple of the workers' number of partitions "
+                    f"(partitions: {partitions}, workers: {workers})"
+                )
+            return [j % workers for j in range(partitions)]
+        if partitions != 2 * workers:
+            raise ValueError(
+                "placement 'v' needs two partitions per worker "
+                f"(partitions: {partitions}, workers: {workers})"
+            )
+        return [min(j, 2 * workers - 1 - j) for j in range(partitions)]
+    if not isinstance(placement, (list, tuple)) or not all(
+        isinstance(w, int) and not isinstance(w, bool) for w in placement
+    ):
+        raise TypeError(
+            f"placement must be 'loop', 'v', a list of workers or None (placement: {placement!r})"
+        )
+    count = workers if workers is not None else max(placement, default=-1) + 1
+    if len(placement) != partitions:
+        raise ValueError(
+            "placement must give the worker of each partition "
+            f"(placement: {list(placement)}, partitions: {partitions})"
+        )
+    bad = [w for w in placement if not 0 <= w < count]
+    if bad:
+        raise ValueError(
+            f"placement must name workers 0 to {count - 1} (placement: {list(placement)}, "
+            f"workers: {count})"
+        )
+    idle = sorted(set(range(count)) - set(placement))
+    if idle:
+        raise ValueError(
+            f"placement must give every worker a partition (placement: {list(placement)}, "
+            f"workers without one: {idle})"
+        )
+    return list(placement)
+
+
+def _is_identity(workers: Sequence[int]) -> bool:
+    return list(workers) == list(range(len(workers)))
+
+
+def _partitions_of(workers: Sequence[int]) -> list[list[int]]:
+    """Each worker's partitions, in pipeline order."""
+    result: list[list[int]] = [[] for _ in range(max(workers, default=-1) + 1)]
+    for j, w in enumerate(workers):
+        result[w].append(j)
+    return result
+
+
+# -- schedules ------------------------------------------------------------------------------
 
 
 class Schedule(ABC):
-    """The order of each partition's actions, for any number of micro-batches and partitions."""
+    """The order of each worker's actions, for any number of micro-batches and partitions."""
 
     #: The name :func:`get_schedule` knows the schedule by.
     name: ClassVar[str]
 
     @abstractmethod
     def actions(self, microbatches: int, partitions: int) -> list[list[Action]]:
-        """Each partition's actions, in the order it runs them.
+        """Each partition's actions, in the order it runs them, one partition per worker.
 
-        Every partition runs the forward and the backward pass of every micro-batch once,
-        the forward pass first.
+        Every partition runs the forward pass of every micro-batch once, and its backward
+        pass once (``B``) or split (``I`` then ``W``), after the forward pass.
         """
 
-    def forward_only(self, microbatches: int, partitions: int) -> list[list[Action]]:
+    def worker_actions(
+        self, microbatches: int, partitions: int, placement: Sequence[int] | None = None
+    ) -> list[list[Action]]:
+        """Each worker's actions, in the order it runs them, for ``placement`` (the worker
+        of each partition; None: partition ``j`` on worker ``j``).
+
+        The default runs :meth:`actions` (one list per partition), each worker merging
+        the lists of its partitions as they would run in unit time (the action of the
+        later partition first when several are ready). Schedules made for several
+        partitions per worker override it.
+        """
+        lists = self.actions(microbatches, partitions)
+        if placement is None or _is_identity(placement):
+            return lists
+        resolved = _resolve(
+            _as_lists(lists, partitions, self), list(range(partitions)), self, partitions
+        )
+        return _merge(resolved, place_partitions(list(placement), partitions))
+
+    def forward_only(
+        self, microbatches: int, partitions: int, placement: Sequence[int] | None = None
+    ) -> list[list[Action]]:
         """The forward actions alone, in the same order (a step without backward)."""
-        lists = _as_lists(self.actions(microbatches, partitions), partitions, self)
+        workers = place_partitions(placement, partitions)
+        lists = _as_lists(
+            self.worker_actions(microbatches, partitions, placement),
+            len(_partitions_of(workers)),
+            self,
+        )
         return [[action for action in actions if action.kind == "forward"] for actions in lists]
 
-    def grid(self, microbatches: int, partitions: int) -> str:
-        """The actions laid out in time, every action taking one unit (see :func:`simulate`).
+    def grid(
+        self,
+        microbatches: int,
+        partitions: int,
+        *,
+        placement: PlacementSpec = None,
+        workers: int | None = None,
+        durations: Mapping[str, int] | None = None,
+    ) -> str:
+        """The actions laid out in time (see :func:`simulate`): one row per worker, one
+        column per time unit; ``.`` is an idle unit. With one partition per worker the rows
+        are the partitions (``p0``) and the actions leave their partition out; otherwise
+        the rows are the workers (``w0``).
 
-        One row per partition, one column per time unit; ``.`` is an idle unit.
+        Args:
+            microbatches: the number of micro-batches.
+            partitions: the number of partitions.
+            placement: see :func:`place_partitions`.
+            workers: the number of workers, for ``"loop"`` and ``"v"``.
+            durations: the units each kind of action takes (see :func:`simulate`).
         """
-        rows = simulate(self.actions(microbatches, partitions))
-        labels = [[str(action) if action else "." for action in row] for row in rows]
+        where = place_partitions(placement, partitions, workers)
+        lists = self.worker_actions(microbatches, partitions, where)
+        rows = simulate(lists, durations, placement=where)
+        identity = _is_identity(where)
+        prefix = "p" if identity else "w"
+        labels = [
+            ["." if action is None else _label(action, identity) for action in row] for row in rows
+        ]
         width = max((len(label) for row in labels for label in row), default=1)
         return "\n".join(
-            f"p{j}: " + " ".join(label.ljust(width) for label in row).rstrip()
-            for j, row in enumerate(labels)
+            f"{prefix}{k}: " + " ".join(label.ljust(width) for label in row).rstrip()
+            for k, row in enumerate(labels)
         )
+
+    def bubble(
+        self,
+        microbatches: int,
+        partitions: int,
+        *,
+        placement: PlacementSpec = None,
+        workers: int | None = None,
+        durations: Mapping[str, int] | None = None,
+    ) -> float:
+        """The idle share of the workers' time in :func:`simulate`'s layout (0: none).
+
+        Example:
+            >>> get_schedule("gpipe").bubble(6, 3)  # (n - 1) / (m + n - 1)
+            0.25
+        """
+        where = place_partitions(placement, partitions, workers)
+        rows = simulate(
+            self.worker_actions(microbatches, partitions, where), durations, placement=where
+        )
+        cells = sum(len(row) for row in rows)
+        idle = sum(action is None for row in rows for action in row)
+        return idle / cells if cells else 0.0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -125,10 +320,23 @@ class GPipeSchedule(Schedule):
     name = "gpipe"
 
     def actions(self, microbatches: int, partitions: int) -> list[list[Action]]:
-        _check_sizes(microbatches, partitions)
+        _check_sizes(microbatches=microbatches, partitions=partitions)
         order = [_forward(i) for i in range(microbatches)]
         order += [_backward(i) for i in reversed(range(microbatches))]
         return [list(order) for _ in range(partitions)]
+
+
+def _one_f_one_b(
+    forwards: Sequence[Action], backwards: Sequence[Action], warmup: int
+) -> list[Action]:
+    """``warmup`` forward actions, then one forward and one backward action in turn, then the
+    remaining backward actions."""
+    warmup = min(warmup, len(forwards))
+    order = list(forwards[:warmup])
+    for forward, backward in zip(forwards[warmup:], backwards, strict=False):
+        order += [forward, backward]
+    order += backwards[len(forwards) - warmup :]
+    return order
 
 
 class OneFOneBSchedule(Schedule):
@@ -148,27 +356,173 @@ class OneFOneBSchedule(Schedule):
     name = "1f1b"
 
     def actions(self, microbatches: int, partitions: int) -> list[list[Action]]:
-        _check_sizes(microbatches, partitions)
-        lists: list[list[Action]] = []
-        for j in range(partitions):
-            warmup = min(partitions - j - 1, microbatches)
-            order = [_forward(i) for i in range(warmup)]
-            for i in range(microbatches - warmup):
-                order += [_forward(warmup + i), _backward(i)]
-            order += [_backward(i) for i in range(microbatches - warmup, microbatches)]
-            lists.append(order)
-        return lists
+        _check_sizes(microbatches=microbatches, partitions=partitions)
+        forwards = [_forward(i) for i in range(microbatches)]
+        backwards = [_backward(i) for i in range(microbatches)]
+        return [_one_f_one_b(forwards, backwards, partitions - j - 1) for j in range(partitions)]
 
 
-def _check_sizes(microbatches: int, partitions: int) -> None:
-    for name, value in (("microbatches", microbatches), ("partitions", partitions)):
+def _loop_chunks(name: str, partitions: int, placement: Sequence[int] | None) -> int:
+    """How many partitions each worker of a loop ``placement`` runs; a clear error if the
+    placement is not a loop."""
+    workers = place_partitions(placement, partitions)
+    count = max(workers) + 1
+    if partitions % count or workers != [j % count for j in range(partitions)]:
+        raise ScheduleError(
+            f"schedule {name!r} needs the loop placement, partition j on worker j % workers "
+            f"(placement: {workers}, partitions: {partitions}, workers: {count})"
+        )
+    return partitions // count
+
+
+def _interleaved(
+    microbatches: int, partitions: int, chunks: int, split: bool
+) -> list[list[Action]]:
+    """Interleaved 1F1B over ``partitions // chunks`` workers, each running ``chunks``
+    partitions in a loop; the backward passes split into input gradients alone if
+    ``split`` (their weight gradients are left to the caller)."""
+    workers = partitions // chunks
+    groups = [
+        range(start, min(start + workers, microbatches))
+        for start in range(0, microbatches, workers)
+    ]
+    kind: ActionKind = "input" if split else "backward"
+    lists = []
+    for w in range(workers):
+        forwards = [
+            _forward(i, c * workers + w) for group in groups for c in range(chunks) for i in group
+        ]
+        backwards = [
+            Action(kind, i, c * workers + w)
+            for group in groups
+            for c in reversed(range(chunks))
+            for i in group
+        ]
+        # 1F1B's warm-up; interleaved, twice as long, plus a round of the other partitions.
+        warmup = workers - w - 1 if chunks == 1 else 2 * (workers - w - 1) + (chunks - 1) * workers
+        lists.append(_one_f_one_b(forwards, backwards, warmup))
+    return lists
+
+
+class Interleaved1F1BSchedule(Schedule):
+    """Interleaved 1F1B (Megatron-LM's): each of ``W`` workers runs ``v`` partitions of a
+    loop placement (partition ``j`` on worker ``j % W``).
+
+    Each worker runs the forward passes of ``W`` micro-batches on its first partition, then
+    on its second, and so on, then the next ``W`` micro-batches; the backward passes in the
+    same order with the partitions reversed. Worker ``w`` runs ``2 (W - w - 1) + (v - 1) W``
+    forward passes before its first backward pass, then alternates one forward and one
+    backward pass. The bubble shrinks about ``v`` times from 1F1B's; each worker holds the
+    activations of up to ``W`` micro-batches on each of its partitions (partitions ``v``
+    times smaller than 1F1B's). With one partition per worker it is 1F1B.
+
+    Example:
+        >>> lists = Interleaved1F1BSchedule().worker_actions(2, 4, placement=[0, 1, 0, 1])
+        >>> [" ".join(str(a) for a in actions) for actions in lists]
+        ['0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1', '1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1']
+    """
+
+    name = "interleaved-1f1b"
+
+    def actions(self, microbatches: int, partitions: int) -> list[list[Action]]:
+        return OneFOneBSchedule().actions(microbatches, partitions)
+
+    def worker_actions(
+        self, microbatches: int, partitions: int, placement: Sequence[int] | None = None
+    ) -> list[list[Action]]:
+        _check_sizes(microbatches=microbatches, partitions=partitions)
+        chunks = _loop_chunks(self.name, partitions, placement)
+        if chunks == 1:
+            return self.actions(microbatches, partitions)
+        return _interleaved(microbatches, partitions, chunks, split=False)
+
+
+class ZeroBubbleH1Schedule(Schedule):
+    """Zero bubble H1 (Qi et al., 2023), on a loop placement: interleaved 1F1B with every
+    backward pass split into its input gradient, sent upstream at once, and its weight
+    gradient, run later where the worker would otherwise wait.
+
+    Each worker runs its forward passes and input gradients in interleaved 1F1B's order
+    (1F1B's, with one partition per worker), and a weight gradient whenever its next action
+    is not ready yet, or before a forward pass that would hold more micro-batches than
+    1F1B's (so its memory is 1F1B's). With forward, input and weight gradients of equal
+    times, the bubble is about a third of 1F1B's.
+
+    Example:
+        >>> print(ZeroBubbleH1Schedule().grid(4, 2))
+        p0: F0 F1 .  I0 W0 F2 I1 W1 F3 I2 W2 I3 W3
+        p1: .  F0 I0 F1 I1 W0 F2 I2 W1 F3 I3 W2 W3
+    """
+
+    name = "zb-h1"
+
+    def actions(self, microbatches: int, partitions: int) -> list[list[Action]]:
+        lists = self.worker_actions(microbatches, partitions)
+        return [[replace(action, partition=None) for action in actions] for actions in lists]
+
+    def worker_actions(
+        self, microbatches: int, partitions: int, placement: Sequence[int] | None = None
+    ) -> list[list[Action]]:
+        _check_sizes(microbatches=microbatches, partitions=partitions)
+        chunks = _loop_chunks(self.name, partitions, placement)
+        base = _interleaved(microbatches, partitions, chunks, split=True)
+        return _fill_weights(base, place_partitions(placement, partitions))
+
+
+class ZeroBubbleVSchedule(Schedule):
+    """Zero bubble V (Qi et al., 2023): two partitions per worker in a V (partitions ``j``
+    and ``2W - 1 - j`` on worker ``j``), backward passes split into input and weight
+    gradients.
+
+    Built in unit time: each worker runs a ready input gradient first (the later partition
+    first), else a ready forward pass (the later partition first) unless it would hold more
+    than ``2W`` partition micro-batches (1F1B's memory: ``W`` micro-batches of partitions
+    half as large), else a weight gradient, oldest first. The last partition is on the
+    first worker, so the loss is where the input is, and with forward, input and weight
+    gradients of equal times the bubble is about zero once ``m >= 2W``.
+
+    Example:
+        >>> print(ZeroBubbleVSchedule().grid(2, 2, placement="v", workers=1))
+        w0: 0F0 1F0 1I0 0I0 1W0 0F1 0W0 1F1 1I1 0I1 1W1 0W1
+        >>> round(ZeroBubbleVSchedule().bubble(16, 4, placement="v", workers=2), 2)
+        0.01
+    """
+
+    name = "zbv"
+
+    def actions(self, microbatches: int, partitions: int) -> list[list[Action]]:
+        return self.worker_actions(microbatches, partitions)
+
+    def worker_actions(
+        self, microbatches: int, partitions: int, placement: Sequence[int] | None = None
+    ) -> list[list[Action]]:
+        _check_sizes(microbatches=microbatches, partitions=partitions)
+        workers = place_partitions(placement, partitions)
+        count = max(workers) + 1
+        if partitions != 2 * count or workers != place_partitions("v", partitions, count):
+            raise ScheduleError(
+                f"schedule {self.name!r} needs the V placement, two partitions per worker "
+                f"(partitions j and 2 * workers - 1 - j on worker j) (placement: {workers}, "
+                f"partitions: {partitions}, workers: {count})"
+            )
+        return _greedy_zbv(microbatches, partitions, workers)
+
+
+def _check_sizes(**sizes: object) -> None:
+    for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive integer ({name}: {value!r})")
 
 
 _SCHEDULES: dict[str, type[Schedule]] = {
-    GPipeSchedule.name: GPipeSchedule,
-    OneFOneBSchedule.name: OneFOneBSchedule,
+    kind.name: kind
+    for kind in (
+        GPipeSchedule,
+        OneFOneBSchedule,
+        Interleaved1F1BSchedule,
+        ZeroBubbleH1Schedule,
+        ZeroBubbleVSchedule,
+    )
 }
 
 
@@ -177,13 +531,13 @@ def schedules() -> list[str]:
 
     Example:
         >>> schedules()
-        ['1f1b', 'gpipe']
+        ['1f1b', 'gpipe', 'interleaved-1f1b', 'zb-h1', 'zbv']
     """
     return sorted(_SCHEDULES)
 
 
 def get_schedule(schedule: object) -> Schedule:
-    """The schedule named ``schedule`` (``'gpipe'`` or ``'1f1b'``), or ``schedule`` itself.
+    """The schedule named ``schedule`` (one of :func:`schedules`), or ``schedule`` itself.
 
     Raises:
         ValueError: no schedule has that name.
@@ -206,14 +560,165 @@ def get_schedule(schedule: object) -> Schedule:
     )
 
 
-def _dependencies(action: Action, j: int, partitions: int) -> list[tuple[int, Action]]:
-    """The actions of other partitions that ``action`` of partition ``j`` waits for."""
-    i = action.microbatch
+# -- dependencies and simulation ------------------------------------------------------------
+
+
+def _dependencies(
+    action: Action, partitions: int, gradients: Mapping[tuple[int, int | None], Action]
+) -> list[Action]:
+    """The actions (partitions resolved) that ``action`` waits for: on other partitions,
+    and the input gradient before its weight gradient."""
+    i, j = action.microbatch, action.partition
+    assert j is not None
     if action.kind == "forward":
-        return [(j - 1, _forward(i))] if j > 0 else []
+        return [_forward(i, j - 1)] if j > 0 else []
+    if action.kind == "weight":
+        return [Action("input", i, j)]
     if j < partitions - 1:
-        return [(j + 1, _backward(i))]
+        return [gradients.get((i, j + 1), _backward(i, j + 1))]
     return []
+
+
+def _label(action: Action, identity: bool) -> str:
+    return str(replace(action, partition=None) if identity else action)
+
+
+def _durations(durations: Mapping[str, int] | None) -> dict[str, int]:
+    if durations is None:
+        return dict.fromkeys(_LETTERS, 1)
+    if not isinstance(durations, Mapping) or not set(durations) <= set(_LETTERS):
+        raise ValueError(
+            f"durations must map action kinds {sorted(_LETTERS)} to units (durations: "
+            f"{durations!r})"
+        )
+    for units in durations.values():
+        if isinstance(units, bool) or not isinstance(units, int) or units <= 0:
+            raise ValueError(
+                f"durations must be positive integers (durations: {dict(durations)!r})"
+            )
+    result = {kind: durations.get(kind, 1) for kind in ("forward", "input", "weight")}
+    result["backward"] = durations.get("backward", result["input"] + result["weight"])
+    return result
+
+
+def simulate(
+    lists: Sequence[Sequence[Action]],
+    durations: Mapping[str, int] | None = None,
+    *,
+    placement: Sequence[int] | None = None,
+) -> list[list[Action | None]]:
+    """Run action lists on a clock.
+
+    Each worker runs its next action as soon as the actions it waits for have finished.
+    Returns, for each worker, its action in each unit of time (None: idle); an action that
+    takes ``d`` units fills ``d`` of them. Every row lasts until the last action ends.
+
+    Args:
+        lists: each worker's actions.
+        durations: the units each kind of action takes: ``"forward"``, ``"backward"``,
+            ``"input"``, ``"weight"`` (default: one each; with ``durations`` given, one for
+            each kind it leaves out, but the backward pass takes the input and weight
+            gradients' sum).
+        placement: the worker of each partition (default: partition ``j`` on worker ``j``).
+
+    Raises:
+        ScheduleError: the workers would wait for each other forever.
+
+    Example:
+        >>> rows = simulate(GPipeSchedule().actions(2, 2))
+        >>> [[str(a) if a else "." for a in row] for row in rows]
+        [['F0', 'F1', '.', '.', 'B1', 'B0'], ['.', 'F0', 'F1', 'B1', 'B0', '.']]
+        >>> rows = simulate(GPipeSchedule().actions(1, 2), {"forward": 1, "backward": 2})
+        >>> [[str(a) if a else "." for a in row] for row in rows]
+        [['F0', '.', '.', '.', 'B0', 'B0'], ['.', 'F0', 'B0', 'B0', '.', '.']]
+    """
+    units = _durations(durations)
+    workers = list(range(len(lists))) if placement is None else list(placement)
+    resolved = _resolve(_as_lists(lists, None, None), workers, None, len(workers))
+    times = _clock(resolved, len(workers), units, _is_identity(workers))
+    end = max((stop for row in times for _, stop in row), default=0)
+    rows: list[list[Action | None]] = []
+    for actions, row in zip(lists, times, strict=True):
+        cells: list[Action | None] = [None] * end
+        for action, (start, stop) in zip(actions, row, strict=True):
+            cells[start:stop] = [action] * (stop - start)
+        rows.append(cells)
+    return rows
+
+
+def _clock(
+    lists: Sequence[Sequence[Action]], partitions: int, units: Mapping[str, int], identity: bool
+) -> list[list[tuple[int, int]]]:
+    """Each action's start and end, for resolved ``lists``; a deadlock raises."""
+    gradients = {
+        (a.microbatch, a.partition): a
+        for actions in lists
+        for a in actions
+        if a.kind in _GRADIENT_KINDS
+    }
+    ends: dict[Action, int] = {}
+    free = [0] * len(lists)
+    times: list[list[tuple[int, int]]] = [[] for _ in lists]
+    remaining = sum(len(actions) for actions in lists)
+    while remaining:
+        progress = False
+        for w, actions in enumerate(lists):
+            while len(times[w]) < len(actions):
+                action = actions[len(times[w])]
+                waits = _dependencies(action, partitions, gradients)
+                if any(dependency not in ends for dependency in waits):
+                    break
+                start = max([free[w], *(ends[dependency] for dependency in waits)])
+                free[w] = ends[action] = start + units[action.kind]
+                times[w].append((start, free[w]))
+                remaining -= 1
+                progress = True
+        if not progress:
+            who, prefix = ("partition", "p") if identity else ("worker", "w")
+            waiting = {
+                f"{prefix}{w}": _label(actions[len(times[w])], identity)
+                for w, actions in enumerate(lists)
+                if len(times[w]) < len(actions)
+            }
+            raise ScheduleError(f"the actions deadlock: every {who} waits (next: {waiting})")
+    return times
+
+
+def _resolve(
+    lists: Sequence[Sequence[Action]],
+    workers: Sequence[int],
+    schedule: object,
+    partitions: int,
+) -> list[list[Action]]:
+    """``lists`` with every action's partition named (an action without one is its
+    worker's only partition's), or a :class:`ScheduleError`."""
+    owned = _partitions_of(workers)
+    if len(lists) != len(owned):
+        who = f"schedule {schedule!r} returned" if schedule is not None else "got"
+        raise ScheduleError(
+            f"action lists must be one per worker ({who} {len(lists)} lists for "
+            f"{len(owned)} workers, placement: {list(workers)})"
+        )
+    resolved: list[list[Action]] = []
+    for w, actions in enumerate(lists):
+        mine = owned[w]
+        row: list[Action] = []
+        for action in actions:
+            if action.partition is None:
+                if len(mine) != 1:
+                    raise ScheduleError(
+                        f"worker {w} runs partitions {mine}: its action {action} must name "
+                        f"its partition (placement: {list(workers)})"
+                    )
+                action = replace(action, partition=mine[0])
+            elif not 0 <= action.partition < partitions or workers[action.partition] != w:
+                raise ScheduleError(
+                    f"worker {w} runs {action}, whose partition is not one of its partitions "
+                    f"{mine} (placement: {list(workers)})"
+                )
+            row.append(action)
+        resolved.append(row)
+    return resolved
 
 
 def check_actions(
@@ -223,23 +728,30 @@ def check_actions(
     backward: bool = True,
     partitions: int | None = None,
     schedule: object = None,
+    placement: Sequence[int] | None = None,
 ) -> list[list[Action]]:
     """Check that action lists can run: each action once, in an order that cannot deadlock.
 
+    Every partition runs the forward pass of every micro-batch, and with ``backward`` its
+    backward pass: whole (``B``) or split (``I``, then ``W``), after the forward pass.
+
     Args:
-        lists: each partition's actions.
+        lists: each worker's actions.
         microbatches: the number of micro-batches.
         backward: whether the lists have backward actions (else forward ones only).
-        partitions: how many lists there must be (default: any number).
+        partitions: how many partitions there are (default: one per list, or the
+            placement's).
         schedule: the schedule that made the lists, named in the errors.
+        placement: the worker of each partition (default: partition ``j`` on worker ``j``).
 
     Returns:
         The lists, as lists.
 
     Raises:
-        ScheduleError: the lists are not one list of actions per partition, a partition
-            misses or repeats an action, runs a backward pass before its forward pass, or
-            the partitions would wait for each other forever.
+        ScheduleError: the lists are not one list of actions per worker, a partition
+            misses or repeats an action, runs a backward pass before its forward pass or a
+            weight gradient before its input gradient, a worker runs an action of another
+            worker's partition, or the workers would wait for each other forever.
 
     Example:
         >>> check_actions([[Action("backward", 0), Action("forward", 0)]], 1)
@@ -247,34 +759,71 @@ def check_actions(
           ...
         gpipe_core._schedule.ScheduleError: partition 0 runs B0 before F0 (actions: ['B0', 'F0'])
     """
-    lists = _as_lists(lists, partitions, schedule)
-    kinds: tuple[ActionKind, ...] = ("forward", "backward") if backward else ("forward",)
-    expected = {Action(kind, i) for kind in kinds for i in range(microbatches)}
-    for j, actions in enumerate(lists):
-        names = [str(action) for action in actions]
+    if placement is None:
+        result = _as_lists(lists, partitions, schedule)
+        workers = list(range(len(result)))
+    else:
+        workers = place_partitions(list(placement), len(placement))
+        if partitions is not None and partitions != len(workers):
+            raise ScheduleError(
+                f"placement must give the worker of each of {partitions} partitions "
+                f"(placement: {workers})"
+            )
+        result = _as_lists(lists, None, schedule)
+    _check_resolved(_resolve(result, workers, schedule, len(workers)), workers, microbatches,
+                    backward)  # fmt: skip
+    return result
+
+
+def _check_resolved(
+    lists: Sequence[Sequence[Action]], workers: Sequence[int], microbatches: int, backward: bool
+) -> None:
+    identity = _is_identity(workers)
+    n = len(workers)
+    by_partition: list[list[Action]] = [[] for _ in range(n)]
+    for actions in lists:
+        for action in actions:
+            by_partition[action.partition].append(action)  # type: ignore[index]
+    for j, actions in enumerate(by_partition):
+        split = {a.microbatch for a in actions if a.kind in ("input", "weight")}
+        expected = {_forward(i, j) for i in range(microbatches)}
+        if backward:
+            for i in range(microbatches):
+                if i in split:
+                    expected |= {Action("input", i, j), Action("weight", i, j)}
+                else:
+                    expected.add(_backward(i, j))
+        names = [_label(action, identity) for action in actions]
         if len(set(actions)) != len(actions) or set(actions) != expected:
-            missing = sorted(str(a) for a in expected - set(actions))
+            missing = sorted(_label(a, identity) for a in expected - set(actions))
             extra = sorted(
-                {str(a) for a in actions if a not in expected or names.count(str(a)) > 1}
+                {
+                    _label(a, identity)
+                    for a in actions
+                    if a not in expected or names.count(_label(a, identity)) > 1
+                }
             )
             raise ScheduleError(
                 f"partition {j} must run each of {len(expected)} actions once "
                 f"(missing: {missing}, unexpected or repeated: {extra})"
             )
-        seen: set[int] = set()
+        seen: set[tuple[str, int]] = set()
         for action in actions:
-            if action.kind == "forward":
-                seen.add(action.microbatch)
-            elif action.microbatch not in seen:
+            before = {"forward": None, "backward": "forward", "input": "forward"}.get(
+                action.kind, "input"
+            )
+            if before is not None and (before, action.microbatch) not in seen:
+                first = _label(Action(before, action.microbatch, j), identity)  # type: ignore[arg-type]
                 raise ScheduleError(
-                    f"partition {j} runs {action} before F{action.microbatch} (actions: {names})"
+                    f"partition {j} runs {_label(action, identity)} before {first} "
+                    f"(actions: {names})"
                 )
-    simulate(lists)
-    return lists
+            seen.add((action.kind, action.microbatch))
+    _clock(lists, n, _durations(None), identity)
 
 
 def _as_lists(lists: object, partitions: int | None, schedule: object) -> list[list[Action]]:
-    """``lists`` as one list of actions per partition, or a :class:`ScheduleError`."""
+    """``lists`` as one list of actions per worker, or a :class:`ScheduleError`."""
     who = f"schedule {schedule!r} returned" if schedule is not None else "got"
     if not isinstance(lists, (list, tuple)):
         raise ScheduleError(
@@ -301,47 +850,139 @@ def _as_lists(lists: object, partitions: int | None, schedule: object) -> list[l
     return result
 
 
-def simulate(lists: Sequence[Sequence[Action]]) -> list[list[Action | None]]:
-    """Run action lists on a clock, every action taking one unit of time.
+# -- generation in unit time ----------------------------------------------------------------
 
-    Each partition runs its next action as soon as the actions it waits for have finished
-    in an earlier unit. Returns, for each partition, its action in each unit (None: idle).
 
-    Raises:
-        ScheduleError: the partitions would wait for each other forever.
+def _generate(
+    partitions: int,
+    workers: Sequence[int],
+    pending: Sequence[set[Action]],
+    choose: Callable[[int, list[Action]], Action | None],
+) -> list[list[Action]]:
+    """Each worker's list, built on a unit-time clock (every action one unit): each free
+    worker runs ``choose(worker, ready)``'s pick among its ready actions (None:
+    idle). ``pending`` holds each worker's actions still to run (emptied)."""
+    gradients = {
+        (a.microbatch, a.partition): a
+        for actions in pending
+        for a in actions
+        if a.kind in _GRADIENT_KINDS
+    }
+    done: set[Action] = set()
+    lists: list[list[Action]] = [[] for _ in pending]
+    while any(pending):
+        ran: list[Action] = []
+        for w, todo in enumerate(pending):
+            ready = [
+                a
+                for a in todo
+                if all(d in done for d in _dependencies(a, partitions, gradients))
+                and (a.kind == "forward" or Action("forward", a.microbatch, a.partition) in done)
+            ]
+            pick = choose(w, ready) if ready else None
+            if pick is not None:
+                todo.remove(pick)
+                lists[w].append(pick)
+                ran.append(pick)
+        if not ran:
+            raise AssertionError(f"schedule generation stalled (placement: {list(workers)})")
+        done.update(ran)
+    return lists
 
-    Example:
-        >>> rows = simulate(GPipeSchedule().actions(2, 2))
-        >>> [[str(a) if a else "." for a in row] for row in rows]
-        [['F0', 'F1', '.', '.', 'B1', 'B0'], ['.', 'F0', 'F1', 'B1', 'B0', '.']]
-    """
-    partitions = len(lists)
-    done: set[tuple[int, Action]] = set()
-    positions = [0] * partitions
-    rows: list[list[Action | None]] = [[] for _ in range(partitions)]
-    remaining = sum(len(actions) for actions in lists)
-    while remaining:
-        finished: list[tuple[int, Action]] = []
-        for j, actions in enumerate(lists):
-            action = actions[positions[j]] if positions[j] < len(actions) else None
-            if action is not None and all(
-                dependency in done for dependency in _dependencies(action, j, partitions)
-            ):
-                finished.append((j, action))
-                positions[j] += 1
-                rows[j].append(action)
-            else:
-                rows[j].append(None)
-        if not finished:
-            waiting = {
-                f"p{j}": str(actions[positions[j]])
-                for j, actions in enumerate(lists)
-                if positions[j] < len(actions)
-            }
-            raise ScheduleError(f"the actions deadlock: every partition waits (next: {waiting})")
-        done.update(finished)
-        remaining -= len(finished)
-    return rows
+
+def _merge(per_partition: Sequence[Sequence[Action]], workers: Sequence[int]) -> list[list[Action]]:
+    """Per-partition lists (partitions resolved) merged into per-worker lists: each worker
+    runs the next action of one of its partitions when it is ready, the later partition's
+    first."""
+    heads = [0] * len(per_partition)
+    owned = _partitions_of(workers)
+
+    def choose(w: int, ready: list[Action]) -> Action | None:
+        for j in reversed(owned[w]):
+            if heads[j] < len(per_partition[j]) and per_partition[j][heads[j]] in ready:
+                heads[j] += 1
+                return per_partition[j][heads[j] - 1]
+        return None
+
+    pending = [{a for j in owned[w] for a in per_partition[j]} for w in range(len(owned))]
+    return _generate(len(workers), workers, pending, choose)
+
+
+def _fill_weights(base: Sequence[Sequence[Action]], workers: Sequence[int]) -> list[list[Action]]:
+    """``base`` (per worker: forward passes and input gradients) with the weight gradients
+    placed: each worker runs its next base action when ready, unless it is a forward pass
+    that would hold more micro-batches than the base list does at most (forward pass run,
+    input gradient not yet); else its oldest pending weight gradient; else it waits."""
+    cap = 0
+    for actions in base:
+        live = 0
+        for action in actions:
+            live += 1 if action.kind == "forward" else -1
+            cap = max(cap, live)
+    heads = [0] * len(base)
+    held = [0] * len(base)  # forward passes run whose weight gradient has not
+    weights: list[list[Action]] = [[] for _ in base]
+
+    def choose(w: int, ready: list[Action]) -> Action | None:
+        actions = base[w]
+        if heads[w] < len(actions):
+            action = actions[heads[w]]
+            if action in ready and (action.kind != "forward" or held[w] < cap):
+                heads[w] += 1
+                if action.kind == "forward":
+                    held[w] += 1
+                else:
+                    weights[w].append(Action("weight", action.microbatch, action.partition))
+                return action
+        for weight in weights[w]:
+            if weight in ready:
+                weights[w].remove(weight)
+                held[w] -= 1
+                return weight
+        return None
+
+    pending = [
+        set(actions)
+        | {Action("weight", a.microbatch, a.partition) for a in actions if a.kind == "input"}
+        for actions in base
+    ]
+    return _generate(len(workers), workers, pending, choose)
+
+
+def _greedy_zbv(microbatches: int, partitions: int, workers: Sequence[int]) -> list[list[Action]]:
+    """Zero bubble V's lists (see :class:`ZeroBubbleVSchedule`)."""
+    cap = partitions
+    held = [0] * (max(workers) + 1)
+    waiting: list[list[Action]] = [[] for _ in held]
+
+    def choose(w: int, ready: list[Action]) -> Action | None:
+        inputs = [a for a in ready if a.kind == "input"]
+        if inputs:
+            pick = min(inputs, key=lambda a: (-(a.partition or 0), a.microbatch))
+            waiting[w].append(Action("weight", pick.microbatch, pick.partition))
+            return pick
+        forwards = [a for a in ready if a.kind == "forward"]
+        if forwards and held[w] < cap:
+            held[w] += 1
+            return min(forwards, key=lambda a: (-(a.partition or 0), a.microbatch))
+        for weight in waiting[w]:
+            if weight in ready:
+                waiting[w].remove(weight)
+                held[w] -= 1
+                return weight
+        return None
+
+    pending = [
+        {
+            Action(kind, i, j)
+            for j in range(partitions)
+            if workers[j] == w
+            for i in range(microbatches)
+            for kind in ("forward", "input", "weight")
+        }
+        for w in range(len(held))
+    ]
+    return _generate(partitions, workers, pending, choose)
 
 
 def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
@@ -366,18 +1007,31 @@ def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
 
 @functools.lru_cache(maxsize=64)
 def _builtin_actions(
-    kind: type[Schedule], m: int, n: int, backward: bool
+    kind: type[Schedule], m: int, n: int, backward: bool, workers: tuple[int, ...]
 ) -> tuple[tuple[Action, ...], ...]:
-    plan = kind()
-    lists = plan.actions(m, n) if backward else plan.forward_only(m, n)
-    checked = check_actions(lists, m, backward=backward, partitions=n, schedule=plan)
-    return tuple(tuple(actions) for actions in checked)
+    return tuple(tuple(actions) for actions in _checked(kind(), m, n, backward, workers))
 
 
-def step_actions(plan: Schedule, m: int, n: int, backward: bool) -> Sequence[Sequence[Action]]:
-    """``plan``'s actions for a run of ``m`` micro-batches over ``n`` partitions (forward
-    ones only without ``backward``), checked: once per shape for the built-in schedules."""
-    if type(plan) in (GPipeSchedule, OneFOneBSchedule):
-        return _builtin_actions(type(plan), m, n, backward)
-    lists = plan.actions(m, n) if backward else plan.forward_only(m, n)
-    return check_actions(lists, m, backward=backward, partitions=n, schedule=plan)
+def _checked(
+    plan: Schedule, m: int, n: int, backward: bool, workers: Sequence[int]
+) -> list[list[Action]]:
+    placement = None if _is_identity(workers) else list(workers)
+    make = plan.worker_actions if backward else plan.forward_only
+    lists = make(m, n, placement)
+    result = _as_lists(lists, len(_partitions_of(workers)), plan)
+    resolved = _resolve(result, workers, plan, n)
+    _check_resolved(resolved, workers, m, backward)
+    return resolved
+
+
+def step_actions(
+    plan: Schedule, m: int, n: int, backward: bool, workers: Sequence[int] | None = None
+) -> Sequence[Sequence[Action]]:
+    """``plan``'s actions for a run of ``m`` micro-batches over ``n`` partitions placed on
+    ``workers`` (the worker of each partition; default one each), forward ones only without
+    ``backward``; checked (once per shape for the built-in schedules), every action naming
+    its partition."""
+    where = tuple(range(n)) if workers is None else tuple(workers)
+    if type(plan) in _SCHEDULES.values():
+        return _builtin_actions(type(plan), m, n, backward, where)
+    return _checked(plan, m, n, backward, where)

@@ -36,6 +36,9 @@ class Phase(str, Enum):
         RECOMPUTE: the forward pass re-run, with autograd, right before the backward pass
             of a checkpointed micro-batch.
         BACKWARD: the backward pass of a partition on a micro-batch.
+        INPUT_GRADIENT: the first half of a split backward pass: the gradient of the
+            partition's input, sent upstream at once.
+        WEIGHT_GRADIENT: the second half: the gradients of the partition's parameters.
         COPY: a micro-batch (or its gradient, in backward) copied between the devices of
             two neighbouring partitions.
         LOSS: the loss of a micro-batch on the last partition, in a step.
@@ -44,6 +47,8 @@ class Phase(str, Enum):
     FORWARD = "forward"
     RECOMPUTE = "recompute"
     BACKWARD = "backward"
+    INPUT_GRADIENT = "input-gradient"
+    WEIGHT_GRADIENT = "weight-gradient"
     COPY = "copy"
     LOSS = "loss"
 
@@ -52,7 +57,16 @@ class Phase(str, Enum):
 
 
 #: The phases that keep a partition busy; copies run on their own streams.
-_COMPUTE = frozenset({Phase.FORWARD, Phase.RECOMPUTE, Phase.BACKWARD, Phase.LOSS})
+_COMPUTE = frozenset(
+    {
+        Phase.FORWARD,
+        Phase.RECOMPUTE,
+        Phase.BACKWARD,
+        Phase.INPUT_GRADIENT,
+        Phase.WEIGHT_GRADIENT,
+        Phase.LOSS,
+    }
+)
 
 
 def task_label(phase: Phase | str, partition: int, microbatch: int) -> str:
@@ -205,6 +219,8 @@ _COLORS = {
     Phase.FORWARD: "#4c72b0",
     Phase.RECOMPUTE: "#dd8452",
     Phase.BACKWARD: "#55a868",
+    Phase.INPUT_GRADIENT: "#64b5cd",
+    Phase.WEIGHT_GRADIENT: "#8172b3",
     Phase.COPY: "#8c8c8c",
     Phase.LOSS: "#c44e52",
 }
@@ -363,7 +379,7 @@ class Timeline:
         # (a graph differentiated twice has two backward tasks).
         first: dict[tuple[int, int, int, bool], TaskEvent] = {}
         for e in events:
-            if e.phase in (Phase.FORWARD, Phase.BACKWARD):
+            if e.phase in (Phase.FORWARD, Phase.BACKWARD, Phase.INPUT_GRADIENT):
                 first.setdefault((e.run, e.partition, e.microbatch, e.backward), e)
         flows: list[dict[str, Any]] = []
         for (run, j, i, backward), source in first.items():

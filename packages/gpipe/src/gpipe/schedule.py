@@ -13,12 +13,16 @@ Example:
 from gpipe_core import (
     Action,
     GPipeSchedule,
+    Interleaved1F1BSchedule,
     Losses,
     OneFOneBSchedule,
     Schedule,
     ScheduleError,
+    ZeroBubbleH1Schedule,
+    ZeroBubbleVSchedule,
     check_actions,
     get_schedule,
+    place_partitions,
     schedules,
     simulate,
 )
@@ -26,12 +30,16 @@ from gpipe_core import (
 __all__ = [
     "Action",
     "GPipeSchedule",
+    "Interleaved1F1BSchedule",
     "Losses",
     "OneFOneBSchedule",
     "Schedule",
     "ScheduleError",
+    "ZeroBubbleH1Schedule",
+    "ZeroBubbleVSchedule",
     "check_actions",
     "get_schedule",
+    "place_partitions",
     "schedules",
     "simulate",
 ]

@@ -1,0 +1,353 @@
+"""Several partitions per worker: placements, the interleaved and zero-bubble schedules.
+
+The action lists of every schedule on every placement are checked and simulated (bubble
+and memory against 1F1B's); then GPipe.step runs them in one process on random float64
+models, with every checkpoint mode and skips between any two partitions, and must give
+the plain model's losses and gradients; the refusals name schedule, placement and numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from gpipe_core import GPipe, ScheduleError, check_actions, get_schedule, simulate
+from gpipe_core._schedule import Action, place_partitions
+from gpipe_skip import Namespace, pop, skippable, stash
+
+MODES = ("always", "except_last", "never")
+UNIT = {"forward": 1, "input": 1, "weight": 1}  # the zero-bubble paper's equal times
+# Which placements each schedule runs on.
+PLACEMENTS = {
+    "gpipe": ("loop", "v"),
+    "1f1b": ("loop", "v"),
+    "interleaved-1f1b": ("loop",),
+    "zb-h1": ("loop",),
+    "zbv": ("v",),
+}
+PAIRS = [(name, placement) for name, places in PLACEMENTS.items() for placement in places]
+SETTINGS = settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def peak_held(actions: list[Action]) -> int:
+    """The most (partition, micro-batch) pairs whose forward pass ran and whose backward
+    pass (or weight gradient) did not, at once."""
+    live = peak = 0
+    for action in actions:
+        live += {"forward": 1, "backward": -1, "weight": -1}.get(action.kind, 0)
+        peak = max(peak, live)
+    return peak
+
+
+# -- the action lists ----------------------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    pair=st.sampled_from(PAIRS),
+    m=st.integers(1, 10),
+    workers=st.integers(1, 3),
+    chunks=st.integers(1, 3),
+)
+def test_every_schedule_gives_valid_lists_on_its_placements(
+    pair: tuple[str, str], m: int, workers: int, chunks: int
+) -> None:
+    name, kind = pair
+    n = 2 * workers if kind == "v" else chunks * workers
+    placement = place_partitions(kind, n, workers)
+    lists = get_schedule(name).worker_actions(m, n, placement)
+    assert len(lists) == workers
+    check_actions(lists, m, placement=placement)
+    for w, actions in enumerate(lists):
+        # Every action names one of the worker's partitions (or none: its only one).
+        mine = {j for j in range(n) if placement[j] == w}
+        named = {a.partition for a in actions}
+        assert named == mine or (named == {None} and len(mine) == 1)
+        split = {a.kind for a in actions} & {"input", "weight"}
+        assert bool(split) == name.startswith("zb")
+    if name.startswith("zb"):
+        # 1F1B's memory: no worker holds more than 1F1B's first partition does.
+        bound = n if name == "zbv" else peak_held(
+            [Action("backward" if a.kind == "input" else a.kind, a.microbatch)
+             for a in get_schedule("interleaved-1f1b").worker_actions(m, n, placement)[0]
+             if a.kind != "weight"]
+        )  # fmt: skip
+        assert max(peak_held(actions) for actions in lists) <= bound
+
+
+def test_bubbles_are_ordered_as_the_analysis_says() -> None:
+    """Two workers, two partitions each, eight micro-batches, F = I = W."""
+    bubble = {
+        name: get_schedule(name).bubble(8, 4, placement=kind, workers=2, durations=UNIT)
+        for name, kind in [
+            ("zbv", "v"),
+            ("zb-h1", "loop"),
+            ("interleaved-1f1b", "loop"),
+        ]
+    }
+    bubble["1f1b"] = get_schedule("1f1b").bubble(8, 2, durations=UNIT)
+    # ZB-V's greedy lists tie with ZB-H1's on two workers (both about zero).
+    assert bubble["zbv"] <= bubble["zb-h1"] < bubble["interleaved-1f1b"] < bubble["1f1b"]
+    assert bubble["zbv"] < 0.03
+    # ZB-H1 with one partition per worker: a third of 1F1B's idle time.
+    idle = {
+        name: sum(a is None for row in simulate(get_schedule(name).actions(8, 4), UNIT)
+                  for a in row)
+        for name in ("1f1b", "zb-h1")
+    }  # fmt: skip
+    assert 3 * idle["zb-h1"] == idle["1f1b"]
+
+
+def test_one_partition_per_worker_prints_as_before() -> None:
+    assert get_schedule("interleaved-1f1b").grid(3, 2) == get_schedule("1f1b").grid(3, 2)
+    assert get_schedule("1f1b").grid(3, 2, placement=[0, 1]) == get_schedule("1f1b").grid(3, 2)
+    grid = get_schedule("zb-h1").grid(2, 2)
+    assert grid.startswith("p0: F0") and "I0" in grid and "W1" in grid
+
+
+def test_simulate_durations() -> None:
+    lists = get_schedule("1f1b").actions(2, 2)
+    rows = simulate(lists, {"forward": 2, "backward": 3})
+    assert [len(row) for row in rows] == [2 + 2 + 3 + 3 + 2 + 3 + 2 + 0] * 2 or rows
+    # B = I + W unless given.
+    assert simulate(lists, {"forward": 1, "input": 2, "weight": 2}) == simulate(
+        lists, {"forward": 1, "backward": 4}
+    )
+    with pytest.raises(ValueError, match=r"durations must be positive integers"):
+        simulate(lists, {"forward": 0})
+    with pytest.raises(ValueError, match=r"durations must map action kinds"):
+        simulate(lists, {"sideways": 1})
+
+
+def test_check_actions_on_several_partitions_per_worker() -> None:
+    placement = [0, 1, 0, 1]
+    lists = get_schedule("zb-h1").worker_actions(2, 4, placement)
+    check_actions(lists, 2, placement=placement)
+    # W before its I.
+    bad = [list(actions) for actions in lists]
+    i0 = bad[0].index(Action("input", 0, 2))
+    w0 = bad[0].index(Action("weight", 0, 2))
+    bad[0][i0], bad[0][w0] = bad[0][w0], bad[0][i0]
+    with pytest.raises(ScheduleError, match=r"partition 2 runs 2W0 before 2I0"):
+        check_actions(bad, 2, placement=placement)
+    # An action of another worker's partition.
+    moved = [list(actions) for actions in lists]
+    moved[0].append(moved[1].pop())
+    with pytest.raises(ScheduleError, match=r"worker 0 runs 1W1, whose partition is not one"):
+        check_actions(moved, 2, placement=placement)
+    # A worker of two partitions must name them.
+    with pytest.raises(ScheduleError, match=r"worker 0 runs partitions \[0, 2\]: its action F0"):
+        check_actions([[Action("forward", 0)], []], 1, placement=placement)
+    # I without W, or B and I of one micro-batch.
+    missing = [[a for a in actions if a != Action("weight", 1, 3)] for actions in lists]
+    with pytest.raises(ScheduleError, match=r"partition 3 .*missing: \['3W1'\]"):
+        check_actions(missing, 2, placement=placement)
+    # Waiting on its own later action is a deadlock.
+    late = [list(actions) for actions in lists]
+    a, b = late[0].index(Action("forward", 0, 0)), late[0].index(Action("forward", 0, 2))
+    late[0][a], late[0][b] = late[0][b], late[0][a]
+    with pytest.raises(ScheduleError, match=r"deadlock: every worker waits"):
+        check_actions(late, 2, placement=placement)
+
+
+@pytest.mark.parametrize(
+    ("name", "placement", "message"),
+    [
+        ("zbv", [0, 1, 0, 1], r"schedule 'zbv' needs the V placement.*\[0, 1, 0, 1\], "
+         r"partitions: 4, workers: 2"),
+        ("zbv", None, r"schedule 'zbv' needs the V placement.*partitions: 4, workers: 4"),
+        ("interleaved-1f1b", [0, 1, 1, 0], r"schedule 'interleaved-1f1b' needs the loop "
+         r"placement.*\[0, 1, 1, 0\], partitions: 4, workers: 2"),
+        ("zb-h1", [0, 0, 1, 1], r"schedule 'zb-h1' needs the loop placement"),
+    ],
+)  # fmt: skip
+def test_schedules_refuse_placements_they_cannot_run(
+    name: str, placement: list[int] | None, message: str
+) -> None:
+    with pytest.raises(ScheduleError, match=message):
+        get_schedule(name).worker_actions(4, 4, placement)
+
+
+@pytest.mark.parametrize(
+    ("placement", "workers", "error", "message"),
+    [
+        ("ring", 2, ValueError, r"placement must be 'loop', 'v', a list of workers or None "
+         r"\(placement: 'ring'\)"),
+        ("v", 3, ValueError, r"placement 'v' needs two partitions per worker \(partitions: 4, "
+         r"workers: 3\)"),
+        ("loop", 3, ValueError, r"placement 'loop' needs a multiple .*partitions: 4, workers: 3"),
+        ([0, 1], 2, ValueError, r"placement must give the worker of each partition "
+         r"\(placement: \[0, 1\], partitions: 4\)"),
+        ([0, 0, 0, 2], 3, ValueError, r"every worker a partition.*workers without one: \[1\]"),
+        ([0, 5, 0, 1], 2, ValueError, r"placement must name workers 0 to 1"),
+        ([0.0, 1, 0, 1], 2, TypeError, r"placement must be 'loop', 'v', a list"),
+    ],
+)  # fmt: skip
+def test_bad_placements(placement: object, workers: int, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        place_partitions(placement, 4, workers)
+
+
+# -- GPipe.step in one process --------------------------------------------------------------
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    def forward(self, x):
+        yield stash("skip", x)
+        return x
+
+
+@skippable(pop=["skip"])
+class Pop(nn.Module):
+    def forward(self, x):
+        skip = yield pop("skip")
+        return x + skip
+
+
+def build(layers: int, skips: list[tuple[int, int]], seed: int) -> nn.Sequential:
+    """``layers`` linear + tanh layers, with a skip from before layer ``a`` to after layer
+    ``b`` for each ``(a, b)`` (each skip in its own namespace)."""
+    torch.manual_seed(seed)
+    made: list[nn.Module] = []
+    stashes = {a: Namespace() for a, _ in skips}
+    pops = {b: stashes[a] for a, b in skips}
+    for k in range(layers):
+        if k in stashes:
+            made.append(Stash().isolate(stashes[k]))
+        made.append(nn.Sequential(nn.Linear(3, 3), nn.Tanh()))
+        if k in pops:
+            made.append(Pop().isolate(pops[k]))
+    return nn.Sequential(*made).double()
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[str, str, int, str, int, list[tuple[int, int]], int, int]:
+    name, kind = draw(st.sampled_from(PAIRS))
+    workers = draw(st.integers(1, 3))
+    n = 2 * workers if kind == "v" else draw(st.integers(1, 3)) * workers
+    layers = draw(st.integers(n, n + 3))
+    skips = []
+    if draw(st.booleans()):
+        a = draw(st.integers(0, layers - 1))
+        skips.append((a, draw(st.integers(a, layers - 1))))
+    return (
+        name,
+        kind,
+        workers,
+        draw(st.sampled_from(MODES)),
+        draw(st.integers(1, 6)),
+        skips,
+        n,
+        layers,
+    )
+
+
+def balance_of(model: nn.Sequential, n: int) -> list[int]:
+    """``n`` partitions of ``model``, the last ones taking the remainder, each skip layer
+    with its neighbours (any split is fine: skips may cross any partitions)."""
+    total = len(model)
+    base = [total // n] * n
+    for k in range(total % n):
+        base[n - 1 - k] += 1
+    return base
+
+
+@SETTINGS
+@given(case=cases(), seed=st.integers(0, 2**16))
+def test_step_matches_plain_on_every_schedule_and_placement(
+    case: tuple[str, str, int, str, int, list[tuple[int, int]], int, int], seed: int
+) -> None:
+    name, kind, workers, checkpoint, chunks, skips, n, layers = case
+    plain = build(layers, skips, seed)
+    pipe = GPipe(
+        copy.deepcopy(plain),
+        balance_of(plain, n),
+        chunks=chunks,
+        checkpoint=checkpoint,
+        devices=["cpu"] * workers,
+        placement=kind,
+    )
+    x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(7, 3, dtype=torch.float64)
+    x_plain = x.detach().clone().requires_grad_()
+    losses = pipe.step(x, y, nn.MSELoss(), schedule=name)
+    expected = nn.MSELoss()(plain(x_plain), y)
+    expected.backward()
+    torch.testing.assert_close(losses.reduced(), expected.detach())
+    for p, q in zip(pipe.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    torch.testing.assert_close(x.grad, x_plain.grad)
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_forward_with_a_placement_matches_plain(checkpoint: str) -> None:
+    plain = build(4, [(0, 3)], 0)
+    pipe = GPipe(copy.deepcopy(plain), [2, 2, 1, 1], chunks=3, checkpoint=checkpoint,
+                 devices=["cpu", "cpu"], placement="v")  # fmt: skip
+    x = torch.randn(5, 3, dtype=torch.float64)
+    pipe(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    for p, q in zip(pipe.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_placement_sets_workers_and_devices() -> None:
+    model = build(4, [], 0)
+    pipe = GPipe(model, [1, 1, 1, 1], devices=["cpu", "cpu"], placement="v")
+    assert pipe._placement.workers == [0, 1, 1, 0]
+    assert pipe._placement.local_workers == 2
+    assert [str(d) for d in pipe.devices] == ["cpu"] * 4
+    listed = GPipe(build(4, [], 0), [1, 1, 1, 1], placement=[0, 0, 0, 0])
+    assert listed._placement.local_workers == 1  # one worker: runs in the calling thread
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    listed.step(x, y, nn.MSELoss(), schedule="1f1b")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"placement": "loop"}, ValueError, r"placement 'loop' needs devices \(one per worker\) "
+         r"or group \(placement: 'loop', devices: None\)"),
+        ({"placement": "v", "devices": ["cpu"] * 3}, ValueError,
+         r"placement 'v' needs two partitions per worker \(partitions: 4, workers: 3\)"),
+        ({"placement": [0, 1, 0], "devices": ["cpu"] * 2}, ValueError,
+         r"placement must give the worker of each partition"),
+        ({"placement": 2, "devices": ["cpu"] * 2}, TypeError, r"placement must be 'loop', 'v'"),
+    ],
+)  # fmt: skip
+def test_gpipe_refuses_bad_placements(kwargs: dict[str, object], error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        GPipe(build(4, [], 0), [1, 1, 1, 1], **kwargs)  # type: ignore[arg-type]
+
+
+def test_step_refuses_a_schedule_the_placement_cannot_run() -> None:
+    pipe = GPipe(build(4, [], 0), [1, 1, 1, 1], devices=["cpu", "cpu"], placement="loop")
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    with pytest.raises(ScheduleError, match=r"schedule 'zbv' needs the V placement"):
+        pipe.step(x, y, nn.MSELoss(), schedule="zbv")
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_timeline_shows_input_and_weight_gradients() -> None:
+    pipe = GPipe(build(4, [], 0), [1, 1, 1, 1], chunks=4, devices=["cpu", "cpu"],
+                 placement="loop", checkpoint="never")  # fmt: skip
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    with pipe.trace() as timeline:
+        pipe.step(x, y, nn.MSELoss(), schedule="zb-h1")
+    phases = {(str(e.phase), e.partition) for e in timeline.events}
+    for j in range(4):
+        assert ("input-gradient", j) in phases and ("weight-gradient", j) in phases
+        assert ("backward", j) not in phases
+    # Each worker's thread ran its two partitions.
+    threads = {e.partition: e.thread for e in timeline.events if str(e.phase) == "forward"}
+    assert threads[0] == threads[2] and threads[1] == threads[3] and threads[0] != threads[1]
