@@ -436,6 +436,63 @@ class GPipe(nn.Module):
             )
         )
 
+    # -- names: the plain module's ---------------------------------------------------
+
+    def _plain_children(self) -> dict[str, nn.Module]:
+        """This process's layers under their names in the plain module, in its order."""
+        return {
+            name: layer
+            for partition in self._partition_list()
+            for name, layer in partition._modules.items()
+            if layer is not None
+        }
+
+    def named_children(self) -> Iterator[tuple[str, nn.Module]]:
+        """The layers of this process's partitions under their names in the plain
+        module, so that :meth:`~torch.nn.Module.named_parameters`,
+        :meth:`~torch.nn.Module.named_buffers` and :meth:`~torch.nn.Module.named_modules`
+        give the plain module's names (``0.weight``), as :meth:`state_dict` does, and
+        every name resolves on the pipeline (``pipe.get_parameter('0.weight')``). The
+        partitions stay in :attr:`partitions`."""
+        yield from self._plain_children().items()
+
+    def named_modules(
+        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Module]]:
+        """The pipeline, then its layers and theirs under the plain module's names (see
+        :meth:`named_children`)."""
+        if memo is None:
+            memo = set()
+        if self in memo:
+            return
+        if remove_duplicate:
+            memo.add(self)
+        yield prefix, self
+        for name, layer in self.named_children():
+            yield from layer.named_modules(
+                memo, f"{prefix}.{name}" if prefix else name, remove_duplicate
+            )
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError as error:
+            # A layer under its plain name, as on the plain module (``pipe.get_submodule('3')``).
+            modules = self.__dict__.get("_modules", {})
+            if "partitions" in modules and not name.startswith("_"):
+                layer = self._plain_children().get(name)
+                if layer is not None:
+                    return layer
+            raise error
+
+    def train(self, mode: bool = True) -> GPipe:
+        super().train(mode)
+        # The containers are not children under the plain names; they follow too.
+        self.partitions.training = mode
+        for partition in self.partitions:
+            partition.training = mode
+        return self
+
     def __len__(self) -> int:
         return sum(len(partition) for partition in self._partition_list())
 
