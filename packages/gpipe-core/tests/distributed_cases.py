@@ -287,6 +287,149 @@ def every_rank(backend: str | None) -> dist.ProcessGroup:
     return group
 
 
+# -- a language model with tied embeddings ---------------------------------------------------
+
+VOCAB, DIM, TOKENS = 11, 6, 5
+
+
+class Block(nn.Module):
+    """A residual block: ``x + linear(tanh(norm(x)))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(torch.tanh(self.norm(x)))
+
+
+def language_model(seed: int, blocks: int = 3) -> nn.Sequential:
+    """GPT-style, float64: token embedding, blocks, norm, and an output head that shares
+    the embedding's weight."""
+    torch.manual_seed(seed)
+    embedding = nn.Embedding(VOCAB, DIM)
+    head = nn.Linear(DIM, VOCAB, bias=False)
+    head.weight = embedding.weight
+    return nn.Sequential(
+        embedding, *[Block() for _ in range(blocks)], nn.LayerNorm(DIM), head
+    ).double()
+
+
+class TokenLoss(nn.Module):
+    """Cross-entropy over every token of the micro-batch."""
+
+    reduction = "mean"
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+
+
+def tokens(seed: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input tokens and next tokens of ``batch`` sequences."""
+    generator = torch.Generator().manual_seed(seed)
+    sequence = torch.randint(VOCAB, (batch, TOKENS + 1), generator=generator)
+    return sequence[:, :-1], sequence[:, 1:]
+
+
+#: The optimizer state of torch.distributed.checkpoint with a key per parameter, which
+#: moves between layouts.
+def flat_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def lm_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    seed: int,
+    first: int,
+    steps: int,
+    batch: int,
+    chunks: int,
+    max_norm: float,
+    schedule: str = "gpipe",
+) -> list[dict[str, Any]]:
+    """Train ``steps`` steps with clipping (``model`` is a pipeline, or the plain model, whose
+    micro-batches' gradients are then accumulated as a step does); each step's loss, total
+    norm and state."""
+    record = []
+    for k in range(first, first + steps):
+        x, y = tokens(seed + k, batch)
+        optimizer.zero_grad(set_to_none=True)
+        if isinstance(model, GPipe):
+            loss = model.step(x, y, TokenLoss(), schedule=schedule).reduced().item()
+            norm = model.clip_grad_norm_(max_norm)
+        else:
+            loss = 0.0
+            for xi, yi in zip(x.chunk(chunks), y.chunk(chunks), strict=True):
+                part = TokenLoss()(model(xi), yi) * len(xi) / batch
+                part.backward()
+                loss += part.item()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        state = {key: value.detach().clone() for key, value in model.state_dict().items()}
+        record.append({"loss": loss, "norm": norm.item(), "state": state})
+    return record
+
+
+def case_lm(
+    rank: int,
+    *,
+    balance: list[int],
+    seed: int,
+    steps: int,
+    first: int = 0,
+    batch: int = 6,
+    chunks: int = 3,
+    max_norm: float = 0.5,
+    schedule: str = "gpipe",
+    checkpoint: str = "except_last",
+    save: str | None = None,
+    load: str | None = None,
+) -> dict[str, Any]:
+    """Train the tied language model across the ranks with Adam and clipping; with
+    ``load``, from a torch.distributed.checkpoint of model and optimizer first, with
+    ``save``, into one after."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    pipe = GPipe(
+        language_model(seed if load is None else seed + 100),
+        balance,
+        chunks=chunks,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+        group=dist.group.WORLD,
+        timeout=60,
+    )
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.05)
+    if load is not None:
+        model_state, optim_state = get_state_dict(pipe, optimizer, options=flat_options())
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=load)
+        set_state_dict(
+            pipe,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=flat_options(),
+        )
+    record = lm_steps(
+        pipe, optimizer, seed=seed, first=first, steps=steps, batch=batch, chunks=chunks,
+        max_norm=max_norm, schedule=schedule,
+    )  # fmt: skip
+    if save is not None:
+        model_state, optim_state = get_state_dict(pipe, optimizer, options=flat_options())
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=save)
+    return {
+        "steps": record,
+        "drift": pipe.shared_drift(),
+        "names": [name for name, _ in pipe.named_parameters()],
+    }
+
+
 # -- cases ---------------------------------------------------------------------------------
 
 

@@ -314,16 +314,26 @@ def _check_available(device: torch.device, name: str, where: str) -> None:
 
 
 def _check_shared(partitions: Sequence[nn.Sequential], devices: Sequence[torch.device]) -> None:
-    """Refuse a parameter or buffer shared by partitions on different devices."""
-    owner: dict[int, int] = {}
+    """Refuse a parameter or buffer shared by partitions on different devices of this
+    process (a partition of another process, on ``meta`` here, keeps a replica: see
+    :mod:`gpipe_core._shared`)."""
+    owner: dict[int, tuple[int, str]] = {}
     for j, partition in enumerate(partitions):
-        tensors = [*partition.parameters(), *partition.buffers()]
-        for tensor in tensors:
-            first = owner.setdefault(id(tensor), j)
+        if devices[j].type == "meta":
+            continue
+        named = [
+            *partition.named_parameters(remove_duplicate=False),
+            *partition.named_buffers(remove_duplicate=False),
+        ]
+        for key, tensor in named:
+            first, first_key = owner.setdefault(id(tensor), (j, key))
             if first != j and devices[first] != devices[j]:
                 raise ValueError(
-                    "a parameter or buffer is shared by partitions on different devices "
-                    f"(partition {first} on {devices[first]}, partition {j} on {devices[j]})"
+                    f"a parameter or buffer is shared by partitions on different devices of "
+                    f"this process ({first_key} in partition {first} on {devices[first]} is "
+                    f"{key} in partition {j} on {devices[j]}): put the partitions that share "
+                    "it on one device, or run them on different ranks (group=), where each "
+                    "keeps a replica"
                 )
 
 

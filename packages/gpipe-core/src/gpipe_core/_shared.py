@@ -1,0 +1,249 @@
+"""Shared (tied) parameters and buffers: one tensor used by layers of several partitions.
+
+A language model's token embedding and output head often share one matrix
+(``head.weight = embedding.weight``). :func:`find_shared` finds every such tensor when the
+pipeline is built, from the layers themselves: no declaration. Its *owner* is its first use
+in the plain module's order; each use has the plain key it has there (``0.weight``,
+``5.weight``).
+
+In one process, partitions on one device use the tensor itself, and autograd adds their
+gradients in its ``.grad``, as in the plain module. Across processes, each rank whose
+partitions use it keeps a *replica* (the tensor object its layers hold), and
+:class:`SharedReplicas` keeps the replicas the plain module's one tensor:
+
+- at construction, the replicas are made equal to the owner's rank's (a broadcast);
+- once per step, after the last backward pass, the replicas' gradients are summed over the
+  ranks that hold them (one ``all_reduce`` per set of such ranks and dtype, on a gloo group
+  of just those ranks), so every replica gets the plain module's gradient, and an
+  identical optimizer keeps them identical;
+- :meth:`SharedReplicas.drift` tells how far the replicas are from the owner's.
+
+Buffers are made equal at construction and not summed (their values are not gradients).
+
+This module knows nothing of schedules or transports: it works on tensors, ranks and
+process groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["Shared", "SharedReplicas", "find_shared", "views"]
+
+
+@dataclass
+class Shared:
+    """One tensor used by layers of several partitions."""
+
+    #: Each use: (partition, plain key), in the plain module's order; the first is the owner.
+    uses: list[tuple[int, str]]
+    #: Whether it is a parameter (else a buffer).
+    parameter: bool
+
+    @property
+    def key(self) -> str:
+        """The owner's plain key: the name the plain module gives the tensor."""
+        return self.uses[0][1]
+
+    @property
+    def partitions(self) -> list[int]:
+        """The partitions that use it, in order."""
+        return sorted({j for j, _ in self.uses})
+
+
+def find_shared(partitions: Sequence[nn.Sequential]) -> list[Shared]:
+    """The tensors used by layers of more than one of ``partitions`` (every partition's
+    layers, under their plain names), in the order of their owners."""
+    found: dict[int, Shared] = {}
+    for j, partition in enumerate(partitions):
+        named = chain(
+            ((key, t, True) for key, t in partition.named_parameters(remove_duplicate=False)),
+            ((key, t, False) for key, t in partition.named_buffers(remove_duplicate=False)),
+        )
+        for key, tensor, parameter in named:
+            entry = found.setdefault(id(tensor), Shared([], parameter))
+            entry.uses.append((j, key))
+    return [entry for entry in found.values() if len(entry.partitions) > 1]
+
+
+def views(replicas: dict[str, torch.Tensor], present: set[str]) -> dict[str, nn.Module]:
+    """Modules that hold the replicas whose owner's layer is not in this process, under the
+    owner's plain key: ``{'0': module}`` with ``module.weight`` the replica of ``0.weight``,
+    so that the owner's name resolves here too (see :meth:`GPipe.named_children
+    <gpipe_core.GPipe.named_children>`).
+
+    Args:
+        replicas: each replica, under its owner's plain key.
+        present: the names of this process's layers.
+    """
+    made: dict[str, nn.Module] = {}
+    for key, tensor in replicas.items():
+        layer, _, rest = key.partition(".")
+        if layer in present or not rest:
+            continue
+        module = made.setdefault(layer, nn.Module())
+        *path, leaf = rest.split(".")
+        for name in path:
+            inner = module._modules.get(name)
+            if inner is None:
+                inner = nn.Module()
+                module.add_module(name, inner)
+            module = inner
+        if isinstance(tensor, nn.Parameter):
+            module.register_parameter(leaf, tensor)
+        else:
+            module.register_buffer(leaf, tensor)
+    return made
+
+
+@dataclass
+class _Set:
+    """The shared tensors held by one set of ranks, and the group of just those ranks."""
+
+    ranks: tuple[int, ...]  # in the pipeline's group
+    owners: dict[str, int] = field(default_factory=dict)  # key -> the owner's rank
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> this replica
+    group: dist.ProcessGroup | None = None
+
+
+class SharedReplicas:
+    """The replicas of shared tensors in this process, across the ranks of a pipeline.
+
+    Args:
+        shared: the shared tensors (:func:`find_shared`).
+        partition_ranks: the rank (in ``group``) of each partition.
+        local: this process's partitions (another rank's are empty).
+        group: the pipeline's process group (None: one process; nothing to keep equal).
+        timeout: the seconds a collective may wait for the other ranks (None: no bound).
+    """
+
+    def __init__(
+        self,
+        shared: Sequence[Shared],
+        partition_ranks: Sequence[int],
+        local: Sequence[nn.Sequential],
+        group: dist.ProcessGroup | None,
+        timeout: float | None,
+    ) -> None:
+        self.timeout = timeout
+        self.sets: list[_Set] = []
+        #: This process's replica of each shared tensor it holds, under the owner's key.
+        self.replicas: dict[str, torch.Tensor] = {}
+        #: The owner's keys of the replicas here whose owner another rank holds.
+        self.foreign: set[str] = set()
+        if group is None:
+            return
+        rank = group.rank()
+        world = dist.get_process_group_ranks(group)
+        by_ranks: dict[tuple[int, ...], _Set] = {}
+        for entry in shared:
+            ranks = tuple(sorted({partition_ranks[j] for j in entry.partitions}))
+            mine = [(j, key) for j, key in entry.uses if partition_ranks[j] == rank]
+            if mine:
+                j, key = mine[0]
+                tensor = (
+                    local[j].get_parameter(key) if entry.parameter else local[j].get_buffer(key)
+                )
+                self.replicas[entry.key] = tensor
+                if partition_ranks[entry.uses[0][0]] != rank:
+                    self.foreign.add(entry.key)
+            if len(ranks) < 2:
+                continue  # on one rank: the tensor itself
+            # Every rank walks the sets in one order, so the groups are made alike.
+            found = by_ranks.setdefault(ranks, _Set(tuple(world[r] for r in ranks)))
+            found.owners[entry.key] = world[partition_ranks[entry.uses[0][0]]]
+            if mine:
+                found.tensors[entry.key] = tensor
+        self.sets = [s for _, s in sorted(by_ranks.items())]
+
+    def connect(self) -> None:
+        """Make a gloo group of each set of ranks that share tensors (on those ranks only),
+        and make the replicas equal to the owners' (collective over those ranks)."""
+        for found in self.sets:
+            if not found.tensors:
+                continue
+            group = dist.new_group(
+                list(found.ranks), backend="gloo", use_local_synchronization=True
+            )
+            assert isinstance(group, dist.ProcessGroup)  # this process is one of the ranks
+            found.group = group
+            with torch.no_grad():
+                for key, tensor in found.tensors.items():
+                    self._wait(
+                        dist.broadcast(tensor, found.owners[key], group=group, async_op=True),
+                        f"making the replicas of {key} equal",
+                    )
+
+    def sum_gradients(self) -> None:
+        """Sum the gradients of this process's replicas of shared parameters over the ranks
+        that hold them: one ``all_reduce`` per set of ranks and dtype."""
+        for found in self.sets:
+            parameters = [
+                t for t in found.tensors.values() if isinstance(t, nn.Parameter) and t.requires_grad
+            ]
+            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+            for p in parameters:
+                by_dtype.setdefault(p.dtype, []).append(p)
+            for dtype in sorted(by_dtype, key=str):
+                same = by_dtype[dtype]
+                flat = torch.cat(
+                    [
+                        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                        for p in same
+                    ]
+                )
+                self._wait(
+                    dist.all_reduce(flat, group=found.group, async_op=True),
+                    "summing the gradients of the shared parameters "
+                    f"{[k for k, t in found.tensors.items() if any(t is p for p in same)]}",
+                )
+                offset = 0
+                for p in same:
+                    summed = flat[offset : offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                    if p.grad is None:
+                        p.grad = summed.clone()
+                    else:
+                        p.grad.copy_(summed)
+
+    def drift(self) -> dict[str, float]:
+        """The largest absolute difference between each replica this process holds and the
+        owner's, under the owner's plain key (the same on every rank that holds it; 0.0 for
+        a tensor on one rank)."""
+        drifts = dict.fromkeys(self.replicas, 0.0)
+        for found in self.sets:
+            for key, tensor in found.tensors.items():
+                owner = tensor.detach().clone()
+                self._wait(
+                    dist.broadcast(owner, found.owners[key], group=found.group, async_op=True),
+                    f"comparing the replicas of {key}",
+                )
+                difference = (tensor.detach() - owner).abs().max().reshape(1).double()
+                self._wait(
+                    dist.all_reduce(
+                        difference, op=dist.ReduceOp.MAX, group=found.group, async_op=True
+                    ),
+                    f"comparing the replicas of {key}",
+                )
+                drifts[key] = float(difference.item())
+        return drifts
+
+    def _wait(self, work: dist.Work | None, what: str) -> None:
+        assert work is not None
+        try:
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as error:
+            raise TimeoutError(
+                f"{what}: the ranks that share it did not all take part within "
+                f"{self.timeout} s, or one is gone ({error})"
+            ) from error

@@ -1,0 +1,169 @@
+"""A language model's training loop, across partitions and ranks: a token embedding and an
+output head that share one weight (tied, in different partitions), Adam, the global
+gradient norm clipped, and model and optimizer checkpoints that move between layouts.
+
+Every run is compared with the plain model trained alike (float64), step by step: the
+losses, the total gradient norm, and every parameter after the optimizer's step. The
+largest difference seen is printed (``-s``) for the multi-rank runs.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from gpipe_core import GPipe
+
+SCHEDULES = ("gpipe", "1f1b")
+MODES = ("always", "except_last", "never")
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def cases(load_cases: Callable[[], ModuleType]) -> ModuleType:
+    return load_cases()
+
+
+def plain_run(cases: ModuleType, seed: int, steps: int, **spec: Any) -> list[dict[str, Any]]:
+    model = cases.language_model(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    return cases.lm_steps(model, optimizer, seed=seed, first=0, steps=steps, **spec)  # type: ignore[no-any-return]
+
+
+def compare(got: list[list[dict[str, Any]]], want: list[dict[str, Any]], first: int = 0) -> float:
+    """Each rank's steps (``got[rank]``) against the plain model's from step ``first``:
+    the same loss and total norm on every rank, and every rank's state; the largest
+    difference."""
+    worst = 0.0
+    for k, steps in enumerate(zip(*got, strict=True)):
+        expected = want[first + k]
+        seen: set[str] = set()
+        for rank, step in enumerate(steps):
+            assert step["norm"] == steps[0]["norm"], f"rank {rank} clips by another norm"
+            torch.testing.assert_close(step["loss"], expected["loss"], msg=f"step {k}")
+            torch.testing.assert_close(step["norm"], expected["norm"], msg=f"step {k}")
+            for key, value in step["state"].items():
+                torch.testing.assert_close(value, expected["state"][key], msg=f"{key}, step {k}")
+                worst = max(worst, (value - expected["state"][key]).abs().max().item())
+                seen.add(key)
+            worst = max(worst, abs(step["loss"] - expected["loss"]))
+        assert seen == expected["state"].keys()  # every layer is on some rank
+    return worst
+
+
+# -- one process: two partitions on the CPU -----------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_tied_model_trains_as_the_plain_one_in_one_process(
+    cases: ModuleType, schedule: str, checkpoint: str
+) -> None:
+    spec = {"batch": 6, "chunks": 3, "max_norm": 0.5}
+    pipe = GPipe(cases.language_model(1), [3, 3], chunks=3, checkpoint=checkpoint)
+    assert pipe[0].weight is pipe[5].weight  # one tensor: both partitions on the CPU
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.05)
+    got = cases.lm_steps(pipe, optimizer, seed=1, first=0, steps=STEPS, schedule=schedule, **spec)
+    compare([got], plain_run(cases, 1, STEPS, **spec))
+    assert pipe.shared_drift() == {}
+
+
+@st.composite
+def tied_models(draw: st.DrawFn) -> tuple[nn.Sequential, list[int]]:
+    """Linear and tanh layers, some linears sharing an earlier linear's weight or bias, and
+    a balance."""
+    count = draw(st.integers(2, 7))
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    layers: list[nn.Module] = []
+    for k in range(count):
+        if k and draw(st.booleans()):
+            layers.append(nn.Tanh())
+            continue
+        layer = nn.Linear(3, 3)
+        earlier = [m for m in layers if isinstance(m, nn.Linear)]
+        if earlier and draw(st.booleans()):
+            source = draw(st.sampled_from(earlier))
+            which = draw(st.sampled_from(["weight", "bias", "both"]))
+            if which in ("weight", "both"):
+                layer.weight = source.weight
+            if which in ("bias", "both"):
+                layer.bias = source.bias
+        layers.append(layer)
+    cuts = sorted(draw(st.sets(st.integers(1, count - 1), max_size=count - 1)))
+    balance = [b - a for a, b in zip([0, *cuts], [*cuts, count], strict=True)]
+    return nn.Sequential(*layers).double(), balance
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    tied_models(),
+    st.sampled_from(SCHEDULES),
+    st.sampled_from(MODES),
+    st.sampled_from([2.0, 1.0, float("inf")]),
+)
+def test_random_sharing_patterns_match_the_plain_model(
+    model_balance: tuple[nn.Sequential, list[int]], schedule: str, checkpoint: str, norm_type: float
+) -> None:
+    plain, balance = model_balance
+    pipe = GPipe(copy.deepcopy(plain), balance, chunks=2, checkpoint=checkpoint)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    y = torch.randn(4, 3, dtype=torch.float64)
+    pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+    for xi, yi in zip(x.chunk(2), y.chunk(2), strict=True):
+        (nn.MSELoss()(plain(xi), yi) / 2).backward()
+    total = pipe.clip_grad_norm_(0.1, norm_type)
+    want = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1, norm_type)
+    torch.testing.assert_close(total, want)
+    got = dict(pipe.named_parameters())
+    assert list(got) == [name for name, _ in plain.named_parameters()]
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(got[name].grad, p.grad, msg=name)
+
+
+# -- across processes ---------------------------------------------------------------------------
+
+
+def lm(cluster: Any, **spec: Any) -> list[list[dict[str, Any]]]:
+    results = cluster.results("lm", **spec)
+    for result in results:
+        assert all(drift == 0.0 for drift in result["drift"].values()), result["drift"]
+    return [result["steps"] for result in results]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_tied_model_trains_as_the_plain_one_on_two_ranks(
+    cluster2: Any, cases: ModuleType, schedule: str, checkpoint: str
+) -> None:
+    spec = {"batch": 6, "chunks": 3, "max_norm": 0.5}
+    results = cluster2.results(
+        "lm", balance=[2, 4], seed=2, steps=STEPS, schedule=schedule, checkpoint=checkpoint, **spec
+    )
+    # The head's replica of the embedding's weight is named as in the plain model.
+    assert results[1]["names"][0] == "0.weight" and "5.weight" not in results[1]["names"]
+    assert results[0]["drift"] == results[1]["drift"] == {"0.weight": 0.0}
+    worst = compare([r["steps"] for r in results], plain_run(cases, 2, STEPS, **spec))
+    print(f"two ranks, {schedule}, {checkpoint}: max difference to the plain model {worst:.3g}")
+
+
+def test_tied_model_on_four_ranks_and_two_partitions_per_rank(
+    new_cluster_module: Callable[[int], Any], cluster2: Any, cases: ModuleType
+) -> None:
+    spec = {"batch": 8, "chunks": 4, "max_norm": 0.3}
+    want = plain_run(cases, 3, STEPS, **spec)
+    cluster4 = new_cluster_module(4)
+    got = lm(cluster4, balance=[2, 1, 1, 2], seed=3, steps=STEPS, schedule="1f1b", **spec)
+    worst = compare(got, want)
+    print(f"four ranks: max difference to the plain model {worst:.3g}")
+    # Partitions 0 and 2 on rank 0, 1 and 3 (the head) on rank 1.
+    got = lm(cluster2, balance=[1, 2, 2, 1], seed=3, steps=STEPS, **spec)
+    worst = compare(got, want)
+    print(f"two ranks, two partitions each: max difference to the plain model {worst:.3g}")
