@@ -167,3 +167,47 @@ def test_tied_model_on_four_ranks_and_two_partitions_per_rank(
     got = lm(cluster2, balance=[1, 2, 2, 1], seed=3, steps=STEPS, **spec)
     worst = compare(got, want)
     print(f"two ranks, two partitions each: max difference to the plain model {worst:.3g}")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_checkpoint_with_the_optimizer_state_moves_between_layouts(
+    new_cluster_module: Callable[[int], Any], cluster2: Any, cases: ModuleType, tmp_path: Any
+) -> None:
+    """Model and Adam state saved with torch.distributed.checkpoint from two ranks load into
+    four ranks, into another balance and into the plain model, and from the plain model into
+    two ranks; training goes on to the plain model's numbers."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    spec = {"batch": 8, "chunks": 4, "max_norm": 0.3}
+    want = plain_run(cases, 4, 4, **spec)
+    path = str(tmp_path / "from-two-ranks")
+    compare(lm(cluster2, balance=[2, 4], seed=4, steps=2, save=path, **spec), want)
+    cluster4 = new_cluster_module(4)
+    worst = compare(
+        lm(cluster4, balance=[1, 2, 2, 1], seed=4, first=2, steps=2, load=path, **spec), want, 2
+    )
+    print(f"resumed on four ranks: max difference to the plain model {worst:.3g}")
+    compare(lm(cluster2, balance=[4, 2], seed=4, first=2, steps=2, load=path, **spec), want, 2)
+
+    # Into the plain model and its optimizer, in this process.
+    model = cases.language_model(99)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    model_state, optim_state = get_state_dict(model, optimizer, options=cases.flat_options())
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+        options=cases.flat_options(),
+    )  # fmt: skip
+    compare([cases.lm_steps(model, optimizer, seed=4, first=2, steps=2, **spec)], want, 2)
+
+    # From the plain model (one copy of the tied weight and its state) into two ranks.
+    model = cases.language_model(4)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    cases.lm_steps(model, optimizer, seed=4, first=0, steps=2, **spec)
+    model_state, optim_state = get_state_dict(model, optimizer, options=cases.flat_options())
+    plain_path = str(tmp_path / "from-plain")
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=plain_path, no_dist=True)
+    got = lm(cluster2, balance=[3, 3], seed=4, first=2, steps=2, load=plain_path, **spec)
+    compare(got, want, 2)
