@@ -351,13 +351,16 @@ def lm_steps(
     chunks: int,
     max_norm: float,
     schedule: str = "gpipe",
+    replica: tuple[int, int] = (0, 1),
 ) -> list[dict[str, Any]]:
     """Train ``steps`` steps with clipping (``model`` is a pipeline, or the plain model, whose
     micro-batches' gradients are then accumulated as a step does); each step's loss, total
-    norm and state."""
+    norm and state. ``replica``: (which, how many) data-parallel replicas share the batch."""
     record = []
     for k in range(first, first + steps):
-        x, y = tokens(seed + k, batch)
+        x, y = (
+            whole.chunk(replica[1])[replica[0]] for whole in tokens(seed + k, batch * replica[1])
+        )
         optimizer.zero_grad(set_to_none=True)
         if isinstance(model, GPipe):
             loss = model.step(x, y, TokenLoss(), schedule=schedule).reduced().item()
@@ -375,6 +378,32 @@ def lm_steps(
     return record
 
 
+def case_clip(rank: int, *, norm_type: float, max_norm: float, poison: bool) -> dict[str, Any]:
+    """One step of the tied language model on two ranks, then its gradients clipped (with
+    ``poison``, after rank 1 made one of its gradients infinite): the total, each rank's
+    gradients after, or the error of ``error_if_nonfinite=True``."""
+    pipe = GPipe(language_model(7), [3, 3], chunks=2, group=dist.group.WORLD, timeout=60)
+    x, y = tokens(7, 4)
+    pipe.step(x, y, TokenLoss())
+    if poison and rank == 1:
+        grad = pipe.get_parameter("4.bias").grad
+        assert grad is not None
+        grad[0] = float("inf")
+    returned: list[float] = []
+    outcome = _timed(
+        lambda: returned.append(
+            pipe.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=poison).item()
+        )
+    )
+    if not returned:  # refused: the gradients are unchanged, and clipping anyway works
+        returned.append(pipe.clip_grad_norm_(max_norm, norm_type).item())
+    return {
+        **outcome,
+        "total": returned[0],
+        "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
+    }
+
+
 def case_lm(
     rank: int,
     *,
@@ -389,19 +418,27 @@ def case_lm(
     checkpoint: str = "except_last",
     save: str | None = None,
     load: str | None = None,
+    data_parallel: bool = False,
 ) -> dict[str, Any]:
     """Train the tied language model across the ranks with Adam and clipping; with
     ``load``, from a torch.distributed.checkpoint of model and optimizer first, with
-    ``save``, into one after."""
+    ``save``, into one after. With ``data_parallel``, on four ranks: pipelines {0, 1} and
+    {2, 3}, each on its half of a batch twice as large, replicas {0, 2} and {1, 3}."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    group, data_group, replica = dist.group.WORLD, None, (0, 1)
+    if data_parallel:
+        pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        group, data_group, replica = pipelines[rank // 2], replicas[rank % 2], (rank // 2, 2)
     pipe = GPipe(
         language_model(seed if load is None else seed + 100),
         balance,
         chunks=chunks,
         checkpoint=checkpoint,  # type: ignore[arg-type]
-        group=dist.group.WORLD,
+        group=group,
+        data_group=data_group,
         timeout=60,
     )
     optimizer = torch.optim.Adam(pipe.parameters(), lr=0.05)
@@ -418,7 +455,7 @@ def case_lm(
         )
     record = lm_steps(
         pipe, optimizer, seed=seed, first=first, steps=steps, batch=batch, chunks=chunks,
-        max_norm=max_norm, schedule=schedule,
+        max_norm=max_norm, schedule=schedule, replica=replica,
     )  # fmt: skip
     if save is not None:
         model_state, optim_state = get_state_dict(pipe, optimizer, options=flat_options())
