@@ -404,6 +404,22 @@ def case_clip(rank: int, *, norm_type: float, max_norm: float, poison: bool) -> 
     }
 
 
+def case_lm_accumulate(rank: int, *, checkpoint: str) -> dict[str, Any]:
+    """The tied language model on two ranks: an eval-mode step (no gradients), then two
+    training steps whose gradients accumulate (no zeroing between them)."""
+    pipe = GPipe(
+        language_model(8), [2, 4], chunks=2, checkpoint=checkpoint,  # type: ignore[arg-type]
+        group=dist.group.WORLD, timeout=60,
+    )  # fmt: skip
+    pipe.eval()
+    pipe.step(*tokens(8, 4), TokenLoss())
+    untouched = all(p.grad is None for p in pipe.parameters())
+    pipe.train()
+    for k in range(2):
+        pipe.step(*tokens(9 + k, 4), TokenLoss())
+    return {"untouched": untouched, "grads": {k: v.clone() for k, v in local_grads(pipe).items()}}
+
+
 def case_lm(
     rank: int,
     *,

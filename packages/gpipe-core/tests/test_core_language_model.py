@@ -189,6 +189,25 @@ def test_pipelines_times_data_parallel_replicas_clip_by_the_plain_norm(
     print(f"two pipelines x two replicas: max difference to the plain model {worst:.3g}")
 
 
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_gradients_accumulated_over_steps_are_summed_once(
+    cluster2: Any, cases: ModuleType, checkpoint: str
+) -> None:
+    """Each step sums only what it adds to the replicas' gradients, and a step without
+    backward passes (eval mode) sums nothing."""
+    results = cluster2.results("lm_accumulate", checkpoint=checkpoint)
+    model = cases.language_model(8)
+    for k in range(2):
+        x, y = cases.tokens(9 + k, 4)
+        for xi, yi in zip(x.chunk(2), y.chunk(2), strict=True):
+            (cases.TokenLoss()(model(xi), yi) / 2).backward()
+    assert results[0]["grads"].keys() & results[1]["grads"].keys() == {"0.weight"}
+    for result in results:
+        assert result["untouched"]
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(grad, model.get_parameter(name).grad, msg=name)
+
+
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
 def test_every_rank_clips_by_the_plain_models_total_norm(
     cluster2: Any, cases: ModuleType, norm_type: float

@@ -950,14 +950,18 @@ class GPipe(nn.Module):
             >>> len(losses)
             4
         """
+        # Across processes, the replicas of shared parameters get the sum of what the
+        # step adds to their gradients, after every backward pass of the step (the ranks
+        # agree on the training and grad modes, which say whether there are any).
+        backward = self.training and torch.is_grad_enabled()
+        before = self._shared.gradients() if backward else None
         with self._replicas.averaging(self.parameters):
             with self._session() as session:
                 losses = self._step(input, target, loss_fn, schedule, reduction, unpack_input)
                 if losses is not None:
                     session.payload = functools.partial(to_numbers, losses)
-            # Across processes, the replicas of shared parameters get the sum of their
-            # gradients, after every backward pass of the step.
-            self._shared.sum_gradients()
+            if before is not None:
+                self._shared.sum_gradients(before)
         if losses is not None:
             return losses
         # Every rank returns the losses of the last partition's rank.

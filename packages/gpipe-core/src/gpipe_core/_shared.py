@@ -181,24 +181,39 @@ class SharedReplicas:
                         f"making the replicas of {key} equal",
                     )
 
-    def sum_gradients(self) -> None:
-        """Sum the gradients of this process's replicas of shared parameters over the ranks
-        that hold them: one ``all_reduce`` per set of ranks and dtype."""
+    def _parameters(self, found: _Set) -> list[nn.Parameter]:
+        """The replicas of ``found`` that are parameters and require grad, in order."""
+        return [
+            t for t in found.tensors.values() if isinstance(t, nn.Parameter) and t.requires_grad
+        ]
+
+    def gradients(self) -> dict[int, torch.Tensor | None]:
+        """The replicas' gradients before a step (by ``id``: a copy, or None where there is
+        none): the step sums only what it adds, so that gradients accumulated over several
+        steps are summed once."""
+        return {
+            id(p): None if p.grad is None else p.grad.detach().clone()
+            for found in self.sets
+            for p in self._parameters(found)
+        }
+
+    def sum_gradients(self, before: dict[int, torch.Tensor | None]) -> None:
+        """Sum what the step added to the gradients of this process's replicas of shared
+        parameters over the ranks that hold them (one ``all_reduce`` per set of ranks and
+        dtype), and add the sum to the gradients they had ``before`` the step (equal on
+        every rank)."""
         for found in self.sets:
-            parameters = [
-                t for t in found.tensors.values() if isinstance(t, nn.Parameter) and t.requires_grad
-            ]
             by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-            for p in parameters:
+            for p in self._parameters(found):
                 by_dtype.setdefault(p.dtype, []).append(p)
             for dtype in sorted(by_dtype, key=str):
                 same = by_dtype[dtype]
-                flat = torch.cat(
-                    [
-                        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                        for p in same
-                    ]
-                )
+                added = []
+                for p in same:
+                    earlier = before.get(id(p))
+                    grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                    added.append((grad if earlier is None else grad - earlier).reshape(-1))
+                flat = torch.cat(added)
                 self._wait(
                     dist.all_reduce(flat, group=found.group, async_op=True),
                     "summing the gradients of the shared parameters "
@@ -208,6 +223,9 @@ class SharedReplicas:
                 for p in same:
                     summed = flat[offset : offset + p.numel()].view_as(p)
                     offset += p.numel()
+                    earlier = before.get(id(p))
+                    if earlier is not None:
+                        summed = earlier + summed
                     if p.grad is None:
                         p.grad = summed.clone()
                     else:
