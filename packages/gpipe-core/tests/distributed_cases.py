@@ -404,6 +404,17 @@ def case_clip(rank: int, *, norm_type: float, max_norm: float, poison: bool) -> 
     }
 
 
+def case_clip_disagree(rank: int) -> dict[str, Any]:
+    """Rank 1 clips with another ``max_norm``: every rank raises, no gradient changes, and
+    the next clip runs."""
+    pipe = GPipe(language_model(7), [3, 3], chunks=2, group=dist.group.WORLD, timeout=30)
+    pipe.step(*tokens(7, 4), TokenLoss())
+    before = {name: p.grad.clone() for name, p in pipe.named_parameters() if p.grad is not None}
+    outcome = _timed(lambda: pipe.clip_grad_norm_(1.0 if rank == 0 else 2.0))
+    unchanged = all(torch.equal(before[name], p.grad) for name, p in pipe.named_parameters())
+    return {**outcome, "unchanged": unchanged, "total": pipe.clip_grad_norm_(1.0).item()}
+
+
 def case_lm_accumulate(rank: int, *, checkpoint: str) -> dict[str, Any]:
     """The tied language model on two ranks: an eval-mode step (no gradients), then two
     training steps whose gradients accumulate (no zeroing between them)."""

@@ -239,6 +239,16 @@ def test_a_nonfinite_norm_is_refused_on_every_rank_or_scaled_by(cluster2: Any) -
         assert all(((g == 0) | g.isnan()).all() for g in result["grads"].values())
 
 
+def test_ranks_clipping_differently_all_raise_the_same_error(cluster2: Any) -> None:
+    results = cluster2.results("clip_disagree")
+    message = "max_norm differs across ranks (rank 0: 1.0, rank 1: 2.0)"
+    for result in results:
+        assert result["error"]["type"] == "RanksDisagree", result
+        assert result["error"]["message"] == message
+        assert result["unchanged"]
+    assert results[0]["total"] == results[1]["total"]  # the next call runs
+
+
 def test_clip_arguments_are_checked(cases: ModuleType) -> None:
     pipe = GPipe(cases.language_model(0), [3, 3])
     with pytest.raises(TypeError, match=r"max_norm must be a number \(max_norm: '1'\)"):
