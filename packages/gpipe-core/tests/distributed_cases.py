@@ -446,11 +446,13 @@ def case_lm(
     save: str | None = None,
     load: str | None = None,
     data_parallel: bool = False,
+    assign: bool = False,
 ) -> dict[str, Any]:
     """Train the tied language model across the ranks with Adam and clipping; with
     ``load``, from a torch.distributed.checkpoint of model and optimizer first, with
     ``save``, into one after. With ``data_parallel``, on four ranks: pipelines {0, 1} and
-    {2, 3}, each on its half of a batch twice as large, replicas {0, 2} and {1, 3}."""
+    {2, 3}, each on its half of a batch twice as large, replicas {0, 2} and {1, 3}. With
+    ``assign``, the pipeline's own state is loaded first with ``assign=True`` (new tensors)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -468,6 +470,8 @@ def case_lm(
         data_group=data_group,
         timeout=60,
     )
+    if assign:
+        pipe.load_state_dict({k: v.clone() for k, v in pipe.state_dict().items()}, assign=True)
     optimizer = torch.optim.Adam(pipe.parameters(), lr=0.05)
     if load is not None:
         model_state, optim_state = get_state_dict(pipe, optimizer, options=flat_options())

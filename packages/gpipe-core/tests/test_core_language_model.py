@@ -155,6 +155,14 @@ def test_tied_model_trains_as_the_plain_one_on_two_ranks(
     print(f"two ranks, {schedule}, {checkpoint}: max difference to the plain model {worst:.3g}")
 
 
+def test_replicas_replaced_by_a_load_with_assign_are_followed(
+    cluster2: Any, cases: ModuleType
+) -> None:
+    spec = {"batch": 6, "chunks": 3, "max_norm": 0.5}
+    got = lm(cluster2, balance=[2, 4], seed=2, steps=2, assign=True, **spec)
+    compare(got, plain_run(cases, 2, 2, **spec))
+
+
 def test_tied_model_on_four_ranks_and_two_partitions_per_rank(
     new_cluster_module: Callable[[int], Any], cluster2: Any, cases: ModuleType
 ) -> None:

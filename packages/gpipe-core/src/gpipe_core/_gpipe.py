@@ -356,9 +356,6 @@ class GPipe(nn.Module):
         if construction is not None:
             construction.agree((), seconds)  # every rank has built its partitions
             self._shared.connect()  # the replicas of shared tensors are made equal
-        #: The replicas of shared tensors whose owner's layer another rank runs, under the
-        #: owner's name (see :meth:`named_children`).
-        self._views = views(self._shared.replicas, set(self._plain_children()))
 
     def _init_runtime(self) -> None:
         """The state that is not copied or pickled: copy streams and worker threads (the
@@ -475,10 +472,18 @@ class GPipe(nn.Module):
         in the plain module (``0.weight``): a module standing for that layer holds it
         alone, so that an optimizer's state for it has the plain module's key.
         """
-        children = {**self._plain_children(), **self.__dict__.get("_views", {})}
+        children = {**self._plain_children(), **self._replica_views()}
         for name in self._layer_names:
             if name in children:
                 yield name, children[name]
+
+    def _replica_views(self) -> dict[str, nn.Module]:
+        """The replicas of shared tensors whose owner's layer another rank runs, under the
+        owner's name (see :meth:`named_children`)."""
+        shared = self.__dict__.get("_shared")
+        if shared is None or not shared.foreign:
+            return {}
+        return views(shared.replicas, set(self._plain_children()))
 
     def named_modules(
         self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
@@ -504,7 +509,7 @@ class GPipe(nn.Module):
             # A layer under its plain name, as on the plain module (``pipe.get_submodule('3')``).
             modules = self.__dict__.get("_modules", {})
             if "partitions" in modules and not name.startswith("_"):
-                layer = self._plain_children().get(name, self.__dict__.get("_views", {}).get(name))
+                layer = self._plain_children().get(name, self._replica_views().get(name))
                 if layer is not None:
                     return layer
             raise error

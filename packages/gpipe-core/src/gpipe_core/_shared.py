@@ -104,13 +104,34 @@ def views(replicas: dict[str, torch.Tensor], present: set[str]) -> dict[str, nn.
 
 
 @dataclass
+class _Site:
+    """Where this process's replica of a shared tensor is: a partition and its key there
+    (looked up at each use, so that a load with ``assign=True`` that replaces the tensor
+    is followed)."""
+
+    partition: nn.Sequential
+    key: str
+    parameter: bool
+
+    def tensor(self) -> torch.Tensor:
+        if self.parameter:
+            return self.partition.get_parameter(self.key)
+        return self.partition.get_buffer(self.key)
+
+
+@dataclass
 class _Set:
     """The shared tensors held by one set of ranks, and the group of just those ranks."""
 
     ranks: tuple[int, ...]  # in the pipeline's group
     owners: dict[str, int] = field(default_factory=dict)  # key -> the owner's rank
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> this replica
+    sites: dict[str, _Site] = field(default_factory=dict)  # key -> this replica's site
     group: dist.ProcessGroup | None = None
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """This process's replicas, under their owners' keys."""
+        return {key: site.tensor() for key, site in self.sites.items()}
 
 
 class SharedReplicas:
@@ -134,8 +155,7 @@ class SharedReplicas:
     ) -> None:
         self.timeout = timeout
         self.sets: list[_Set] = []
-        #: This process's replica of each shared tensor it holds, under the owner's key.
-        self.replicas: dict[str, torch.Tensor] = {}
+        self._sites: dict[str, _Site] = {}
         #: The owner's keys of the replicas here whose owner another rank holds.
         self.foreign: set[str] = set()
         if group is None:
@@ -148,10 +168,7 @@ class SharedReplicas:
             mine = [(j, key) for j, key in entry.uses if partition_ranks[j] == rank]
             if mine:
                 j, key = mine[0]
-                tensor = (
-                    local[j].get_parameter(key) if entry.parameter else local[j].get_buffer(key)
-                )
-                self.replicas[entry.key] = tensor
+                site = self._sites[entry.key] = _Site(local[j], key, entry.parameter)
                 if partition_ranks[entry.uses[0][0]] != rank:
                     self.foreign.add(entry.key)
             if len(ranks) < 2:
@@ -160,14 +177,19 @@ class SharedReplicas:
             found = by_ranks.setdefault(ranks, _Set(tuple(world[r] for r in ranks)))
             found.owners[entry.key] = world[partition_ranks[entry.uses[0][0]]]
             if mine:
-                found.tensors[entry.key] = tensor
+                found.sites[entry.key] = site
         self.sets = [s for _, s in sorted(by_ranks.items())]
+
+    @property
+    def replicas(self) -> dict[str, torch.Tensor]:
+        """This process's replica of each shared tensor it holds, under the owner's key."""
+        return {key: site.tensor() for key, site in self._sites.items()}
 
     def connect(self) -> None:
         """Make a gloo group of each set of ranks that share tensors (on those ranks only),
         and make the replicas equal to the owners' (collective over those ranks)."""
         for found in self.sets:
-            if not found.tensors:
+            if not found.sites:
                 continue
             group = dist.new_group(
                 list(found.ranks), backend="gloo", use_local_synchronization=True
