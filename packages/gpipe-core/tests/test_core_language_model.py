@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import gpipe_core._shared as gpipe_shared
 from gpipe_core import GPipe
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -63,18 +64,79 @@ def compare(got: list[list[dict[str, Any]]], want: list[dict[str, Any]], first: 
 # -- one process: two partitions on the CPU -----------------------------------------------------
 
 
+@pytest.fixture(params=["one tensor", "tied copy"])
+def tie(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether partitions on one device use a copy tied to the owner, as partitions on
+    different devices do (the ties' mechanism on the CPU), or the shared tensor itself."""
+    tied = bool(request.param == "tied copy")
+    monkeypatch.setattr(gpipe_shared, "TIE_ONE_DEVICE", tied)
+    return tied
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_tied_model_trains_as_the_plain_one_in_one_process(
-    cases: ModuleType, schedule: str, checkpoint: str
+    cases: ModuleType, schedule: str, checkpoint: str, tie: bool
 ) -> None:
     spec = {"batch": 6, "chunks": 3, "max_norm": 0.5}
     pipe = GPipe(cases.language_model(1), [3, 3], chunks=3, checkpoint=checkpoint)
-    assert pipe[0].weight is pipe[5].weight  # one tensor: both partitions on the CPU
+    assert pipe[0].weight is pipe[5].weight  # between runs, as in the plain model
+    assert next(name for name, _ in pipe.named_parameters()) == "0.weight"
     optimizer = torch.optim.Adam(pipe.parameters(), lr=0.05)
     got = cases.lm_steps(pipe, optimizer, seed=1, first=0, steps=STEPS, schedule=schedule, **spec)
     compare([got], plain_run(cases, 1, STEPS, **spec))
     assert pipe.shared_drift() == {}
+    assert pipe[0].weight is pipe[5].weight
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_a_tied_copy_takes_the_gradient_to_the_owner_in_forward_and_backward(
+    cases: ModuleType, checkpoint: str, tie: bool
+) -> None:
+    """``forward()`` and the caller's ``backward()``: autograd takes the copy's gradient to
+    the owner's ``.grad``, recomputations included; the pipeline copies and saves as the
+    plain model does."""
+    plain = cases.language_model(2)
+    pipe = GPipe(copy.deepcopy(plain), [2, 4], chunks=3, checkpoint=checkpoint)
+    seen: list[bool] = []  # whether the head runs with the owner itself
+    pipe[5].register_forward_pre_hook(
+        lambda layer, args: seen.append(layer.weight is pipe[0].weight)
+    )
+    x, y = cases.tokens(2, 6)
+    for _ in range(2):  # the second time after an update of the owner
+        for model in (plain, pipe):
+            model.zero_grad()
+            cases.TokenLoss()(model(x), y).backward()
+            with torch.no_grad():
+                model[0].weight -= 0.1 * model[0].weight.grad
+        torch.testing.assert_close(pipe[0].weight.grad, plain[0].weight.grad)
+        torch.testing.assert_close(pipe.state_dict(), plain.state_dict())
+    assert seen and seen == [not tie] * len(seen)
+    clone = copy.deepcopy(pipe)
+    assert clone[0].weight is clone[5].weight and clone[0].weight is not pipe[0].weight
+    torch.testing.assert_close(clone(x), plain(x))
+    unwrapped = copy.deepcopy(pipe.unwrap())
+    assert unwrapped[0].weight is unwrapped[5].weight
+    torch.testing.assert_close(unwrapped(x), plain(x))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_tied_model_on_the_cpu_and_a_gpu_trains_as_the_plain_one(
+    cases: ModuleType, schedule: str
+) -> None:
+    """The embedding (the owner) on the CPU, the head on the GPU with a tied copy: real
+    device-to-device copies, and the gradient back to the owner's ``.grad``."""
+    spec = {"batch": 6, "chunks": 3, "max_norm": 0.5}
+    pipe = GPipe(cases.language_model(1), [3, 3], devices=["cpu", "cuda:0"], chunks=3)
+    assert pipe[0].weight is pipe[5].weight and pipe[0].weight.device.type == "cpu"
+    assert pipe[4].weight.device.type == "cuda"
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.05)
+    got = cases.lm_steps(pipe, optimizer, seed=1, first=0, steps=STEPS, schedule=schedule, **spec)
+    for step in got:
+        step["state"] = {key: value.cpu() for key, value in step["state"].items()}
+    compare([got], plain_run(cases, 1, STEPS, **spec))
 
 
 @st.composite
@@ -109,12 +171,19 @@ def tied_models(draw: st.DrawFn) -> tuple[nn.Sequential, list[int]]:
     st.sampled_from(SCHEDULES),
     st.sampled_from(MODES),
     st.sampled_from([2.0, 1.0, float("inf")]),
+    st.booleans(),
 )
 def test_random_sharing_patterns_match_the_plain_model(
-    model_balance: tuple[nn.Sequential, list[int]], schedule: str, checkpoint: str, norm_type: float
+    model_balance: tuple[nn.Sequential, list[int]],
+    schedule: str,
+    checkpoint: str,
+    norm_type: float,
+    tied: bool,
 ) -> None:
     plain, balance = model_balance
-    pipe = GPipe(copy.deepcopy(plain), balance, chunks=2, checkpoint=checkpoint)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gpipe_shared, "TIE_ONE_DEVICE", tied)
+        pipe = GPipe(copy.deepcopy(plain), balance, chunks=2, checkpoint=checkpoint)
     x = torch.randn(4, 3, dtype=torch.float64)
     y = torch.randn(4, 3, dtype=torch.float64)
     pipe.step(x, y, nn.MSELoss(), schedule=schedule)

@@ -58,7 +58,7 @@ from ._placement import (
 from ._runner import run
 from ._schedule import Action, GPipeSchedule, Schedule, get_schedule, step_actions
 from ._sequential import PipeSequential
-from ._shared import SharedReplicas, find_shared, views
+from ._shared import SharedReplicas, Ties, find_shared, views
 from ._state_dict import PartitionKeys, map_keys
 from ._stream import AbstractStream, current_stream, new_stream
 from ._threads import check_intra_op_threads
@@ -177,7 +177,7 @@ class GPipe(nn.Module):
             :class:`~gpipe_core.WithDevice` is nested in a layer.
         BalanceError: ``balance`` does not split ``module`` into non-empty partitions.
         ValueError: too few devices, bad ``chunks``, ``checkpoint`` or ``timeout``, a
-            parameter shared by partitions on different devices, a
+            buffer shared by partitions on different devices of this process, a
             :class:`~gpipe_core.WithDevice` layer in a partition on another device, or a
             NCCL ``data_group`` for partitions that are not on CUDA.
         RanksDisagree: across processes, the ranks would build different pipelines.
@@ -353,6 +353,8 @@ class GPipe(nn.Module):
         #: The parameters' names, in the plain module's order (each shared one once).
         self._parameter_names = [name for name, _ in placed_layers(module).named_parameters()]
         self._shared = SharedReplicas(shared, placement.ranks, partitions, group, seconds)
+        # Partitions on other devices than a shared parameter's use a copy tied to it.
+        Ties(shared, partitions, self.devices)
         if construction is not None:
             construction.agree((), seconds)  # every rank has built its partitions
             self._shared.connect()  # the replicas of shared tensors are made equal

@@ -7,7 +7,10 @@ in the plain module's order; each use has the plain key it has there (``0.weight
 ``5.weight``).
 
 In one process, partitions on one device use the tensor itself, and autograd adds their
-gradients in its ``.grad``, as in the plain module. Across processes, each rank whose
+gradients in its ``.grad``, as in the plain module. A partition on another device than the
+owner's uses a copy on its device that autograd ties to the owner (:class:`Ties`): the
+gradient reaches the owner's ``.grad`` through the copy, in ``forward()`` + ``backward()``
+as in a step. Across processes, each rank whose
 partitions use it keeps a *replica* (the tensor object its layers hold), and
 :class:`SharedReplicas` keeps the replicas the plain module's one tensor:
 
@@ -27,15 +30,21 @@ process groups.
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Shared", "SharedReplicas", "find_shared", "views"]
+__all__ = ["Shared", "SharedReplicas", "Ties", "find_shared", "views"]
+
+#: Tie the partitions on one device too, as if on different ones (the tests run the ties'
+#: mechanism on the CPU with it).
+TIE_ONE_DEVICE = False
 
 
 @dataclass
@@ -101,6 +110,107 @@ def views(replicas: dict[str, torch.Tensor], present: set[str]) -> dict[str, nn.
         else:
             module.register_buffer(leaf, tensor)
     return made
+
+
+class _Tie:
+    """The copy of a shared parameter (its ``owner``) on ``device``, for the layers of the
+    partitions there: while such a layer runs, its sites (module, name) hold the copy;
+    otherwise the owner itself, as in the plain module (so its state dict, copies and
+    :meth:`GPipe.unwrap <gpipe_core.GPipe.unwrap>` are the plain module's).
+
+    The copy is made on first use and again once the owner has changed (an optimizer's
+    step), or when grad mode needs one with autograd history: micro-batches and their
+    recomputations share it, and autograd takes their gradients to the owner's ``.grad``.
+    """
+
+    def __init__(self, owner: nn.Parameter, device: torch.device) -> None:
+        self.owner = owner
+        self.device = device
+        self.copy: torch.Tensor | None = None
+        self.version = -1
+
+    def current(self) -> torch.Tensor:
+        """The copy for a layer about to run, made anew when the owner changed."""
+        owner, copy = self.owner, self.copy
+        history = torch.is_grad_enabled() and owner.requires_grad
+        if copy is None or self.version != owner._version or (history and copy.grad_fn is None):
+            copy = owner.to(self.device, copy=True)
+            self.copy, self.version = copy, owner._version
+        return copy
+
+    def enter(self, sites: list[tuple[nn.Module, str]], layer: nn.Module, args: object) -> None:
+        """Forward pre-hook of a layer with ``sites``: they hold the copy."""
+        copy = self.current()
+        for module, name in sites:
+            module._parameters[name] = copy  # type: ignore[assignment]
+
+    def leave(
+        self, sites: list[tuple[nn.Module, str]], layer: nn.Module, args: object, output: object
+    ) -> None:
+        """Forward hook of a layer with ``sites`` (also when it raises): they hold the owner
+        again."""
+        for module, name in sites:
+            module._parameters[name] = self.owner
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy of the module makes its own copy of the owner (one with autograd history
+        # cannot be copied).
+        return {**self.__dict__, "copy": None, "version": -1}
+
+
+class Ties:
+    """The ties of this process's partitions to shared parameters on other devices.
+
+    Args:
+        shared: the shared tensors (:func:`find_shared`).
+        partitions: every partition (another rank's are empty).
+        devices: each partition's device (``meta`` for another rank's).
+    """
+
+    def __init__(
+        self,
+        shared: Sequence[Shared],
+        partitions: Sequence[nn.Sequential],
+        devices: Sequence[torch.device],
+    ) -> None:
+        #: The ties, each with its layers' hooks installed.
+        self.ties: list[_Tie] = []
+        for entry in shared:
+            uses = [(j, key) for j, key in entry.uses if devices[j].type != "meta"]
+            if not entry.parameter or not uses:
+                continue
+            j0, key0 = uses[0]  # the owner, or this process's replica of it
+            owner = partitions[j0].get_parameter(key0)
+            by_device: dict[torch.device, list[tuple[int, str]]] = {}
+            for j, key in uses[1:]:
+                if devices[j] != devices[j0] or (TIE_ONE_DEVICE and j != j0):
+                    by_device.setdefault(devices[j], []).append((j, key))
+            for device, sites in by_device.items():
+                self._tie(owner, device, partitions, sites)
+
+    def _tie(
+        self,
+        owner: nn.Parameter,
+        device: torch.device,
+        partitions: Sequence[nn.Sequential],
+        uses: list[tuple[int, str]],
+    ) -> None:
+        tie = _Tie(owner, device)
+        # Each layer swaps its own sites only: layers of partitions on one device may run
+        # at once, in their workers.
+        layers: dict[int, tuple[nn.Module, list[tuple[nn.Module, str]]]] = {}
+        for j, key in uses:
+            layer = partitions[j]._modules[key.partition(".")[0]]
+            assert layer is not None
+            path, _, name = key.rpartition(".")
+            layers.setdefault(id(layer), (layer, []))[1].append(
+                (partitions[j].get_submodule(path), name)
+            )
+        for layer, sites in layers.values():
+            # Partials, which copy and pickle with the layer, rather than bound methods.
+            layer.register_forward_pre_hook(functools.partial(_Tie.enter, tie, sites))
+            layer.register_forward_hook(functools.partial(_Tie.leave, tie, sites), always_call=True)
+        self.ties.append(tie)
 
 
 @dataclass
