@@ -112,6 +112,12 @@ def test_a_tied_copy_takes_the_gradient_to_the_owner_in_forward_and_backward(
         torch.testing.assert_close(pipe[0].weight.grad, plain[0].weight.grad)
         torch.testing.assert_close(pipe.state_dict(), plain.state_dict())
     assert seen and seen == [not tie] * len(seen)
+    state = {key: value + 0.5 for key, value in plain.state_dict().items()}
+    state["5.weight"] = state["0.weight"]  # one tensor, as the tie makes it
+    torch.testing.assert_close(
+        torch.func.functional_call(pipe, state, (x,)),
+        torch.func.functional_call(plain, state, (x,)),
+    )
     clone = copy.deepcopy(pipe)
     assert clone[0].weight is clone[5].weight and clone[0].weight is not pipe[0].weight
     torch.testing.assert_close(clone(x), plain(x))

@@ -113,49 +113,64 @@ def views(replicas: dict[str, torch.Tensor], present: set[str]) -> dict[str, nn.
 
 
 class _Tie:
-    """The copy of a shared parameter (its ``owner``) on ``device``, for the layers of the
-    partitions there: while such a layer runs, its sites (module, name) hold the copy;
-    otherwise the owner itself, as in the plain module (so its state dict, copies and
-    :meth:`GPipe.unwrap <gpipe_core.GPipe.unwrap>` are the plain module's).
+    """The copy of a shared parameter (its *owner*, at ``home``: a module and a name) on
+    ``device``, for the layers of the partitions there: while such a layer runs, its sites
+    (module, name) hold the copy; otherwise what they held, the owner itself as in the
+    plain module (so its state dict, copies and :meth:`GPipe.unwrap
+    <gpipe_core.GPipe.unwrap>` are the plain module's).
 
     The copy is made on first use and again once the owner has changed (an optimizer's
-    step), or when grad mode needs one with autograd history: micro-batches and their
-    recomputations share it, and autograd takes their gradients to the owner's ``.grad``.
+    step, a tensor put in its place), or when grad mode needs one with autograd history:
+    micro-batches and their recomputations share it, and autograd takes their gradients to
+    the owner's ``.grad``.
     """
 
-    def __init__(self, owner: nn.Parameter, device: torch.device) -> None:
-        self.owner = owner
+    def __init__(self, home: tuple[nn.Module, str], device: torch.device) -> None:
+        self.home = home
         self.device = device
         self.copy: torch.Tensor | None = None
+        self.source: torch.Tensor | None = None  # what the copy is of
         self.version = -1
+        self.held: dict[int, list[torch.Tensor | None]] = {}  # what the sites held
 
     def current(self) -> torch.Tensor:
         """The copy for a layer about to run, made anew when the owner changed."""
-        owner, copy = self.owner, self.copy
+        module, name = self.home
+        owner = module._parameters[name]
+        assert owner is not None
+        copy = self.copy
         history = torch.is_grad_enabled() and owner.requires_grad
-        if copy is None or self.version != owner._version or (history and copy.grad_fn is None):
+        if (
+            copy is None
+            or self.source is not owner
+            or self.version != owner._version
+            or (history and copy.grad_fn is None)
+        ):
             copy = owner.to(self.device, copy=True)
-            self.copy, self.version = copy, owner._version
+            self.copy, self.source, self.version = copy, owner, owner._version
         return copy
 
     def enter(self, sites: list[tuple[nn.Module, str]], layer: nn.Module, args: object) -> None:
         """Forward pre-hook of a layer with ``sites``: they hold the copy."""
         copy = self.current()
+        self.held[id(sites)] = [module._parameters[name] for module, name in sites]
         for module, name in sites:
             module._parameters[name] = copy  # type: ignore[assignment]
 
     def leave(
         self, sites: list[tuple[nn.Module, str]], layer: nn.Module, args: object, output: object
     ) -> None:
-        """Forward hook of a layer with ``sites`` (also when it raises): they hold the owner
-        again."""
-        for module, name in sites:
-            module._parameters[name] = self.owner
+        """Forward hook of a layer with ``sites`` (also when it raises): they hold what they
+        held again."""
+        held = self.held.pop(id(sites), None)
+        if held is not None:
+            for (module, name), tensor in zip(sites, held, strict=True):
+                module._parameters[name] = tensor  # type: ignore[assignment]
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy of the module makes its own copy of the owner (one with autograd history
         # cannot be copied).
-        return {**self.__dict__, "copy": None, "version": -1}
+        return {**self.__dict__, "copy": None, "source": None, "version": -1, "held": {}}
 
 
 class Ties:
@@ -180,22 +195,23 @@ class Ties:
             if not entry.parameter or not uses:
                 continue
             j0, key0 = uses[0]  # the owner, or this process's replica of it
-            owner = partitions[j0].get_parameter(key0)
+            path0, _, name0 = key0.rpartition(".")
+            home = (partitions[j0].get_submodule(path0), name0)
             by_device: dict[torch.device, list[tuple[int, str]]] = {}
             for j, key in uses[1:]:
                 if devices[j] != devices[j0] or (TIE_ONE_DEVICE and j != j0):
                     by_device.setdefault(devices[j], []).append((j, key))
             for device, sites in by_device.items():
-                self._tie(owner, device, partitions, sites)
+                self._tie(home, device, partitions, sites)
 
     def _tie(
         self,
-        owner: nn.Parameter,
+        home: tuple[nn.Module, str],
         device: torch.device,
         partitions: Sequence[nn.Sequential],
         uses: list[tuple[int, str]],
     ) -> None:
-        tie = _Tie(owner, device)
+        tie = _Tie(home, device)
         # Each layer swaps its own sites only: layers of partitions on one device may run
         # at once, in their workers.
         layers: dict[int, tuple[nn.Module, list[tuple[nn.Module, str]]]] = {}
