@@ -10,16 +10,21 @@ In one process, partitions on one device use the tensor itself, and autograd add
 gradients in its ``.grad``, as in the plain module. A partition on another device than the
 owner's uses a copy on its device that autograd ties to the owner (:class:`Ties`): the
 gradient reaches the owner's ``.grad`` through the copy, in ``forward()`` + ``backward()``
-as in a step. Across processes, each rank whose
-partitions use it keeps a *replica* (the tensor object its layers hold), and
-:class:`SharedReplicas` keeps the replicas the plain module's one tensor:
+as in a step (a shared buffer across devices is refused by
+:func:`~gpipe_core._partition.check_split`: a layer may update it in place).
+
+Across processes, each rank whose partitions use it keeps a *replica* (the tensor object
+its layers hold), and :class:`SharedReplicas` keeps the replicas the plain module's one
+tensor:
 
 - at construction, the replicas are made equal to the owner's rank's (a broadcast);
-- once per step, after the last backward pass, the replicas' gradients are summed over the
-  ranks that hold them (one ``all_reduce`` per set of such ranks and dtype, on a gloo group
-  of just those ranks), so every replica gets the plain module's gradient, and an
-  identical optimizer keeps them identical;
-- :meth:`SharedReplicas.drift` tells how far the replicas are from the owner's.
+- once per step, after the last backward pass, what the step added to the replicas'
+  gradients is summed over the ranks that hold them (one ``all_reduce`` per set of such
+  ranks and dtype, on a gloo group of just those ranks), so every replica gets the plain
+  module's gradient, and an identical optimizer keeps them identical;
+- :meth:`SharedReplicas.drift` tells how far the replicas are from the owner's;
+- :func:`views` names a replica as the plain module names it (its owner's key), also on a
+  rank without the owner's layer.
 
 Buffers are made equal at construction and not summed (their values are not gradients).
 
