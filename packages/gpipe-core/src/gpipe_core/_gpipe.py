@@ -517,6 +517,8 @@ class GPipe(nn.Module):
             raise error
 
     def train(self, mode: bool = True) -> GPipe:
+        """Set training mode (``mode=False``: eval mode) on the pipeline, its layers and
+        its partitions, as :meth:`torch.nn.Module.train` does on a module."""
         super().train(mode)
         # The containers are not children under the plain names; they follow too.
         self.partitions.training = mode
