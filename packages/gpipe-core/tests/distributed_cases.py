@@ -287,6 +287,217 @@ def every_rank(backend: str | None) -> dist.ProcessGroup:
     return group
 
 
+# -- a language model with tied embeddings ---------------------------------------------------
+
+VOCAB, DIM, TOKENS = 11, 6, 5
+
+
+class Block(nn.Module):
+    """A residual block: ``x + linear(tanh(norm(x)))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(torch.tanh(self.norm(x)))
+
+
+def language_model(seed: int, blocks: int = 3) -> nn.Sequential:
+    """GPT-style, float64: token embedding, blocks, norm, and an output head that shares
+    the embedding's weight."""
+    torch.manual_seed(seed)
+    embedding = nn.Embedding(VOCAB, DIM)
+    head = nn.Linear(DIM, VOCAB, bias=False)
+    head.weight = embedding.weight
+    return nn.Sequential(
+        embedding, *[Block() for _ in range(blocks)], nn.LayerNorm(DIM), head
+    ).double()
+
+
+class TokenLoss(nn.Module):
+    """Cross-entropy over every token of the micro-batch."""
+
+    reduction = "mean"
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+
+
+def tokens(seed: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input tokens and next tokens of ``batch`` sequences."""
+    generator = torch.Generator().manual_seed(seed)
+    sequence = torch.randint(VOCAB, (batch, TOKENS + 1), generator=generator)
+    return sequence[:, :-1], sequence[:, 1:]
+
+
+#: The optimizer state of torch.distributed.checkpoint with a key per parameter, which
+#: moves between layouts.
+def flat_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def lm_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    seed: int,
+    first: int,
+    steps: int,
+    batch: int,
+    chunks: int,
+    max_norm: float,
+    schedule: str = "gpipe",
+    replica: tuple[int, int] = (0, 1),
+) -> list[dict[str, Any]]:
+    """Train ``steps`` steps with clipping (``model`` is a pipeline, or the plain model, whose
+    micro-batches' gradients are then accumulated as a step does); each step's loss, total
+    norm and state. ``replica``: (which, how many) data-parallel replicas share the batch."""
+    record = []
+    for k in range(first, first + steps):
+        x, y = (
+            whole.chunk(replica[1])[replica[0]] for whole in tokens(seed + k, batch * replica[1])
+        )
+        optimizer.zero_grad(set_to_none=True)
+        if isinstance(model, GPipe):
+            loss = model.step(x, y, TokenLoss(), schedule=schedule).reduced().item()
+            norm = model.clip_grad_norm_(max_norm)
+        else:
+            loss = 0.0
+            for xi, yi in zip(x.chunk(chunks), y.chunk(chunks), strict=True):
+                part = TokenLoss()(model(xi), yi) * len(xi) / batch
+                part.backward()
+                loss += part.item()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        state = {key: value.detach().clone() for key, value in model.state_dict().items()}
+        record.append({"loss": loss, "norm": norm.item(), "state": state})
+    return record
+
+
+def case_clip(rank: int, *, norm_type: float, max_norm: float, poison: bool) -> dict[str, Any]:
+    """One step of the tied language model on two ranks, then its gradients clipped (with
+    ``poison``, after rank 1 made one of its gradients infinite): the total, each rank's
+    gradients after, or the error of ``error_if_nonfinite=True``."""
+    pipe = GPipe(language_model(7), [3, 3], chunks=2, group=dist.group.WORLD, timeout=60)
+    x, y = tokens(7, 4)
+    pipe.step(x, y, TokenLoss())
+    if poison and rank == 1:
+        grad = pipe.get_parameter("4.bias").grad
+        assert grad is not None
+        grad[0] = float("inf")
+    returned: list[float] = []
+    outcome = _timed(
+        lambda: returned.append(
+            pipe.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=poison).item()
+        )
+    )
+    if not returned:  # refused: the gradients are unchanged, and clipping anyway works
+        returned.append(pipe.clip_grad_norm_(max_norm, norm_type).item())
+    return {
+        **outcome,
+        "total": returned[0],
+        "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
+    }
+
+
+def case_clip_disagree(rank: int) -> dict[str, Any]:
+    """Rank 1 clips with another ``max_norm``: every rank raises, no gradient changes, and
+    the next clip runs."""
+    pipe = GPipe(language_model(7), [3, 3], chunks=2, group=dist.group.WORLD, timeout=30)
+    pipe.step(*tokens(7, 4), TokenLoss())
+    before = {name: p.grad.clone() for name, p in pipe.named_parameters() if p.grad is not None}
+    outcome = _timed(lambda: pipe.clip_grad_norm_(1.0 if rank == 0 else 2.0))
+    unchanged = all(torch.equal(before[name], p.grad) for name, p in pipe.named_parameters())
+    return {**outcome, "unchanged": unchanged, "total": pipe.clip_grad_norm_(1.0).item()}
+
+
+def case_lm_accumulate(rank: int, *, checkpoint: str) -> dict[str, Any]:
+    """The tied language model on two ranks: an eval-mode step (no gradients), then two
+    training steps whose gradients accumulate (no zeroing between them)."""
+    pipe = GPipe(
+        language_model(8), [2, 4], chunks=2, checkpoint=checkpoint,  # type: ignore[arg-type]
+        group=dist.group.WORLD, timeout=60,
+    )  # fmt: skip
+    pipe.eval()
+    pipe.step(*tokens(8, 4), TokenLoss())
+    untouched = all(p.grad is None for p in pipe.parameters())
+    pipe.train()
+    for k in range(2):
+        pipe.step(*tokens(9 + k, 4), TokenLoss())
+    return {"untouched": untouched, "grads": {k: v.clone() for k, v in local_grads(pipe).items()}}
+
+
+def case_lm(
+    rank: int,
+    *,
+    balance: list[int],
+    seed: int,
+    steps: int,
+    first: int = 0,
+    batch: int = 6,
+    chunks: int = 3,
+    max_norm: float = 0.5,
+    schedule: str = "gpipe",
+    checkpoint: str = "except_last",
+    save: str | None = None,
+    load: str | None = None,
+    data_parallel: bool = False,
+    assign: bool = False,
+) -> dict[str, Any]:
+    """Train the tied language model across the ranks with Adam and clipping; with
+    ``load``, from a torch.distributed.checkpoint of model and optimizer first, with
+    ``save``, into one after. With ``data_parallel``, on four ranks: pipelines {0, 1} and
+    {2, 3}, each on its half of a batch twice as large, replicas {0, 2} and {1, 3}. With
+    ``assign``, the pipeline's own state is loaded first with ``assign=True`` (new tensors)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    group, data_group, replica = dist.group.WORLD, None, (0, 1)
+    if data_parallel:
+        pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        group, data_group, replica = pipelines[rank // 2], replicas[rank % 2], (rank // 2, 2)
+    pipe = GPipe(
+        language_model(seed if load is None else seed + 100),
+        balance,
+        chunks=chunks,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+        group=group,
+        data_group=data_group,
+        timeout=60,
+    )
+    if assign:
+        pipe.load_state_dict({k: v.clone() for k, v in pipe.state_dict().items()}, assign=True)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.05)
+    if load is not None:
+        model_state, optim_state = get_state_dict(pipe, optimizer, options=flat_options())
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=load)
+        set_state_dict(
+            pipe,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=flat_options(),
+        )
+    record = lm_steps(
+        pipe, optimizer, seed=seed, first=first, steps=steps, batch=batch, chunks=chunks,
+        max_norm=max_norm, schedule=schedule, replica=replica,
+    )  # fmt: skip
+    if save is not None:
+        model_state, optim_state = get_state_dict(pipe, optimizer, options=flat_options())
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=save)
+    return {
+        "steps": record,
+        "drift": pipe.shared_drift(),
+        "names": [name for name, _ in pipe.named_parameters()],
+    }
+
+
 # -- cases ---------------------------------------------------------------------------------
 
 

@@ -31,8 +31,9 @@ def cases(load_cases: Callable[[], ModuleType]) -> ModuleType:
 
 
 def plain_name(name: str) -> str:
-    """``partitions.J.<layer>.<rest>`` as the plain module's ``<layer>.<rest>``."""
-    return name.split(".", 2)[2]
+    """A parameter's name on a rank's pipeline: the plain module's (``<layer>.<rest>``)."""
+    assert not name.startswith("partitions."), name
+    return name
 
 
 def expected_steps(

@@ -87,19 +87,25 @@ def test_extra_devices_are_ignored() -> None:
     assert pipe.devices == [torch.device("cpu")] * 2
 
 
-def test_parameter_shared_across_devices_is_refused() -> None:
-    shared = nn.Linear(2, 2)
+def test_buffer_shared_across_devices_is_refused() -> None:
+    shared = nn.BatchNorm1d(2)
     model = nn.Sequential(shared, nn.ReLU(), shared)
     message = (
-        "a parameter or buffer is shared by partitions on different devices "
-        "(partition 0 on cpu, partition 1 on meta)"
+        "a buffer is shared by partitions on different devices of this process "
+        "(0.running_mean in partition 0 on cpu is 2.running_mean in partition 1 on cuda:0), "
+        "whose copies would drift apart (a layer may update it in place): put the partitions "
+        "that share it on one device, or give each layer its own"
     )
-    # Two devices without a GPU: GPipe itself refuses meta (see below), so the check that
-    # GPipe runs before moving anything is called directly.
-    devices = [torch.device("cpu"), torch.device("meta")]
+    # The check that GPipe runs before moving anything, called directly (no GPU needed).
+    devices = [torch.device("cpu"), torch.device("cuda", 0)]
     with pytest.raises(ValueError, match=re.escape(message)):
         check_split(model, [1, 2], devices)
     assert shared.weight.device.type == "cpu"
+    # Another rank's partition (meta here) keeps a replica, and a shared parameter is tied:
+    # neither is refused.
+    check_split(model, [1, 2], [torch.device("cpu"), torch.device("meta")])
+    linear = nn.Linear(2, 2)
+    check_split(nn.Sequential(linear, nn.ReLU(), linear), [1, 2], devices)
 
 
 @pytest.mark.parametrize(
@@ -129,12 +135,12 @@ def test_a_cuda_device_without_cuda_is_refused() -> None:
 
 
 def test_refused_split_leaves_batch_norms_unconverted(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Pretend meta holds data, so that the split itself is refused (a shared parameter).
+    # Pretend a GPU is there, so that the split itself is refused (a shared buffer).
     monkeypatch.setattr(gpipe_partition, "_device", lambda device, k, devices: torch.device(device))
-    shared = nn.Linear(2, 2)
+    shared = nn.BatchNorm1d(2)
     model = nn.Sequential(shared, nn.BatchNorm1d(2), shared)
     with pytest.raises(ValueError, match="shared by partitions on different devices"):
-        GPipe(model, [1, 2], devices=["cpu", "meta"], deferred_batch_norm=True)
+        GPipe(model, [1, 2], devices=["cpu", "cuda:0"], deferred_batch_norm=True)
     assert type(model[1]) is nn.BatchNorm1d
 
 

@@ -180,6 +180,19 @@ def test_two_partitions_per_process_and_gpipe_schedule() -> None:
     assert _value(out, "loss (1 process)") == _value(out, "loss")
 
 
+def test_tied_weights_across_processes_train_as_in_one_process() -> None:
+    """Layers 2 and 6 share one weight, in partitions on ranks 0 and 1, with the gradients
+    clipped over the whole pipeline: the same losses as one process, at every step."""
+    code, out, err = _run(_demo("--tied", "--log-every", "1", "--steps", "3"))
+    assert code == 0, err
+    assert "layers 2 and 6 tied, gradients clipped to norm 1" in out
+    losses = re.findall(r"^step (\d)/3  loss (\d+\.\d{4})$", out, re.MULTILINE)
+    assert [step for step, _ in losses] == ["1", "2", "3"], out
+    assert _value(out, "loss") == f"{losses[0][1]} -> {losses[2][1]}"
+    assert _value(out, "loss (1 process)") == _value(out, "loss")
+    _no_third_party_warnings(err)
+
+
 def test_torchrun_starts_the_ranks() -> None:
     # --standalone: a free port (torchrun's default, 29500, may be taken by another run).
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -420,6 +433,7 @@ def test_parser_defaults_for_processes() -> None:
         ),
         (["--processes", "1", "--log-every", "5"], "--log-every goes with --processes 2 or more"),
         (["--timeout", "9"], "--timeout goes with --processes 2 or more"),
+        (["--tied"], "--tied goes with --processes 2 or more: the demo in one process"),
         (["--processes", "2", "--schedule", "zigzag"], "argument --schedule: invalid choice"),
         (
             ["--processes", "2", "--log-every", "0"],

@@ -35,6 +35,7 @@ from gpipe_skip import SkipLayout, inspect_skip_layout, verify_skippables
 
 from . import _agreement
 from ._agreement import Construction, Fields, RanksDisagree, layer_fields, run_fields
+from ._clip import check_clip_arguments, combine, gradient_norms
 from ._data_parallel import Replicas
 from ._errors import add_note
 from ._inputs import (
@@ -67,6 +68,7 @@ from ._placement import (
 from ._runner import run
 from ._schedule import Action, GPipeSchedule, Schedule, get_schedule, step_actions
 from ._sequential import PipeSequential
+from ._shared import SharedReplicas, Ties, find_shared, views
 from ._state_dict import PartitionKeys, map_keys
 from ._stream import AbstractStream, current_stream, new_stream
 from ._threads import check_intra_op_threads
@@ -192,7 +194,7 @@ class GPipe(nn.Module):
             :class:`~gpipe_core.WithDevice` is nested in a layer.
         BalanceError: ``balance`` does not split ``module`` into non-empty partitions.
         ValueError: too few devices, bad ``chunks``, ``checkpoint`` or ``timeout``, a
-            parameter shared by partitions on different devices, a
+            buffer shared by partitions on different devices of this process, a
             :class:`~gpipe_core.WithDevice` layer in a partition on another device, or a
             NCCL ``data_group`` for partitions that are not on CUDA, or a ``placement``
             that does not fit the partitions and workers.
@@ -324,6 +326,9 @@ class GPipe(nn.Module):
         if deferred_batch_norm or construction is not None:
             # Every check that could refuse the module first: a refused module is unchanged.
             check_split(module, self.balance, self.devices)
+        # The tensors that layers of several partitions share (tied weights), found before
+        # a rank releases the other ranks' layers.
+        shared = find_shared(layer_groups(module, self.balance))
         if construction is not None:
             fields = (
                 ("the module's type", type(module).__qualname__),
@@ -333,6 +338,7 @@ class GPipe(nn.Module):
                 ("checkpoint", self.checkpoint),
                 ("deferred_batch_norm", deferred_batch_norm),
                 ("the rank of each partition", placement.ranks),
+                ("the uses of each shared parameter or buffer", [s.uses for s in shared]),
                 (
                     "the device types of each rank's partitions",
                     sorted({device.type for device in placement.local_devices()}),
@@ -369,8 +375,16 @@ class GPipe(nn.Module):
         self._init_runtime()
         # Checkpoints use the plain module's keys, whatever the balance.
         map_keys(self, PartitionKeys(self._partition_list(), self._remote_layers))
+        #: The layers' names, in the plain module's order.
+        self._layer_names = list(module._modules)
+        #: The parameters' names, in the plain module's order (each shared one once).
+        self._parameter_names = [name for name, _ in placed_layers(module).named_parameters()]
+        self._shared = SharedReplicas(shared, placement.ranks, partitions, group, seconds)
+        # Partitions on other devices than a shared parameter's use a copy tied to it.
+        Ties(shared, partitions, self.devices)
         if construction is not None:
             construction.agree((), seconds)  # every rank has built its partitions
+            self._shared.connect()  # the replicas of shared tensors are made equal
 
     def _init_runtime(self) -> None:
         """The state that is not copied or pickled: copy streams and worker threads (the
@@ -462,6 +476,82 @@ class GPipe(nn.Module):
                 if layer is not None
             )
         )
+
+    # -- names: the plain module's ---------------------------------------------------
+
+    def _plain_children(self) -> dict[str, nn.Module]:
+        """This process's layers under their names in the plain module, in its order."""
+        return {
+            name: layer
+            for partition in self._partition_list()
+            for name, layer in partition._modules.items()
+            if layer is not None
+        }
+
+    def named_children(self) -> Iterator[tuple[str, nn.Module]]:
+        """The layers of this process's partitions under their names in the plain
+        module, so that :meth:`~torch.nn.Module.named_parameters`,
+        :meth:`~torch.nn.Module.named_buffers` and :meth:`~torch.nn.Module.named_modules`
+        give the plain module's names (``0.weight``), as :meth:`state_dict` does, and
+        every name resolves on the pipeline (``pipe.get_parameter('0.weight')``). The
+        partitions stay in :attr:`partitions`.
+
+        Across processes, a rank holds only its partitions' layers. A shared (tied)
+        parameter whose first use is in another rank's layer has a replica here, named as
+        in the plain module (``0.weight``): a module standing for that layer holds it
+        alone, so that an optimizer's state for it has the plain module's key.
+        """
+        children = {**self._plain_children(), **self._replica_views()}
+        for name in self._layer_names:
+            if name in children:
+                yield name, children[name]
+
+    def _replica_views(self) -> dict[str, nn.Module]:
+        """The replicas of shared tensors whose owner's layer another rank runs, under the
+        owner's name (see :meth:`named_children`)."""
+        shared = self.__dict__.get("_shared")
+        if shared is None or not shared.foreign:
+            return {}
+        return views(shared.replicas, set(self._plain_children()))
+
+    def named_modules(
+        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Module]]:
+        """The pipeline, then its layers and theirs under the plain module's names (see
+        :meth:`named_children`)."""
+        if memo is None:
+            memo = set()
+        if self in memo:
+            return
+        if remove_duplicate:
+            memo.add(self)
+        yield prefix, self
+        for name, layer in self.named_children():
+            yield from layer.named_modules(
+                memo, f"{prefix}.{name}" if prefix else name, remove_duplicate
+            )
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError as error:
+            # A layer under its plain name, as on the plain module (``pipe.get_submodule('3')``).
+            modules = self.__dict__.get("_modules", {})
+            if "partitions" in modules and not name.startswith("_"):
+                layer = self._plain_children().get(name, self._replica_views().get(name))
+                if layer is not None:
+                    return layer
+            raise error
+
+    def train(self, mode: bool = True) -> GPipe:
+        """Set training mode (``mode=False``: eval mode) on the pipeline, its layers and
+        its partitions, as :meth:`torch.nn.Module.train` does on a module."""
+        super().train(mode)
+        # The containers are not children under the plain names; they follow too.
+        self.partitions.training = mode
+        for partition in self.partitions:
+            partition.training = mode
+        return self
 
     def __len__(self) -> int:
         return sum(len(partition) for partition in self._partition_list())
@@ -906,11 +996,19 @@ class GPipe(nn.Module):
             >>> len(losses)
             4
         """
-        with self._replicas.averaging(self.parameters), self._session() as session:
-            arguments = step_arguments(inputs, target, loss_fn, unpack_input)
-            losses = self._step(arguments, schedule, reduction)
-            if losses is not None:
-                session.payload = functools.partial(to_numbers, losses)
+        # Across processes, the replicas of shared parameters get the sum of what the
+        # step adds to their gradients, after every backward pass of the step (the ranks
+        # agree on the training and grad modes, which say whether there are any).
+        backward = self.training and torch.is_grad_enabled()
+        before = self._shared.gradients() if backward else None
+        with self._replicas.averaging(self.parameters):
+            with self._session() as session:
+                arguments = step_arguments(inputs, target, loss_fn, unpack_input)
+                losses = self._step(arguments, schedule, reduction)
+                if losses is not None:
+                    session.payload = functools.partial(to_numbers, losses)
+            if before is not None:
+                self._shared.sum_gradients(before)
         if losses is not None:
             return losses
         # Every rank returns the losses of the last partition's rank.
@@ -1000,6 +1098,111 @@ class GPipe(nn.Module):
         if losses is None:
             return None
         return Losses(cast(list[torch.Tensor], losses.losses), sizes, reduction)
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """Clip the gradients of the whole pipeline by their total norm, as
+        :func:`torch.nn.utils.clip_grad_norm_` clips the plain module's.
+
+        The total norm is that of every parameter's gradient (each shared parameter
+        once), as if they were one vector; if it exceeds ``max_norm``, every gradient is
+        scaled by ``max_norm / (total_norm + 1e-6)``. In one process this is torch's
+        function over :meth:`parameters`.
+
+        With ``group`` (across processes), every rank calls it with the same arguments,
+        after :meth:`step`: the ranks exchange the norms of their gradients, each rank
+        counting its own parameters (a shared parameter's replicas once, on its owner's
+        rank), and every rank scales by the same factor and returns the same total norm,
+        the plain module's. With ``data_group``, each replica of the pipeline holds the
+        averaged gradients already: the norm is over the pipeline's ranks, and the
+        replicas are not counted twice.
+
+        Args:
+            max_norm: the largest total norm kept.
+            norm_type: the order of the norm (``float('inf')`` for the largest absolute
+                value).
+            error_if_nonfinite: raise if the total norm is ``nan`` or infinite (the
+                gradients are then unchanged); else scale by it, as torch does.
+            foreach: use torch's ``foreach`` kernels (None: where they are supported).
+
+        Returns:
+            The total norm of the gradients before clipping (a scalar tensor).
+
+        Raises:
+            TypeError: ``max_norm`` or ``norm_type`` is not a number, or
+                ``error_if_nonfinite`` is not a bool.
+            RuntimeError: ``error_if_nonfinite`` and the total norm is not finite (on every
+                rank).
+
+        Example:
+            >>> model = GPipe(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)), [1, 1], chunks=2)
+            >>> losses = model.step(torch.randn(8, 4), torch.randn(8, 1), nn.MSELoss())
+            >>> total = model.clip_grad_norm_(0.5)
+            >>> clipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+            >>> bool(clipped <= 0.5 + 1e-4), total.shape
+            (True, torch.Size([]))
+        """
+        check_clip_arguments(max_norm, norm_type, error_if_nonfinite)
+        if not self._placement.spans_processes:
+            return torch.nn.utils.clip_grad_norm_(
+                self.parameters(), max_norm, norm_type, error_if_nonfinite, foreach
+            )
+        fields = (
+            ("the method called", "clip_grad_norm_"),
+            ("max_norm", float(max_norm)),
+            ("norm_type", float(norm_type)),
+            ("error_if_nonfinite", error_if_nonfinite),
+        )
+        counted = (
+            (name, p) for name, p in self.named_parameters() if name not in self._shared.foreign
+        )
+        with self._session() as session:
+            self._agree(fields)
+            session.payload = norms = gradient_norms(counted, float(norm_type), foreach)
+        for theirs in session.payloads.values():
+            norms.update(theirs)
+        total = combine(norms, self._parameter_names, float(norm_type), error_if_nonfinite)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            total = total.to(grads[0].device)
+        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, total, foreach)
+        return total
+
+    def shared_drift(self) -> dict[str, float]:
+        """How far the replicas of each shared (tied) parameter or buffer that this process
+        holds are from the owner's: the largest absolute difference, under the plain
+        module's name of the tensor (its first use).
+
+        In one process a shared tensor is one tensor (0.0). Across processes, each rank
+        that uses it keeps a replica, made equal at construction and given the summed
+        gradient at each :meth:`step`: an optimizer that treats the replicas alike keeps
+        them equal, and this says whether it did. Every rank calls it (it is collective
+        over the ranks that share each tensor); they get the same numbers.
+
+        Example:
+            >>> embedding = nn.Embedding(10, 4)
+            >>> head = nn.Linear(4, 10, bias=False)
+            >>> head.weight = embedding.weight  # tied, in partitions 0 and 1
+            >>> model = GPipe(nn.Sequential(embedding, nn.Tanh(), head), [2, 1])
+            >>> model.shared_drift()
+            {}
+        """
+        return self._shared.drift()
+
+    def _agree(self, fields: Fields) -> None:
+        """Across processes, the first partition's rank gives every other rank its run
+        ``fields``, and each checks that its own are the same (see
+        :meth:`_microbatches`)."""
+        transport = self._placement.transport()
+        if self._placement.is_local(0):
+            transport.send_plan((), fields if _agreement.CHECK_RUNS else ())
+        else:
+            transport.receive_plan(fields if _agreement.CHECK_RUNS else ())
 
     def trace(self) -> AbstractContextManager[Timeline]:
         """Record the pipeline's tasks while the ``with`` block runs.

@@ -314,16 +314,23 @@ def _check_available(device: torch.device, name: str, where: str) -> None:
 
 
 def _check_shared(partitions: Sequence[nn.Sequential], devices: Sequence[torch.device]) -> None:
-    """Refuse a parameter or buffer shared by partitions on different devices."""
-    owner: dict[int, int] = {}
+    """Refuse a buffer shared by partitions on different devices of this process: its
+    layers may update it in place, and each device's copy would drift from the others. A
+    shared parameter is tied instead (see :class:`gpipe_core._shared.Ties`); a partition of
+    another process (on ``meta`` here) keeps a replica (see :mod:`gpipe_core._shared`)."""
+    owner: dict[int, tuple[int, str]] = {}
     for j, partition in enumerate(partitions):
-        tensors = [*partition.parameters(), *partition.buffers()]
-        for tensor in tensors:
-            first = owner.setdefault(id(tensor), j)
+        if devices[j].type == "meta":
+            continue
+        for key, tensor in partition.named_buffers(remove_duplicate=False):
+            first, first_key = owner.setdefault(id(tensor), (j, key))
             if first != j and devices[first] != devices[j]:
                 raise ValueError(
-                    "a parameter or buffer is shared by partitions on different devices "
-                    f"(partition {first} on {devices[first]}, partition {j} on {devices[j]})"
+                    f"a buffer is shared by partitions on different devices of this process "
+                    f"({first_key} in partition {first} on {devices[first]} is {key} in "
+                    f"partition {j} on {devices[j]}), whose copies would drift apart (a layer "
+                    "may update it in place): put the partitions that share it on one device, "
+                    "or give each layer its own"
                 )
 
 
@@ -368,7 +375,7 @@ def check_split(
     Raises:
         TypeError: a :class:`WithDevice` is nested in a layer.
         ValueError: a :class:`WithDevice` layer is in a partition on another device, or a
-            parameter is shared by partitions on different devices.
+            buffer is shared by partitions on different devices.
     """
     _check_placement(module, balance, devices)
     _check_shared(layer_groups(module, balance), devices)
@@ -396,12 +403,14 @@ def split_module(
     Raises:
         TypeError: a :class:`WithDevice` is nested in a layer.
         ValueError: a :class:`WithDevice` layer is in a partition on another device, or a
-            parameter is shared by partitions on different devices.
+            buffer is shared by partitions on different devices.
     """
     partitions = layer_groups(module, balance)
     _check_placement(module, balance, devices)
     _check_shared(partitions, devices)
-    for j, (partition, device) in enumerate(zip(partitions, devices, strict=False)):
+    # Last partition first: a parameter shared by partitions on different devices ends on
+    # its first partition's device (its owner's), where the others tie to it.
+    for j, (partition, device) in reversed(list(enumerate(zip(partitions, devices, strict=False)))):
         if local is not None and not local[j]:
             partitions[j] = nn.Sequential()
         elif any(tensor.is_meta for tensor in (*partition.parameters(), *partition.buffers())):

@@ -16,7 +16,11 @@ __all__ = ["build_parser", "main"]
 #: The layers of the demo's network (``gpipe._demo.LAYERS``, without importing torch).
 LAYERS = 8
 #: The options that only the demo across processes takes.
-_PROCESSES_ONLY = ("log_every", "timeout")
+_PROCESSES_ONLY = {
+    "log_every": "the demo in one process has no other process to wait for or log",
+    "timeout": "the demo in one process has no other process to wait for or log",
+    "tied": "the demo in one process compares the plain network, on one device, untied",
+}
 
 
 def _torch_version() -> str:
@@ -92,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="SECONDS",
         help="with --processes: how long any wait for another process may last (default: 300)",
+    )
+    demo.add_argument(
+        "--tied",
+        action="store_true",
+        default=None,
+        help="with --processes: the first and the last hidden layers share one weight (tied "
+        "across partitions, as a language model's embedding and output head), and the "
+        "gradients are clipped to a total norm of 1",
     )
     progress = demo.add_mutually_exclusive_group()
     progress.add_argument(
@@ -185,14 +197,11 @@ def _check_demo(args: argparse.Namespace, launched: tuple[int, int] | None) -> N
             f"process (--partitions: {partitions}, --processes: {processes})"
         )
     if processes == 1:
-        for name in _PROCESSES_ONLY:
+        for name, why in _PROCESSES_ONLY.items():
             value = getattr(args, name)
             option = "--" + name.replace("_", "-")
             if value is not None:
-                error(
-                    f"{option} goes with --processes 2 or more: the demo in one process "
-                    f"has no other process to wait for or log ({option}: {value})"
-                )
+                error(f"{option} goes with --processes 2 or more: {why} ({option}: {value})")
     else:
         for name in ("trace", "plot"):
             value = getattr(args, name)
@@ -242,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             schedule=args.schedule or "1f1b",
             log_every=args.log_every or 10,
             timeout=args.timeout or 300.0,
+            tied=bool(args.tied),
         )
         if args.processes > 1:
             from ._demo_processes import rank_main

@@ -51,6 +51,11 @@ class DemoConfig:
     log_every: int = 10
     #: Across processes: the seconds any wait for another process may last.
     timeout: float = 300.0
+    #: Across processes: the first and the last hidden layers share their weight (tied, in
+    #: different partitions, as a language model's embedding and output head), and the
+    #: gradients are clipped to a total norm of 1 (:meth:`GPipe.clip_grad_norm_
+    #: <gpipe_core.GPipe.clip_grad_norm_>`).
+    tied: bool = False
     #: Where to write the Chrome/Perfetto trace of one extra, recorded step (or None).
     trace: str | None = None
     #: Where to draw the timeline of that step (or None; needs matplotlib).
@@ -134,7 +139,10 @@ def demo_setup(config: DemoConfig) -> tuple[torch.Tensor, torch.Tensor, nn.Seque
     data = torch.randn(batches, config.batch_size, features)
     with torch.no_grad():
         target = teacher(data).argmax(dim=-1)
-    return data, target, build_model(config.width, features, classes)
+    model = build_model(config.width, features, classes)
+    if config.tied:
+        model[6].weight = model[2].weight
+    return data, target, model
 
 
 def _devices(partitions: int) -> list[torch.device]:

@@ -105,6 +105,8 @@ def _train(
             loss_fn,
             schedule=config.schedule,
         )
+        if config.tied:
+            pipe.clip_grad_norm_(1.0)  # the whole pipeline's norm, the same on every rank
         optimizer.step()
         losses.append(step_losses.reduced().item())  # the same on every rank
         if log is not None:
@@ -159,7 +161,8 @@ def run_rank(
             print(
                 f"gpipe across {world} processes (gloo, {where}): balance {balance}, "
                 f"{config.chunks} micro-batches, schedule {config.schedule}, one intra-op "
-                "thread per process",
+                "thread per process"
+                + (", layers 2 and 6 tied, gradients clipped to norm 1" if config.tied else ""),
                 file=out,
                 flush=True,
             )

@@ -1,0 +1,85 @@
+"""The gradient norm of a whole pipeline, for :meth:`GPipe.clip_grad_norm_
+<gpipe_core.GPipe.clip_grad_norm_>`.
+
+In one process the pipeline's parameters are the plain module's, and
+:func:`torch.nn.utils.clip_grad_norm_` over them is the plain module's clipping. Across
+processes, each rank holds some of them: each rank computes the norm of each gradient it
+*counts* (its parameters, less the replicas of shared parameters whose owner another rank
+holds, so that each is counted once), the ranks exchange these norms, and every rank
+combines all of them in the plain module's order, as torch combines the norms of its
+tensors: the same total norm on every rank, equal to the plain module's, and the same
+clipping factor. Data-parallel replicas hold the same averaged gradients; the norm is over
+the pipeline's group only, so they are not counted twice.
+
+This module knows nothing of transports: it computes norms and combines the ones it is
+given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["check_clip_arguments", "combine", "gradient_norms"]
+
+
+def check_clip_arguments(max_norm: object, norm_type: object, error_if_nonfinite: object) -> None:
+    """Refuse arguments that :func:`torch.nn.utils.clip_grad_norm_` could not use, naming
+    the argument and the value seen."""
+    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number ({name}: {value!r})")
+    if not isinstance(error_if_nonfinite, bool):
+        raise TypeError(
+            f"error_if_nonfinite must be True or False (error_if_nonfinite: {error_if_nonfinite!r})"
+        )
+
+
+def gradient_norms(
+    named: Iterable[tuple[str, nn.Parameter]], norm_type: float, foreach: bool | None
+) -> dict[str, tuple[float, str]]:
+    """The norm of each gradient of ``named`` parameters (those with a gradient), under the
+    parameter's name, with the gradient's dtype (a Python float holds a norm exactly)."""
+    named = [(name, p) for name, p in named if p.grad is not None]
+    norms: dict[str, tuple[float, str]] = {}
+    for name, p in named:
+        grad = p.grad
+        assert grad is not None
+        if foreach is not False and grad.device.type in ("cpu", "cuda"):
+            norm = torch._foreach_norm([grad], norm_type)[0]
+        else:
+            norm = torch.linalg.vector_norm(grad, norm_type)
+        norms[name] = (float(norm.item()), str(grad.dtype).removeprefix("torch."))
+    return norms
+
+
+def combine(
+    norms: Mapping[str, tuple[float, str]],
+    order: Sequence[str],
+    norm_type: float,
+    error_if_nonfinite: bool,
+) -> torch.Tensor:
+    """The total norm of the gradients whose ``norms`` are given, combined in ``order``
+    (the plain module's), as :func:`torch.nn.utils.get_total_norm` combines them.
+
+    Raises:
+        RuntimeError: ``error_if_nonfinite`` and the total norm is ``nan`` or infinite.
+    """
+    parts = [
+        torch.tensor(norms[name][0], dtype=getattr(torch, norms[name][1]))
+        for name in order
+        if name in norms
+    ]
+    if not parts:
+        return torch.tensor(0.0)
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(parts), norm_type)
+    if error_if_nonfinite and not math.isfinite(total.item()):
+        raise RuntimeError(
+            f"the total norm of the gradients is not finite (norm_type: {norm_type}, total "
+            f"norm: {total.item()}), so they cannot be clipped; pass error_if_nonfinite=False "
+            "to scale them by it anyway"
+        )
+    return total
