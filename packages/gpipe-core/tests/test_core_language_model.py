@@ -89,6 +89,31 @@ def test_tied_model_trains_as_the_plain_one_in_one_process(
     assert pipe[0].weight is pipe[5].weight
 
 
+@pytest.mark.parametrize(
+    ("placement", "schedule"),
+    [("v", "zbv"), ("v", "1f1b"), ("loop", "interleaved-1f1b"), ("loop", "zb-h1")],
+)
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_tied_model_with_several_partitions_per_worker(
+    cases: ModuleType, placement: str, schedule: str, checkpoint: str, tie: bool
+) -> None:
+    """The embedding and the head on one worker (V placement) or on two (loop), with the
+    interleaved and zero-bubble schedules: the plain model's numbers at every step."""
+    spec = {"batch": 8, "chunks": 4, "max_norm": 0.5}
+    pipe = GPipe(
+        cases.language_model(2),
+        [1, 2, 2, 1],
+        chunks=4,
+        checkpoint=checkpoint,
+        devices=["cpu", "cpu"],
+        placement=placement,
+    )
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.05)
+    got = cases.lm_steps(pipe, optimizer, seed=2, first=0, steps=STEPS, schedule=schedule, **spec)
+    compare([got], plain_run(cases, 2, STEPS, **spec))
+    assert pipe[0].weight is pipe[5].weight
+
+
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_a_tied_copy_takes_the_gradient_to_the_owner_in_forward_and_backward(
     cases: ModuleType, checkpoint: str, tie: bool
