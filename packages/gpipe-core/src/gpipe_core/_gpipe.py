@@ -492,7 +492,7 @@ class GPipe(nn.Module):
         """The layers of this process's partitions under their names in the plain
         module, so that :meth:`~torch.nn.Module.named_parameters`,
         :meth:`~torch.nn.Module.named_buffers` and :meth:`~torch.nn.Module.named_modules`
-        give the plain module's names (``0.weight``), as :meth:`state_dict` does, and
+        give the plain module's names (``0.weight``), as ``state_dict()`` does, and
         every name resolves on the pipeline (``pipe.get_parameter('0.weight')``). The
         partitions stay in :attr:`partitions`.
 
@@ -1112,7 +1112,7 @@ class GPipe(nn.Module):
         The total norm is that of every parameter's gradient (each shared parameter
         once), as if they were one vector; if it exceeds ``max_norm``, every gradient is
         scaled by ``max_norm / (total_norm + 1e-6)``. In one process this is torch's
-        function over :meth:`parameters`.
+        function over :meth:`~torch.nn.Module.parameters`.
 
         With ``group`` (across processes), every rank calls it with the same arguments,
         after :meth:`step`: the ranks exchange the norms of their gradients, each rank
