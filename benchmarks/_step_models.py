@@ -102,11 +102,17 @@ def split_sleep_model(n: int, seconds: float) -> nn.Sequential:
     return nn.Sequential(*[SplitSleepStage(seconds) for _ in range(n)])
 
 
-def mlp(n: int, width: int, layers_per_partition: int = 2) -> nn.Sequential:
+def mlp(
+    n: int, width: int, layers_per_partition: int = 2, relu_first: bool = False
+) -> nn.Sequential:
+    """``n * layers_per_partition`` layers of ``Linear(width, width)`` and ``ReLU`` (in
+    that order, or the other with ``relu_first``: then no tensor that one layer saves for
+    backward is saved by the next one too)."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(n * layers_per_partition):
-        layers += [nn.Linear(width, width), nn.ReLU()]
+        pair: list[nn.Module] = [nn.Linear(width, width), nn.ReLU()]
+        layers += pair[::-1] if relu_first else pair
     # One (Linear, ReLU) pair per "layer", so that the balance counts pairs.
     return nn.Sequential(*[nn.Sequential(*layers[i : i + 2]) for i in range(0, len(layers), 2)])
 
@@ -521,17 +527,20 @@ class SavedBytes:
             yield
 
 
-def per_microbatch_bytes(case: Case) -> list[int]:
-    """Saved bytes of one micro-batch on each partition: the plain layers on one micro-batch.
+def per_microbatch_bytes(case: Case, loss: bool = False) -> list[int]:
+    """Saved bytes of one micro-batch on each partition: the plain layers on one micro-batch
+    (and, with ``loss``, the loss on the last partition, where a step computes it).
 
     A storage saved by two partitions (one's output is the next one's input) counts for the
-    first; the input is not counted (the caller holds it anyway).
+    first; the input and the target are not counted (the caller holds them anyway).
     """
     model = case.model()
-    x, _ = case.data()
-    h = x.tensor_split(case.chunks)[0].clone()  # a view would count all of x
+    x, y = case.data()
+    # A view would count all of x; ``first`` keeps the copy alive, so that no storage
+    # counted later can take its (excluded) address.
+    h = first = x.tensor_split(case.chunks)[0].detach().clone()
     layers = list(model.children())
-    counter = SavedBytes([*model.parameters(), h])
+    counter = SavedBytes([*model.parameters(), first, y])
     sizes = []
     start = 0
     with counter.hooks():
@@ -539,6 +548,8 @@ def per_microbatch_bytes(case: Case) -> list[int]:
             before = counter.live
             h = nn.Sequential(*layers[start : start + size])(h)
             start += size
+            if loss and start == len(layers):
+                h = case.loss_fn()(h, y.tensor_split(case.chunks)[0])
             sizes.append(counter.live - before)
     return sizes
 
