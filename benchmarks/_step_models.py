@@ -957,95 +957,102 @@ def pipelining_check() -> str | None:
     return None
 
 
-def _pipelining_steps(
-    rank: int, world: int, case: Case, ways: Sequence[str]
-) -> dict[str, tuple[nn.Module, Callable[[], object]]]:
-    """This rank's stages of ``case`` under pipelining's schedules (``pipe`` ways): one
+#: One way's step on one rank: the module whose grads are zeroed first, and the step.
+RankStep = tuple[nn.Module, Callable[[], object]]
+
+
+def _pipelining_step(rank: int, world: int, case: Case, way: Way) -> RankStep:
+    """This rank's stages of ``case`` under pipelining's schedule of ``way``: one
     ``PipelineStage`` per partition of the way's balance on this rank."""
     from torch.distributed import pipelining
 
     x, y = case.data()
-    loss_fn = case.loss_fn()
-    steps: dict[str, tuple[nn.Module, Callable[[], object]]] = {}
-    for name in ways:
-        way = parse_way(name)
-        if way.kind != "pipe":
-            continue
-        balance, workers = placed_balance(case, way, world)
-        layers = list(case.model().children())
-        bounds = [sum(balance[:j]) for j in range(len(balance) + 1)]
-        mine = [j for j, worker in enumerate(workers) if worker == rank]
-        submodules, stages = [], []
-        for j in mine:
-            submodule = nn.Sequential(*layers[bounds[j] : bounds[j + 1]])
-            with torch.no_grad():  # the input of this stage's micro-batch
-                micro = nn.Sequential(*layers[: bounds[j]])(x.tensor_split(case.chunks)[0])
-            stage = pipelining.PipelineStage(
-                submodule, j, len(balance), torch.device("cpu"), input_args=(micro.detach(),)
-            )
-            submodules.append(submodule)
-            stages.append(stage)
-        schedule_class = getattr(pipelining, PIPELINING_SCHEDULES[way.schedule])
-        several = issubclass(schedule_class, pipelining.schedules.PipelineScheduleMulti)
-        schedule = schedule_class(
-            stages if several else stages[0], n_microbatches=case.chunks, loss_fn=loss_fn
+    balance, workers = placed_balance(case, way, world)
+    layers = list(case.model().children())
+    bounds = [sum(balance[:j]) for j in range(len(balance) + 1)]
+    mine = [j for j, worker in enumerate(workers) if worker == rank]
+    submodules, stages = [], []
+    for j in mine:
+        submodule = nn.Sequential(*layers[bounds[j] : bounds[j + 1]])
+        with torch.no_grad():  # the input of this stage's micro-batch
+            micro = nn.Sequential(*layers[: bounds[j]])(x.tensor_split(case.chunks)[0])
+        stage = pipelining.PipelineStage(
+            submodule, j, len(balance), torch.device("cpu"), input_args=(micro.detach(),)
         )
-        args = (x,) if 0 in mine else ()
-        last = len(balance) - 1 in mine
+        submodules.append(submodule)
+        stages.append(stage)
+    schedule_class = getattr(pipelining, PIPELINING_SCHEDULES[way.schedule])
+    several = issubclass(schedule_class, pipelining.schedules.PipelineScheduleMulti)
+    schedule = schedule_class(
+        stages if several else stages[0], n_microbatches=case.chunks, loss_fn=case.loss_fn()
+    )
+    args = (x,) if 0 in mine else ()
+    last = len(balance) - 1 in mine
 
-        def run(schedule: Any = schedule, args: tuple[Any, ...] = args, last: bool = last) -> None:
-            if last:
-                schedule.step(*args, target=y, losses=[])
-            else:
-                schedule.step(*args)
+    def run() -> None:
+        if last:
+            schedule.step(*args, target=y, losses=[])
+        else:
+            schedule.step(*args)
 
-        steps[name] = (nn.ModuleList(submodules), run)
-    return steps
+    return nn.ModuleList(submodules), run
 
 
-def _gpipe_steps(
-    case: Case, ways: Sequence[str], timeout: float
-) -> dict[str, tuple[nn.Module, Callable[[], object]]]:
-    """This rank's partitions of ``case`` in ``GPipe(..., group=WORLD)`` (``dist`` ways):
-    one ``GPipe`` per placement, shared by the ways that name it."""
+def _gpipe_step(case: Case, way: Way, timeout: float, models: dict[str | None, Any]) -> RankStep:
+    """This rank's partitions of ``case`` in ``GPipe(..., group=WORLD)`` with the placement
+    of ``way``: one ``GPipe`` per placement (in ``models``), shared by the ways that name
+    it."""
     import torch.distributed as dist
 
     import gpipe_core._agreement as agreement
     from gpipe_core import GPipe
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    model = models.get(way.placement)
+    if model is None:
+        balance, _ = placed_balance(case, way, world)
+        model = models[way.placement] = GPipe(
+            case.model(),
+            balance,
+            chunks=case.chunks,
+            checkpoint=case.checkpoint,  # type: ignore[arg-type]
+            group=dist.group.WORLD,
+            timeout=timeout,
+            placement=way.placement,
+        )
     x, y = case.data()
+    first, last = model.partition_ranks[0] == rank, model.partition_ranks[-1] == rank
+    inputs = (x if first else None), (y if last else None)
     loss_fn = case.loss_fn()
-    models: dict[str | None, GPipe] = {}
-    steps: dict[str, tuple[nn.Module, Callable[[], object]]] = {}
+
+    def run() -> object:
+        agreement.CHECK_RUNS = way.checked
+        try:
+            return model.step(*inputs, loss_fn, schedule=way.schedule)
+        finally:
+            agreement.CHECK_RUNS = True
+
+    return model, run
+
+
+def _rank_steps(
+    rank: int, world: int, case: Case, ways: Sequence[str], timeout: float
+) -> tuple[dict[str, RankStep], dict[str, str]]:
+    """This rank's step of each of ``ways``, and why each way that could not be built was
+    not (``'failed: ...'``), so that the other ways still run."""
+    steps: dict[str, RankStep] = {}
+    unbuilt: dict[str, str] = {}
+    models: dict[str | None, Any] = {}
     for name in ways:
         way = parse_way(name)
-        if way.kind != "dist":
-            continue
-        model = models.get(way.placement)
-        if model is None:
-            balance, _ = placed_balance(case, way, world)
-            model = models[way.placement] = GPipe(
-                case.model(),
-                balance,
-                chunks=case.chunks,
-                checkpoint=case.checkpoint,  # type: ignore[arg-type]
-                group=dist.group.WORLD,
-                timeout=timeout,
-                placement=way.placement,
-            )
-        first, last = model.partition_ranks[0] == rank, model.partition_ranks[-1] == rank
-        inputs = (x if first else None), (y if last else None)
-
-        def run(model: GPipe = model, inputs: Any = inputs, way: Way = way) -> object:
-            agreement.CHECK_RUNS = way.checked
-            try:
-                return model.step(*inputs, loss_fn, schedule=way.schedule)  # type: ignore[arg-type]
-            finally:
-                agreement.CHECK_RUNS = True
-
-        steps[name] = (model, run)
-    return steps
+        try:
+            if way.kind == "dist":
+                steps[name] = _gpipe_step(case, way, timeout, models)
+            else:
+                steps[name] = _pipelining_step(rank, world, case, way)
+        except Exception as error:
+            unbuilt[name] = failed(error)
+    return steps, unbuilt
 
 
 def _rank_main(
@@ -1078,10 +1085,8 @@ def _rank_main(
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout),
         )
-        steps = _gpipe_steps(case, ways, timeout)
-        if any(way.startswith("pipe ") for way in ways):
-            steps.update(_pipelining_steps(rank, world, case, ways))
-        results.put((rank, "ready", None))
+        steps, unbuilt = _rank_steps(rank, world, case, ways, timeout)
+        results.put((rank, "ready", unbuilt))
         parent = os.getppid()
         while True:
             try:
@@ -1096,7 +1101,11 @@ def _rank_main(
             module.zero_grad(set_to_none=True)
             dist.barrier()
             begin = time.perf_counter()
-            run()
+            try:
+                run()
+            except Exception:  # reported; the parent decides whether the group goes on
+                results.put((rank, "failed", traceback.format_exc()))
+                continue
             end = time.perf_counter()
             results.put((rank, "time", (begin, end)))
         dist.destroy_process_group()
@@ -1117,7 +1126,9 @@ class Ranks:
     of a way on every rank and returns its time, from the barrier that starts it to the
     last rank's end. Every wait is bounded by ``timeout`` seconds; a rank that raises, dies
     or does not answer in time raises :class:`RankError` here, after every process has been
-    ended and reaped.
+    ended and reaped. Two failures leave the group running for the other ways: a way that
+    some rank cannot build (listed in :attr:`unbuilt`, never stepped), and a step that
+    raises the same error on every rank (a refusal before any message).
     """
 
     def __init__(
@@ -1138,6 +1149,8 @@ class Ranks:
         self.timeout = timeout
         self.results = context.Queue()
         self.commands = [context.Queue() for _ in range(self.world)]
+        #: The ways some rank could not build, and why (they are not stepped).
+        self.unbuilt: dict[str, str] = {}
         port = free_port()
         self.processes = [
             context.Process(
@@ -1161,7 +1174,9 @@ class Ranks:
         try:
             for process in self.processes:
                 process.start()
-            self._collect("ready")
+            for unbuilt in self._collect("ready"):
+                for way, reason in unbuilt.items():
+                    self.unbuilt.setdefault(way, reason)
         except BaseException:
             self.close()
             raise
@@ -1196,6 +1211,9 @@ class Ranks:
             if got == "error":
                 self.close()
                 raise RankError(f"rank {rank} failed:\n{value}")
+            if got == "failed" and kind == "time":  # the step raised: see step()
+                values[rank] = RankError(value)
+                continue
             if got != kind:
                 self.close()
                 raise RankError(f"rank {rank}: expected {kind!r}, got {got!r}")
@@ -1209,6 +1227,16 @@ class Ranks:
         for queue in self.commands:
             queue.put(way)
         spans = self._collect("time")
+        errors = [span for span in spans if isinstance(span, RankError)]
+        if errors:
+            # Every rank refusing alike (a check before any message) leaves nothing on the
+            # wire: the group goes on with the other ways. Otherwise it is ended.
+            last_lines = {str(error).strip().splitlines()[-1] for error in errors}
+            if len(errors) < self.world or len(last_lines) > 1:
+                self.close()
+            raise RankError(
+                f"the step of {way!r} raised on {len(errors)} rank(s): {last_lines.pop()}"
+            )
         return float(max(end for _, end in spans) - min(begin for begin, _ in spans))
 
     def close(self) -> list[int | None]:
@@ -1278,7 +1306,9 @@ class Ways:
             else:
                 self.groups.append((case.name, group))
                 for way in remote:
-                    runners[way] = lambda group=group, way=way: group.step(way)  # type: ignore[misc]
+                    runners[way] = group.unbuilt.get(way) or (
+                        lambda group=group, way=way: group.step(way)  # type: ignore[misc]
+                    )
         return {way: runners[way] for way in ways}
 
     def close(self) -> None:
