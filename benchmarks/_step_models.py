@@ -1,9 +1,11 @@
 """What the step benchmarks share: models, cases, timing, output, and ranks in processes.
 
-``bench_step.py`` and ``bench_distributed.py`` import from here: the models and their
-cases (built by name, so that other processes can build them too), the saved-activation
-counter, the interleaved timing of runners with medians, the tables and the PASS/FAIL
-lines of targets, and :class:`Ranks`, one process per stage in a gloo group running
+``bench_step.py``, ``bench_distributed.py`` and ``bench_schedules.py`` import from here:
+the models and their cases (built by name, so that other processes can build them too),
+the saved-activation counter, the interleaved timing of runners with medians, the tables
+and the PASS/FAIL lines of targets, the ways a step runs (named ``'<step|dist|pipe>
+<schedule>[ <placement>]'``, see :func:`parse_way`; :class:`Ways` builds them), and
+:class:`Ranks`, one process per worker in a gloo group running
 ``torch.distributed.pipelining`` and gpipe across processes. Kept apart from the scripts
 so that the spawned processes can import it (and so that ``nox -s bench`` does not run it:
 it runs ``bench_*.py`` only).
