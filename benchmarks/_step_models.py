@@ -1,9 +1,11 @@
 """What the step benchmarks share: models, cases, timing, output, and ranks in processes.
 
-``bench_step.py`` and ``bench_distributed.py`` import from here: the models and their
-cases (built by name, so that other processes can build them too), the saved-activation
-counter, the interleaved timing of runners with medians, the tables and the PASS/FAIL
-lines of targets, and :class:`Ranks`, one process per stage in a gloo group running
+``bench_step.py``, ``bench_distributed.py`` and ``bench_schedules.py`` import from here:
+the models and their cases (built by name, so that other processes can build them too),
+the saved-activation counter, the interleaved timing of runners with medians, the tables
+and the PASS/FAIL lines of targets, the ways a step runs (named ``'<step|dist|pipe>
+<schedule>[ <placement>]'``, see :func:`parse_way`; :class:`Ways` builds them), and
+:class:`Ranks`, one process per worker in a gloo group running
 ``torch.distributed.pipelining`` and gpipe across processes. Kept apart from the scripts
 so that the spawned processes can import it (and so that ``nox -s bench`` does not run it:
 it runs ``bench_*.py`` only).
@@ -66,11 +68,53 @@ def sleep_model(n: int, seconds: float) -> nn.Sequential:
     return nn.Sequential(*[SleepStage(seconds) for _ in range(n)])
 
 
-def mlp(n: int, width: int, layers_per_partition: int = 2) -> nn.Sequential:
+class _SleepThrough(torch.autograd.Function):
+    """``x`` itself (a copy), whose forward sleeps ``before`` and backward ``after`` seconds."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, before: float, after: float) -> torch.Tensor:
+        if before:
+            time.sleep(before)
+        ctx.after = after
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.after)
+        return grad, None, None
+
+
+class SplitSleepStage(nn.Module):
+    """A stage whose forward pass, input gradient and weight gradient each take ``seconds``
+    per micro-batch: ``x + weight``, where the path from the input sleeps in its forward and
+    backward, and the path from the parameter in its backward only. A split backward runs
+    the first path at ``I``, the second at ``W``; a whole one runs both."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.weight = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        through = _SleepThrough.apply(x, self.seconds, self.seconds)
+        return through + _SleepThrough.apply(self.weight, 0.0, self.seconds)
+
+
+def split_sleep_model(n: int, seconds: float) -> nn.Sequential:
+    return nn.Sequential(*[SplitSleepStage(seconds) for _ in range(n)])
+
+
+def mlp(
+    n: int, width: int, layers_per_partition: int = 2, relu_first: bool = False
+) -> nn.Sequential:
+    """``n * layers_per_partition`` layers of ``Linear(width, width)`` and ``ReLU`` (in
+    that order, or the other with ``relu_first``: then no tensor that one layer saves for
+    backward is saved by the next one too)."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(n * layers_per_partition):
-        layers += [nn.Linear(width, width), nn.ReLU()]
+        pair: list[nn.Module] = [nn.Linear(width, width), nn.ReLU()]
+        layers += pair[::-1] if relu_first else pair
     # One (Linear, ReLU) pair per "layer", so that the balance counts pairs.
     return nn.Sequential(*[nn.Sequential(*layers[i : i + 2]) for i in range(0, len(layers), 2)])
 
@@ -189,6 +233,7 @@ def tiny(n: int) -> nn.Sequential:
 
 BUILDERS: dict[str, Callable[..., nn.Sequential]] = {
     "sleep": sleep_model,
+    "split-sleep": split_sleep_model,
     "mlp": mlp,
     "resnet": resnet,
     "transformer": transformer,
@@ -213,6 +258,7 @@ class Case:
     output_shape: tuple[int, ...] = ()
     checkpoint: str = "never"
     ideal: float | None = None  # seconds of a step with no overhead, when known
+    input_grad: bool = False  # the input requires grad (the first partition's I computes it)
 
     def model(self) -> nn.Sequential:
         return BUILDERS[self.builder](**self.kwargs)
@@ -222,7 +268,7 @@ class Case:
         if self.loss == "lm":
             tokens = torch.randint(self.classes, self.input_shape, generator=generator)
             return tokens, torch.randint(self.classes, self.input_shape, generator=generator)
-        x = torch.randn(self.input_shape, generator=generator)
+        x = torch.randn(self.input_shape, generator=generator).requires_grad_(self.input_grad)
         if self.loss == "cross_entropy":
             y = torch.randint(self.classes, (self.input_shape[0],), generator=generator)
         else:
@@ -299,6 +345,24 @@ def sleep_case(n: int, m: int, seconds: float, sleep: float | None = None) -> Ca
         (m, 4),
         "mse",
         ideal=2 * (m + n - 1) * seconds,
+    )
+
+
+def split_sleep_case(workers: int, m: int, seconds: float, sleep: float | None = None) -> Case:
+    """``2 * workers`` fixed-time partitions (two per worker) whose forward pass, input
+    gradient and weight gradient each take ``t = seconds`` (each sleeps ``sleep``, default
+    ``t``), ``m`` micro-batches. The input requires grad, so that the first partition's
+    input gradient takes ``t`` too. A schedule's ideal step is its :func:`simulate
+    <gpipe_core.simulate>` makespan in units of ``t``."""
+    return Case(
+        f"fixed-time W{workers} M{m}",
+        "split-sleep",
+        {"n": 2 * workers, "seconds": seconds if sleep is None else sleep},
+        [1] * (2 * workers),
+        m,
+        (m, 4),
+        "mse",
+        input_grad=True,
     )
 
 
@@ -405,6 +469,8 @@ class SavedBytes:
     storage counts once, however many saved tensors view it, while at least one of them is
     still held by autograd; parameters (``exclude``) are not counted. Works across threads
     when the saved-tensor hooks reach them (gpipe's workers run under the caller's hooks).
+    Each storage also counts for the thread that saved it first (by the thread's name, in
+    ``live_by`` and ``peak_by``): gpipe's worker ``w`` is the thread ``gpipe-worker-w``.
     """
 
     def __init__(self, exclude: list[torch.Tensor]) -> None:
@@ -412,8 +478,11 @@ class SavedBytes:
         self._lock = threading.Lock()
         self._refs: dict[int, int] = {}
         self._sizes: dict[int, int] = {}
+        self._owners: dict[int, str] = {}
         self.live = 0
         self.peak = 0
+        self.live_by: dict[str, int] = {}
+        self.peak_by: dict[str, int] = {}
 
     def reset_peak(self) -> None:
         with self._lock:
@@ -427,9 +496,13 @@ class SavedBytes:
         with self._lock:
             count = self._refs.get(key, 0)
             if count == 0:
-                self._sizes[key] = storage.nbytes()
-                self.live += storage.nbytes()
+                size = storage.nbytes()
+                owner = self._owners[key] = threading.current_thread().name
+                self._sizes[key] = size
+                self.live += size
                 self.peak = max(self.peak, self.live)
+                live = self.live_by[owner] = self.live_by.get(owner, 0) + size
+                self.peak_by[owner] = max(self.peak_by.get(owner, 0), live)
             self._refs[key] = count + 1
         holder = _Holder(tensor)
         weakref.finalize(holder, self._release, key)
@@ -440,7 +513,9 @@ class SavedBytes:
             count = self._refs[key] - 1
             if count == 0:
                 del self._refs[key]
-                self.live -= self._sizes.pop(key)
+                size = self._sizes.pop(key)
+                self.live -= size
+                self.live_by[self._owners.pop(key)] -= size
             else:
                 self._refs[key] = count
 
@@ -452,6 +527,33 @@ class SavedBytes:
     def hooks(self) -> Iterator[None]:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
+
+
+def per_microbatch_bytes(case: Case, loss: bool = False) -> list[int]:
+    """Saved bytes of one micro-batch on each partition: the plain layers on one micro-batch
+    (and, with ``loss``, the loss on the last partition, where a step computes it).
+
+    A storage saved by two partitions (one's output is the next one's input) counts for the
+    first; the input and the target are not counted (the caller holds them anyway).
+    """
+    model = case.model()
+    x, y = case.data()
+    # A view would count all of x; ``first`` keeps the copy alive, so that no storage
+    # counted later can take its (excluded) address.
+    h = first = x.tensor_split(case.chunks)[0].detach().clone()
+    layers = list(model.children())
+    counter = SavedBytes([*model.parameters(), first, y])
+    sizes = []
+    start = 0
+    with counter.hooks():
+        for size in case.balance:
+            before = counter.live
+            h = nn.Sequential(*layers[start : start + size])(h)
+            start += size
+            if loss and start == len(layers):
+                h = case.loss_fn()(h, y.tensor_split(case.chunks)[0])
+            sizes.append(counter.live - before)
+    return sizes
 
 
 class _Holder:
@@ -720,13 +822,128 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-#: torch.distributed.pipelining's schedules, in the order of gpipe's ``('gpipe', '1f1b')``.
-PIPELINING_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
+#: torch.distributed.pipelining's class for each of gpipe's schedules.
+PIPELINING_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
 #: The ways a :class:`Ranks` group runs: ``pipe`` (torch.distributed.pipelining) and
 #: ``dist`` (gpipe's ``GPipe(..., group=...)``), each with a GPipe and a 1F1B schedule.
 RANK_WAYS = ("dist gpipe", "dist 1f1b", "pipe gpipe", "pipe 1f1b")
 #: ``dist`` ways with the ranks' agreement check of every run turned off, to measure it.
 UNCHECKED_WAYS = ("dist gpipe unchecked", "dist 1f1b unchecked")
+#: The placements a way may name (see :func:`parse_way`).
+PLACEMENTS = ("loop", "v")
+
+
+@dataclass(frozen=True)
+class Way:
+    """A way of running a case's step, parsed from its name (see :func:`parse_way`)."""
+
+    kind: str  # "step" (gpipe in this process), "dist" (gpipe across processes), "pipe"
+    schedule: str  # gpipe's name of the schedule
+    placement: str | None  # "loop", "v", or None: one partition per worker
+    checked: bool = True  # the ranks' agreement check of every run (dist ways)
+
+
+def parse_way(way: str) -> Way:
+    """``'<kind> <schedule>[ <placement>][ unchecked]'``: ``kind`` is ``step`` (``GPipe``
+    in this process, one worker per ``"cpu"`` entry of ``devices``), ``dist``
+    (``GPipe(..., group=WORLD)``, one rank per worker) or ``pipe``
+    (``torch.distributed.pipelining``'s class of the same schedule, see
+    :data:`PIPELINING_SCHEDULES`). With a placement (``loop`` or ``v``), the case's
+    partitions are placed that way on the workers, several per worker; without one, the
+    partitions are merged into one per worker (see :func:`merged_balance`), as when there
+    are as many as workers.
+
+    Example:
+        >>> parse_way("dist zbv v")
+        Way(kind='dist', schedule='zbv', placement='v', checked=True)
+    """
+    words = way.split()
+    rest = words[2:]
+    placements = [word for word in rest if word in PLACEMENTS]
+    unknown = [word for word in rest if word not in (*PLACEMENTS, "unchecked")]
+    if len(words) < 2 or words[0] not in ("step", "dist", "pipe") or unknown or len(placements) > 1:
+        raise ValueError(
+            f"a way is '<step|dist|pipe> <schedule>[ <loop|v>][ unchecked]' (way: {way!r})"
+        )
+    if words[0] == "pipe" and words[1] not in PIPELINING_SCHEDULES:
+        raise ValueError(
+            f"pipelining has no schedule like {words[1]!r} (known: {list(PIPELINING_SCHEDULES)})"
+        )
+    return Way(words[0], words[1], placements[0] if placements else None, "unchecked" not in rest)
+
+
+def merged_balance(balance: Sequence[int], workers: int) -> list[int]:
+    """``balance`` with each run of ``len(balance) // workers`` partitions made one: the
+    same layers, one partition per worker.
+
+    Example:
+        >>> merged_balance([1, 2, 3, 4], 2)
+        [3, 7]
+    """
+    if len(balance) % workers:
+        raise ValueError(
+            f"{len(balance)} partitions cannot be merged into {workers} (balance: {balance})"
+        )
+    k = len(balance) // workers
+    return [sum(balance[i : i + k]) for i in range(0, len(balance), k)]
+
+
+def placed_balance(case: Case, way: Way, workers: int) -> tuple[list[int], list[int]]:
+    """The balance ``way`` runs ``case`` with on ``workers`` workers, and the worker of
+    each of its partitions."""
+    from gpipe_core import place_partitions
+
+    if way.placement is None:
+        balance = merged_balance(case.balance, workers)
+        return balance, list(range(workers))
+    balance = list(case.balance)
+    return balance, place_partitions(way.placement, len(balance), workers)
+
+
+def step_models(case: Case, ways: Sequence[str], workers: int) -> dict[str, tuple[Any, str]]:
+    """The ``step`` ways of ``case`` in this process, ``workers`` ``"cpu"`` workers: each
+    way's ``GPipe`` and schedule. One ``GPipe`` per placement, shared by the ways that
+    name it."""
+    from gpipe_core import GPipe
+
+    models: dict[str | None, GPipe] = {}
+    result: dict[str, tuple[Any, str]] = {}
+    for name in ways:
+        way = parse_way(name)
+        if way.kind != "step":
+            raise ValueError(f"not a way of this process: {name!r}")
+        model = models.get(way.placement)
+        if model is None:
+            balance, _ = placed_balance(case, way, workers)
+            model = models[way.placement] = GPipe(
+                case.model(),
+                balance,
+                chunks=case.chunks,
+                checkpoint=case.checkpoint,  # type: ignore[arg-type]
+                devices=["cpu"] * workers,
+                placement=way.placement,
+            )
+        result[name] = (model, way.schedule)
+    return result
+
+
+def step_runners(case: Case, ways: Sequence[str], workers: int) -> dict[str, Runner]:
+    """The runners of :func:`step_models`: one ``GPipe.step`` each."""
+    x, y = case.data()
+    loss_fn = case.loss_fn()
+    return {
+        name: timed(
+            model,
+            lambda model=model, schedule=schedule: model.step(x, y, loss_fn, schedule=schedule),  # type: ignore[misc]
+        )
+        for name, (model, schedule) in step_models(case, ways, workers).items()
+    }
 
 
 def pipelining_check() -> str | None:
@@ -742,79 +959,102 @@ def pipelining_check() -> str | None:
     return None
 
 
-def _pipelining_steps(
-    rank: int, world: int, case: Case, ways: Sequence[str]
-) -> dict[str, tuple[nn.Module, Callable[[], object]]]:
-    """This rank's stage of ``case`` under pipelining's schedules (``pipe`` ways)."""
+#: One way's step on one rank: the module whose grads are zeroed first, and the step.
+RankStep = tuple[nn.Module, Callable[[], object]]
+
+
+def _pipelining_step(rank: int, world: int, case: Case, way: Way) -> RankStep:
+    """This rank's stages of ``case`` under pipelining's schedule of ``way``: one
+    ``PipelineStage`` per partition of the way's balance on this rank."""
     from torch.distributed import pipelining
 
-    layers = list(case.model().children())
-    start = sum(case.balance[:rank])
-    submodule = nn.Sequential(*layers[start : start + case.balance[rank]])
     x, y = case.data()
-    loss_fn = case.loss_fn()
-    micro = x.tensor_split(case.chunks)[0]
-    with torch.no_grad():
-        for i in range(rank):  # the input shape of this stage's micro-batch
-            lo = sum(case.balance[:i])
-            micro = nn.Sequential(*layers[lo : lo + case.balance[i]])(micro)
-    steps: dict[str, tuple[nn.Module, Callable[[], object]]] = {}
-    for way, name in zip(RANK_WAYS[2:], PIPELINING_SCHEDULES, strict=True):
-        if way not in ways:
-            continue
+    balance, workers = placed_balance(case, way, world)
+    layers = list(case.model().children())
+    bounds = [sum(balance[:j]) for j in range(len(balance) + 1)]
+    mine = [j for j, worker in enumerate(workers) if worker == rank]
+    submodules, stages = [], []
+    for j in mine:
+        submodule = nn.Sequential(*layers[bounds[j] : bounds[j + 1]])
+        with torch.no_grad():  # the input of this stage's micro-batch
+            micro = nn.Sequential(*layers[: bounds[j]])(x.tensor_split(case.chunks)[0])
         stage = pipelining.PipelineStage(
-            submodule, rank, world, torch.device("cpu"), input_args=(micro,)
+            submodule, j, len(balance), torch.device("cpu"), input_args=(micro.detach(),)
         )
-        schedule = getattr(pipelining, name)(stage, n_microbatches=case.chunks, loss_fn=loss_fn)
-        if rank == 0:
-            run: Callable[[], object] = lambda schedule=schedule: schedule.step(x)  # noqa: E731
-        elif rank == world - 1:
-            run = lambda schedule=schedule: schedule.step(target=y, losses=[])  # noqa: E731
+        submodules.append(submodule)
+        stages.append(stage)
+    schedule_class = getattr(pipelining, PIPELINING_SCHEDULES[way.schedule])
+    several = issubclass(schedule_class, pipelining.schedules.PipelineScheduleMulti)
+    schedule = schedule_class(
+        stages if several else stages[0], n_microbatches=case.chunks, loss_fn=case.loss_fn()
+    )
+    args = (x,) if 0 in mine else ()
+    last = len(balance) - 1 in mine
+
+    def run() -> None:
+        if last:
+            schedule.step(*args, target=y, losses=[])
         else:
-            run = schedule.step
-        steps[way] = (submodule, run)
-    return steps
+            schedule.step(*args)
+
+    return nn.ModuleList(submodules), run
 
 
-def _gpipe_steps(
-    case: Case, ways: Sequence[str], timeout: float
-) -> dict[str, tuple[nn.Module, Callable[[], object]]]:
-    """This rank's stages of ``case`` in ``GPipe(..., group=WORLD)`` (``dist`` ways)."""
+def _gpipe_step(case: Case, way: Way, timeout: float, models: dict[str | None, Any]) -> RankStep:
+    """This rank's partitions of ``case`` in ``GPipe(..., group=WORLD)`` with the placement
+    of ``way``: one ``GPipe`` per placement (in ``models``), shared by the ways that name
+    it."""
     import torch.distributed as dist
 
+    import gpipe_core._agreement as agreement
     from gpipe_core import GPipe
 
-    model = GPipe(
-        case.model(),
-        case.balance,
-        chunks=case.chunks,
-        checkpoint=case.checkpoint,  # type: ignore[arg-type]
-        group=dist.group.WORLD,
-        timeout=timeout,
-    )
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = models.get(way.placement)
+    if model is None:
+        balance, _ = placed_balance(case, way, world)
+        model = models[way.placement] = GPipe(
+            case.model(),
+            balance,
+            chunks=case.chunks,
+            checkpoint=case.checkpoint,  # type: ignore[arg-type]
+            group=dist.group.WORLD,
+            timeout=timeout,
+            placement=way.placement,
+        )
     x, y = case.data()
     first, last = model.partition_ranks[0] == rank, model.partition_ranks[-1] == rank
-    x_or_none, y_or_none = (x if first else None), (y if last else None)
+    inputs = (x if first else None), (y if last else None)
     loss_fn = case.loss_fn()
 
-    def step(schedule: str, checked: bool) -> Callable[[], object]:
-        import gpipe_core._agreement as agreement
+    def run() -> object:
+        agreement.CHECK_RUNS = way.checked
+        try:
+            return model.step(*inputs, loss_fn, schedule=way.schedule)
+        finally:
+            agreement.CHECK_RUNS = True
 
-        def run() -> object:
-            agreement.CHECK_RUNS = checked
-            try:
-                return model.step(x_or_none, y_or_none, loss_fn, schedule=schedule)  # type: ignore[arg-type]
-            finally:
-                agreement.CHECK_RUNS = True
+    return model, run
 
-        return run
 
-    return {
-        way: (model, step(way.split()[1], "unchecked" not in way))
-        for way in (*RANK_WAYS[:2], *UNCHECKED_WAYS)
-        if way in ways
-    }
+def _rank_steps(
+    rank: int, world: int, case: Case, ways: Sequence[str], timeout: float
+) -> tuple[dict[str, RankStep], dict[str, str]]:
+    """This rank's step of each of ``ways``, and why each way that could not be built was
+    not (``'failed: ...'``), so that the other ways still run."""
+    steps: dict[str, RankStep] = {}
+    unbuilt: dict[str, str] = {}
+    models: dict[str | None, Any] = {}
+    for name in ways:
+        way = parse_way(name)
+        try:
+            if way.kind == "dist":
+                steps[name] = _gpipe_step(case, way, timeout, models)
+            else:
+                steps[name] = _pipelining_step(rank, world, case, way)
+        except Exception as error:
+            unbuilt[name] = failed(error)
+    return steps, unbuilt
 
 
 def _rank_main(
@@ -847,10 +1087,8 @@ def _rank_main(
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout),
         )
-        steps = _gpipe_steps(case, ways, timeout)
-        if any(way.startswith("pipe ") for way in ways):
-            steps.update(_pipelining_steps(rank, world, case, ways))
-        results.put((rank, "ready", None))
+        steps, unbuilt = _rank_steps(rank, world, case, ways, timeout)
+        results.put((rank, "ready", unbuilt))
         parent = os.getppid()
         while True:
             try:
@@ -865,7 +1103,11 @@ def _rank_main(
             module.zero_grad(set_to_none=True)
             dist.barrier()
             begin = time.perf_counter()
-            run()
+            try:
+                run()
+            except Exception:  # reported; the parent decides whether the group goes on
+                results.put((rank, "failed", traceback.format_exc()))
+                continue
             end = time.perf_counter()
             results.put((rank, "time", (begin, end)))
         dist.destroy_process_group()
@@ -878,30 +1120,39 @@ class RankError(RuntimeError):
 
 
 class Ranks:
-    """``len(case.balance)`` processes in one gloo group (one stage each), kept alive for
-    one case and stepped from this process.
+    """``world`` processes in one gloo group (default: one per partition of ``case``), kept
+    alive for one case and stepped from this process.
 
-    Each rank builds the ``ways`` it is given (see :data:`RANK_WAYS`) with
-    ``torch.set_num_threads(threads)``; :meth:`step` runs one step of a way on every rank
-    and returns its time, from the barrier that starts it to the last rank's end. Every
-    wait is bounded by ``timeout`` seconds; a rank that raises, dies or does not answer in
-    time raises :class:`RankError` here, after every process has been ended and reaped.
+    Each rank builds the ``ways`` it is given (``dist`` and ``pipe`` ways, see
+    :func:`parse_way`) with ``torch.set_num_threads(threads)``; :meth:`step` runs one step
+    of a way on every rank and returns its time, from the barrier that starts it to the
+    last rank's end. Every wait is bounded by ``timeout`` seconds; a rank that raises, dies
+    or does not answer in time raises :class:`RankError` here, after every process has been
+    ended and reaped. Two failures leave the group running for the other ways: a way that
+    some rank cannot build (listed in :attr:`unbuilt`, never stepped), and a step that
+    raises the same error on every rank (a refusal before any message).
     """
 
     def __init__(
-        self, case: Case, ways: Sequence[str], threads: int = 1, timeout: float = 120.0
+        self,
+        case: Case,
+        ways: Sequence[str],
+        threads: int = 1,
+        timeout: float = 120.0,
+        world: int | None = None,
     ) -> None:
         import torch.multiprocessing as mp
 
-        known = (*RANK_WAYS, *UNCHECKED_WAYS)
-        unknown = [way for way in ways if way not in known]
-        if unknown:
-            raise ValueError(f"unknown ways: {unknown} (known: {list(known)})")
+        for way in ways:
+            if parse_way(way).kind == "step":
+                raise ValueError(f"not a way of the ranks: {way!r} (step ways run here)")
         context = mp.get_context("spawn")
-        self.world = len(case.balance)
+        self.world = len(case.balance) if world is None else world
         self.timeout = timeout
         self.results = context.Queue()
         self.commands = [context.Queue() for _ in range(self.world)]
+        #: The ways some rank could not build, and why (they are not stepped).
+        self.unbuilt: dict[str, str] = {}
         port = free_port()
         self.processes = [
             context.Process(
@@ -925,7 +1176,9 @@ class Ranks:
         try:
             for process in self.processes:
                 process.start()
-            self._collect("ready")
+            for unbuilt in self._collect("ready"):
+                for way, reason in unbuilt.items():
+                    self.unbuilt.setdefault(way, reason)
         except BaseException:
             self.close()
             raise
@@ -960,6 +1213,9 @@ class Ranks:
             if got == "error":
                 self.close()
                 raise RankError(f"rank {rank} failed:\n{value}")
+            if got == "failed" and kind == "time":  # the step raised: see step()
+                values[rank] = RankError(value)
+                continue
             if got != kind:
                 self.close()
                 raise RankError(f"rank {rank}: expected {kind!r}, got {got!r}")
@@ -973,6 +1229,16 @@ class Ranks:
         for queue in self.commands:
             queue.put(way)
         spans = self._collect("time")
+        errors = [span for span in spans if isinstance(span, RankError)]
+        if errors:
+            # Every rank refusing alike (a check before any message) leaves nothing on the
+            # wire: the group goes on with the other ways. Otherwise it is ended.
+            last_lines = {str(error).strip().splitlines()[-1] for error in errors}
+            if len(errors) < self.world or len(last_lines) > 1:
+                self.close()
+            raise RankError(
+                f"the step of {way!r} raised on {len(errors)} rank(s): {last_lines.pop()}"
+            )
         return float(max(end for _, end in spans) - min(begin for begin, _ in spans))
 
     def close(self) -> list[int | None]:
@@ -994,3 +1260,64 @@ class Ranks:
         codes = [process.exitcode for process in self.processes]
         self.processes = []
         return codes
+
+
+class Ways:
+    """Builds the runners of one case (see :meth:`build`); keeps the case's ranks until
+    :meth:`close`."""
+
+    def __init__(self, threads: int, timeout: float = 120.0) -> None:
+        self.threads = threads
+        self.timeout = timeout
+        self.groups: list[tuple[str, Ranks]] = []
+        #: Ranks that exited with a non-zero code after their case: (case, exit codes).
+        self.bad_exits: list[tuple[str, list[int | None]]] = []
+
+    def build(
+        self, case: Case, ways: Sequence[str], workers: int | None = None
+    ) -> dict[str, Runner | str]:
+        """The runners of ``ways`` on ``workers`` workers (default: one per partition):
+        ``plain``, ``plain mb``, and the ways of :func:`parse_way`, ``step`` ways in this
+        process, ``dist`` and ``pipe`` ways on one :class:`Ranks` group. A way that cannot
+        run gets the reason (``'failed: ...'`` when it raised)."""
+        workers = len(case.balance) if workers is None else workers
+        runners: dict[str, Runner | str] = {}
+        if "plain" in ways:
+            runners["plain"] = plain_runner(case)
+        if "plain mb" in ways:
+            runners["plain mb"] = plain_microbatched_runner(case)
+        local = [way for way in ways if way.startswith("step ")]
+        if local:
+            try:
+                runners.update(step_runners(case, local, workers))
+            except Exception as error:
+                runners.update(dict.fromkeys(local, failed(error)))
+        remote = [way for way in ways if way.startswith(("dist ", "pipe "))]
+        reason = pipelining_check()
+        if reason is not None:
+            for way in remote:
+                if way.startswith("pipe "):
+                    runners[way] = reason
+            remote = [way for way in remote if not way.startswith("pipe ")]
+        if remote:
+            try:
+                group = Ranks(case, remote, self.threads, self.timeout, world=workers)
+            except Exception as error:
+                for way in remote:
+                    runners[way] = failed(error)
+            else:
+                self.groups.append((case.name, group))
+                for way in remote:
+                    runners[way] = group.unbuilt.get(way) or (
+                        lambda group=group, way=way: group.step(way)  # type: ignore[misc]
+                    )
+        return {way: runners[way] for way in ways}
+
+    def close(self) -> None:
+        """End the ranks of the case; note those that do not exit with 0."""
+        for name, group in self.groups:
+            alive = bool(group.processes)  # not closed after a failure already reported
+            codes = group.close()
+            if alive and any(code != 0 for code in codes):
+                self.bad_exits.append((name, codes))
+        self.groups.clear()

@@ -47,7 +47,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -59,30 +59,23 @@ from _step_models import (
     UNCHECKED_WAYS,
     Case,
     Check,
-    Ranks,
-    Runner,
     Sizes,
+    Ways,
     calibrated_sleep,
     describe_sleep,
-    failed,
     ideal_checks,
     measure,
     mlp_case,
     ms,
     parallel_speedup,
-    pipelining_check,
-    plain_microbatched_runner,
-    plain_runner,
     print_fixed_time,
     print_table,
     print_targets,
     print_unrun,
     sleep_case,
-    timed,
     tiny_case,
     transformer_case,
 )
-from gpipe_core import GPipe
 
 SCHEDULES = ("gpipe", "1f1b")
 CASES = ("fixed-time", "mlp", "transformer", "tiny")
@@ -137,65 +130,6 @@ def check_work_per_task(tasks: int, repeats: int = 2000) -> float:
 def _difference(costs: dict[str, float | None], schedule: str) -> str:
     cost = costs.get(schedule)
     return "-" if cost is None else f"{cost:+.1f} us per task"
-
-
-def _stepper(
-    model: GPipe, x: torch.Tensor, y: torch.Tensor, loss_fn: Any, schedule: str
-) -> Callable[[], object]:
-    return lambda: model.step(x, y, loss_fn, schedule=schedule)
-
-
-class Ways:
-    """Builds the runners of one case; keeps the case's ranks until :meth:`close`."""
-
-    def __init__(self, threads: int) -> None:
-        self.threads = threads
-        self.groups: list[tuple[str, Ranks]] = []
-        #: Ranks that exited with a non-zero code after their case: (case, exit codes).
-        self.bad_exits: list[tuple[str, list[int | None]]] = []
-
-    def build(self, case: Case, ways: Sequence[str]) -> dict[str, Runner | str]:
-        runners: dict[str, Runner | str] = {}
-        if "plain" in ways:
-            runners["plain"] = plain_runner(case)
-        if "plain mb" in ways:
-            runners["plain mb"] = plain_microbatched_runner(case)
-        local = [way for way in ways if way.startswith("step ")]
-        if local:
-            model = GPipe(
-                case.model(), case.balance, chunks=case.chunks, checkpoint=case.checkpoint
-            )
-            x, y = case.data()
-            loss_fn = case.loss_fn()
-            for way in local:
-                runners[way] = timed(model, _stepper(model, x, y, loss_fn, way.split()[1]))
-        remote = [way for way in ways if way in (*RANK_WAYS, *UNCHECKED_WAYS)]
-        reason = pipelining_check()
-        if reason is not None:
-            for way in remote:
-                if way.startswith("pipe "):
-                    runners[way] = reason
-            remote = [way for way in remote if not way.startswith("pipe ")]
-        if remote:
-            try:
-                group = Ranks(case, remote, self.threads, TIMEOUT)
-            except Exception as error:
-                for way in remote:
-                    runners[way] = failed(error)
-            else:
-                self.groups.append((case.name, group))
-                for way in remote:
-                    runners[way] = lambda group=group, way=way: group.step(way)  # type: ignore[misc]
-        return {way: runners[way] for way in ways}
-
-    def close(self) -> None:
-        """End the ranks of the case; note those that do not exit with 0."""
-        for name, group in self.groups:
-            alive = bool(group.processes)  # not closed after a failure already reported
-            codes = group.close()
-            if alive and any(code != 0 for code in codes):
-                self.bad_exits.append((name, codes))
-        self.groups.clear()
 
 
 def print_bounds(cases: Sequence[Case], results: dict[str, dict[str, Any]]) -> None:
@@ -284,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "tiny" in chosen:
         plan.append((tiny, [*others, *UNCHECKED_WAYS], rounds * 10))
 
-    ways = Ways(args.threads)
+    ways = Ways(args.threads, TIMEOUT)
     check_costs: dict[str, float | None] = {}
     results: dict[str, dict[str, Any]] = {}
     ideals: dict[str, float] = {}

@@ -68,7 +68,6 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,6 +87,7 @@ from _step_models import (
     mlp_case,
     ms,
     parallel_speedup,
+    per_microbatch_bytes,
     pipelining_check,
     plain_microbatched_runner,
     plain_runner,
@@ -283,28 +283,6 @@ def default_threading(sizes: Sizes, quick: bool, rounds: int) -> list[Check]:
 # --------------------------------------------------------------------------------------------
 # Activation memory
 # --------------------------------------------------------------------------------------------
-
-
-def per_microbatch_bytes(case: Case) -> list[int]:
-    """Saved bytes of one micro-batch on each partition: the plain layers on one micro-batch.
-
-    A storage saved by two partitions (one's output is the next one's input) counts for the
-    first; the input is not counted (the caller holds it anyway).
-    """
-    model = case.model()
-    x, _ = case.data()
-    h = x.tensor_split(case.chunks)[0].clone()  # a view would count all of x
-    layers = list(model.children())
-    counter = SavedBytes([*model.parameters(), h])
-    sizes = []
-    start = 0
-    with counter.hooks():
-        for size in case.balance:
-            before = counter.live
-            h = nn.Sequential(*layers[start : start + size])(h)
-            start += size
-            sizes.append(counter.live - before)
-    return sizes
 
 
 def memory(case: Case) -> dict[str, Any]:
