@@ -41,8 +41,8 @@ from gpipe_checkpoint import (
     device_rng_lock,
     is_differentiable,
     replay_rng_states,
+    rng_moved,
     run_backward,
-    save_rng_states,
 )
 from gpipe_microbatch import Batch, check_output
 from gpipe_skip import SkipKey, SkipLayout
@@ -79,12 +79,6 @@ def nested() -> bool:
 def clone(batch: Batch) -> Batch:
     """A batch of copies of ``batch``'s tensors (for a partition that modifies its input)."""
     return batch.with_tensors(tensor.clone() for tensor in batch)
-
-
-def _same_states(a: RNGStates, b: RNGStates) -> bool:
-    if not torch.equal(a.cpu, b.cpu):
-        return False
-    return a.cuda is None or b.cuda is None or torch.equal(a.cuda, b.cuda)
 
 
 class LossSpec:
@@ -262,7 +256,7 @@ class PartitionRun:
                 if (
                     chk is not None
                     and chk.saved is not None
-                    and _same_states(chk.saved[0], save_rng_states(self.device))
+                    and not rng_moved(self.device, chk.saved[0])
                 ):
                     chk.replay = _no_replay
                 return result
