@@ -67,22 +67,21 @@ def rng_moved(device: torch.device, states: RNGStates) -> bool:
     return cuda is not None and states.cuda is not None and _differ(states.cuda, cuda)
 
 
-def _differ(a: Tensor, b: Tensor) -> bool:
-    """Whether two generator states differ (byte tensors on the CPU, as torch gives them)."""
-    if not (_plain_bytes(a) and _plain_bytes(b)):
-        return not torch.equal(a, b)
-    # One copy of each into bytes and a memcmp: several times cheaper than torch.equal's
-    # dispatch on a few kilobytes. The tensors are alive, contiguous CPU bytes.
-    return ctypes.string_at(a.data_ptr(), a.nbytes) != ctypes.string_at(b.data_ptr(), b.nbytes)
-
-
-def _plain_bytes(state: Tensor) -> bool:
-    return (
-        state.dtype == torch.uint8
-        and state.device.type == "cpu"
-        and state.is_contiguous()
-        and type(state) is Tensor
-    )
+def _differ(saved: Tensor, now: Tensor) -> bool:
+    """Whether a ``saved`` generator state differs from the state ``now`` (which torch
+    just gave: contiguous bytes on the CPU)."""
+    if (
+        type(saved) is Tensor
+        and saved.is_cpu
+        and saved.dtype is torch.uint8
+        and saved.is_contiguous()
+    ):
+        # One copy of each into bytes and a memcmp: several times cheaper than
+        # torch.equal's dispatch on a few kilobytes.
+        return ctypes.string_at(saved.data_ptr(), saved.nbytes) != ctypes.string_at(
+            now.data_ptr(), now.nbytes
+        )
+    return not torch.equal(saved, now)
 
 
 def _set_states(device: torch.device, states: RNGStates) -> None:

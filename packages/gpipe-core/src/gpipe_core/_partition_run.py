@@ -187,6 +187,9 @@ class PartitionRun:
         self.stream = stream
         self.microbatches = microbatches
         self.checkpoint_stop = checkpoint_stop
+        #: The lock of the device's generator, held by forward passes in a run with
+        #: checkpointing (see _guarded).
+        self.rng_lock = device_rng_lock(device) if checkpoint_stop > 0 else None
         self.autograd_backward = autograd_backward
         self.grad = grad
         self.loss = loss
@@ -246,9 +249,9 @@ class PartitionRun:
         the generator (:func:`_no_replay`): a restore would drop the draws of other
         workers made meanwhile.
         """
-        if self.checkpoint_stop == 0:
+        if self.rng_lock is None:
             return compute()
-        with device_rng_lock(self.device):
+        with self.rng_lock:
             _held.depth += 1
             try:
                 result = compute()
