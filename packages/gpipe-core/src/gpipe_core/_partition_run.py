@@ -87,7 +87,8 @@ class LossSpec:
     Args:
         loss_fn: ``loss_fn(output, target)`` returns a scalar tensor.
         targets: the micro-batches of the target, on the last partition's device.
-        scales: what each micro-batch's loss is multiplied by before its backward pass.
+        scales: what each micro-batch's loss is multiplied by in its backward pass (the
+            gradient it is seeded with, :meth:`seed`).
         backward: whether the losses are differentiated (a training step).
     """
 
@@ -120,8 +121,16 @@ class LossSpec:
                 "detached, constant or integer)"
             )
         self.losses[i] = loss.detach()
-        scale = self.scales[i]
-        return loss if scale == 1.0 else loss * scale
+        return loss
+
+    def seed(self, i: int, loss: Tensor) -> Tensor:
+        """The gradient micro-batch ``i``'s ``loss`` is differentiated with: its scale.
+
+        The same as differentiating ``loss * scale`` with a gradient of one (which
+        multiplies one by the scale in the loss's dtype), without the multiplication and
+        its autograd node.
+        """
+        return torch.full_like(loss, self.scales[i])
 
 
 class _InFlight:
@@ -138,7 +147,7 @@ class _InFlight:
         self.chk = chk
         #: The flat output with its autograd graph (None while checkpointed).
         self.outputs: tuple[Tensor, ...] | None = None
-        #: The scaled loss to differentiate, on the last partition.
+        #: The loss to differentiate (seeded with its scale), on the last partition.
         self.loss: Tensor | None = None
 
 
@@ -461,8 +470,9 @@ class PartitionRun:
             roots: list[Tensor] = []
             seeds: list[Tensor] = []
             if entry.loss is not None and entry.loss.requires_grad:
+                assert self.loss is not None
                 roots.append(entry.loss)
-                seeds.append(torch.ones_like(entry.loss))
+                seeds.append(self.loss.seed(i, entry.loss))
             for tensor, gradient in zip(entry.outputs or (), gradients, strict=False):
                 if gradient is not None and tensor.requires_grad:
                     roots.append(tensor)
