@@ -89,6 +89,12 @@ def main() -> None:
     tasks = 2 * args.chunks
     ways: dict[str, Callable[[], object]] = {
         "plain": lambda: loss_fn(layers(x), y).backward(),
+        # The micro-batches one after the other, one backward pass each: micro-batching's
+        # own cost, which the pipeline's ways pay too.
+        "plain mb": lambda: [
+            (loss_fn(layers(xi), yi) * (len(xi) / len(x))).backward()
+            for xi, yi in zip(x.tensor_split(args.chunks), y.tensor_split(args.chunks), strict=True)
+        ],
         "fwd+bwd": lambda: loss_fn(model(x), y).backward(),
         "step gpipe": lambda: model.step(x, y, loss_fn, schedule="gpipe"),
         "step 1f1b": lambda: model.step(x, y, loss_fn, schedule="1f1b"),
