@@ -48,6 +48,7 @@ from gpipe_microbatch import Batch, check_output
 from gpipe_skip import SkipKey, SkipLayout
 
 from ._dependency import fork, join
+from ._draws import calls_plainly, draws_nothing
 from ._losses import LossFunction
 from ._sequential import call_partition
 from ._skips import SkipCall
@@ -199,6 +200,9 @@ class PartitionRun:
         #: The lock of the device's generator, held by forward passes in a run with
         #: checkpointing (see _guarded).
         self.rng_lock = device_rng_lock(device) if checkpoint_stop > 0 else None
+        #: Whether the partition's layers cannot draw random numbers (see _draws): then
+        #: its forward passes take no lock and are never replayed.
+        self.draws_nothing = checkpoint_stop > 0 and draws_nothing(partition)
         self.autograd_backward = autograd_backward
         self.grad = grad
         self.loss = loss
@@ -245,8 +249,9 @@ class PartitionRun:
 
     # -- what a run learns about the partition -------------------------------------------
 
-    def _guarded(self, compute: Callable[[], _T], chk: Checkpointing | None) -> _T:
-        """Run ``compute`` under the device's generator lock in a run with checkpointing.
+    def _guarded(self, compute: Callable[[], _T], chk: Checkpointing | None, batch: Batch) -> _T:
+        """Run ``compute``, the forward pass on ``batch``, under the device's generator lock
+        in a run with checkpointing.
 
         Partitions on one CPU (or one CUDA device) share a generator. When a checkpointed
         micro-batch draws random numbers while another worker draws from the same
@@ -257,9 +262,17 @@ class PartitionRun:
         generator's state did not move under the lock) is recomputed without restoring
         the generator (:func:`_no_replay`): a restore would drop the draws of other
         workers made meanwhile.
+
+        A partition whose layers cannot draw (:mod:`gpipe_core._draws`) takes no lock and
+        is never replayed: its forward passes run beside the other workers'.
         """
         if self.rng_lock is None:
             return compute()
+        if self.draws_nothing and calls_plainly(batch):
+            result = compute()
+            if chk is not None:
+                chk.replay = _no_replay
+            return result
         with self.rng_lock:
             _held.depth += 1
             try:
@@ -385,7 +398,9 @@ class PartitionRun:
                 return self._call(function, batch)
 
         try:
-            output = self._guarded(lambda: self.record(Phase.FORWARD, i, False, compute), chk)
+            output = self._guarded(
+                lambda: self.record(Phase.FORWARD, i, False, compute), chk, batch
+            )
         except RuntimeError as error:
             if self.autograd_backward or "leaf Variable that requires grad" not in str(error):
                 raise
