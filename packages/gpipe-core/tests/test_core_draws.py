@@ -102,6 +102,11 @@ def test_a_forward_set_on_the_instance_takes_the_lock() -> None:
     assert not draws_nothing(nn.Sequential(layer))
 
 
+def test_a_forward_patched_on_the_class_takes_the_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nn.Tanh, "forward", lambda self, input: torch.rand_like(input))
+    assert not draws_nothing(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+
+
 def test_parameters_and_buffers_of_a_tensor_subclass_take_the_lock() -> None:
     layer = nn.Linear(4, 4)
     layer.weight = nn.Parameter(torch.ones(4, 4).as_subclass(Subclass))

@@ -9,14 +9,15 @@ partition it cannot vouch for takes the lock.
 
 A partition cannot draw when (:func:`draws_nothing`) each of its modules is one of the
 layers of ``torch.nn`` listed here, of exactly that type (a subclass may override
-``forward``), with no ``forward`` of its own set on the instance, no hook of any kind (a
-hook runs the user's code), and plain parameters and buffers (a tensor subclass runs
-Python code on every operation); no global module hook is registered; and, for each
-forward pass (:func:`calls_plainly`), its input tensors are plain, and the thread runs no
-torch function or dispatch mode and no saved-tensor hooks. Dropout of every kind, RReLU,
-fractional max pooling and the attention and transformer layers (which hold dropout) are
-not listed. Neither is anything of gpipe's own (a skippable layer, a nested pipeline), nor
-any module of the user's.
+``forward``), with torch's own ``forward`` (none set on the instance or patched on the
+class), no forward or backward hook (a hook runs the user's code), and plain parameters and
+buffers (a tensor subclass runs Python code on every operation); no global module hook is
+registered; and, for each forward pass (:func:`calls_plainly`), its input tensors are plain,
+and the thread runs no torch function or dispatch mode and no saved-tensor hooks.
+
+Dropout of every kind, RReLU, fractional max pooling and the attention and transformer
+layers (which hold dropout) are not listed. Neither is anything of gpipe's own (a
+skippable layer, a nested pipeline), nor any module of the user's.
 """
 
 from __future__ import annotations
@@ -63,19 +64,19 @@ DRAWLESS: frozenset[type[nn.Module]] = _layers(
     "ChannelShuffle", "Fold", "Unfold",
 )  # fmt: skip
 
-# The hooks a module may hold (each a dict, empty without hooks).
-_HOOKS = (
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-    "_state_dict_hooks",
-    "_load_state_dict_pre_hooks",
-)
+# The forward of each listed layer as torch defines it (a forward patched on the class later
+# is not the layer's own).
+_FORWARDS = {layer: layer.forward for layer in DRAWLESS}
 
-# Every global module hook, and whether one is set.
+# The hooks a module may hold that run in or around its forward pass (each a dict, empty
+# without hooks).
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+# The global module hooks that run in or around forward passes.
 _GLOBAL_HOOKS = tuple(
-    name for name in dir(_module) if name.startswith("_global_") and name.endswith("hooks")
+    name
+    for name in dir(_module)
+    if name.startswith(("_global_forward", "_global_backward")) and name.endswith("hooks")
 )
 
 
@@ -101,7 +102,10 @@ def draws_nothing(partition: nn.Module) -> bool:
     if _global_hooks():
         return False
     for module in partition.modules():
-        if type(module) not in DRAWLESS or "forward" in vars(module):
+        layer = type(module)
+        if layer not in DRAWLESS or layer.forward is not _FORWARDS[layer]:
+            return False
+        if "forward" in vars(module):
             return False
         if any(getattr(module, name, None) for name in _HOOKS):
             return False
