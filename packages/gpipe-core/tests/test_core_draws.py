@@ -41,6 +41,14 @@ class Subclass(torch.Tensor):
     pass
 
 
+class Overriding:
+    """Not a tensor, but torch functions given it call its ``__torch_function__``."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return NotImplemented
+
+
 def test_listed_layers_draw_nothing() -> None:
     partition = nn.Sequential(
         nn.Conv1d(2, 2, 1),
@@ -120,6 +128,9 @@ def test_a_pass_runs_plainly_without_modes_hooks_or_subclasses() -> None:
     plain = [torch.ones(2)]
     assert calls_plainly(plain)
     assert not calls_plainly([torch.ones(2).as_subclass(Subclass)])
+    assert calls_plainly(plain, [None, 2, 0.5, "mode", True])
+    assert not calls_plainly(plain, [Overriding()])
+    assert not calls_plainly(plain, [(1, 2)])
     with TorchFunctionMode():
         assert not calls_plainly(plain)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):

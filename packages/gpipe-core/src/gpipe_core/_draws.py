@@ -12,8 +12,9 @@ layers of ``torch.nn`` listed here, of exactly that type (a subclass may overrid
 ``forward``), with torch's own ``forward`` (none set on the instance or patched on the
 class), no forward or backward hook (a hook runs the user's code), and plain parameters and
 buffers (a tensor subclass runs Python code on every operation); no global module hook is
-registered; and, for each forward pass (:func:`calls_plainly`), its input tensors are plain,
-and the thread runs no torch function or dispatch mode and no saved-tensor hooks.
+registered; and, for each forward pass (:func:`calls_plainly`), its inputs are plain
+(tensors, numbers, strings), and the thread runs no torch function or dispatch mode and no
+saved-tensor hooks.
 
 Dropout of every kind, RReLU, fractional max pooling and the attention and transformer
 layers (which hold dropout) are not listed. Neither is anything of gpipe's own (a
@@ -116,12 +117,19 @@ def draws_nothing(partition: nn.Module) -> bool:
     return True
 
 
-def calls_plainly(tensors: Iterable[Tensor]) -> bool:
-    """Whether a forward pass on ``tensors`` in this thread runs only the layers' own code:
-    the tensors are plain, and no torch function or dispatch mode and no saved-tensor
-    hooks are active (their code would run inside the pass)."""
+def calls_plainly(tensors: Iterable[Tensor], others: Iterable[object] = ()) -> bool:
+    """Whether a forward pass on ``tensors`` (and the values beside them that are not
+    tensors, ``others``) in this thread runs only the layers' own code: the tensors are
+    plain, the other values are plain numbers, strings or None (an object with a
+    ``__torch_function__`` of its own could draw), and no torch function or dispatch mode and
+    no saved-tensor hooks are active (their code would run inside the pass)."""
     if not _plain_tensors(tensors, Tensor):
+        return False
+    if not all(type(value) in _PLAIN_VALUES for value in others):
         return False
     if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
         return False
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+_PLAIN_VALUES = frozenset({type(None), bool, int, float, str})
