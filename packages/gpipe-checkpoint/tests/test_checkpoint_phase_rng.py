@@ -6,6 +6,8 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpipe_checkpoint import (
     RNGStates,
@@ -15,6 +17,7 @@ from gpipe_checkpoint import (
     is_checkpointing,
     is_recomputing,
     restore_rng_states,
+    rng_moved,
     save_rng_states,
 )
 
@@ -104,6 +107,60 @@ def test_restore_rng_states_puts_back_after_an_error() -> None:
         torch.rand(3)
         raise KeyError
     assert torch.equal(torch.get_rng_state(), before)
+
+
+# What a layer may draw: uniform, normal (whose second sample torch caches in the
+# generator's state, so a draw may consume the cache alone), integers, and a Bernoulli mask.
+DRAWS = {
+    "rand": lambda k: torch.rand(k),
+    "randn": lambda k: torch.randn(k),
+    "randint": lambda k: torch.randint(0, 2**31 - 1, (k,)),
+    "bernoulli": lambda k: torch.bernoulli(torch.full((k,), 0.5)),
+    "normal_1": lambda k: [torch.normal(0.0, 1.0, (1,)) for _ in range(k)],
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    warmup=st.integers(0, 700),
+    draws=st.lists(st.tuples(st.sampled_from(sorted(DRAWS)), st.integers(1, 1300)), max_size=3),
+)
+def test_rng_moved_exactly_when_something_drew(
+    seed: int, warmup: int, draws: list[tuple[str, int]]
+) -> None:
+    # Any draw moves the generator, 624 32-bit draws included (the Mersenne twister's
+    # counters come back then, its state array does not); no draw leaves it.
+    torch.manual_seed(seed)
+    torch.randint(0, 2**31 - 1, (warmup,))
+    states = save_rng_states(CPU)
+    assert not rng_moved(CPU, states)
+    for kind, k in draws:
+        DRAWS[kind](k)
+    after = torch.get_rng_state()
+    assert rng_moved(CPU, states) == (not torch.equal(states.cpu, after)) == bool(draws)
+
+
+def test_rng_moved_by_exactly_624_draws_and_a_cached_normal() -> None:
+    torch.manual_seed(0)
+    states = save_rng_states(CPU)
+    torch.randint(0, 2**31 - 1, (624,))
+    assert rng_moved(CPU, states)
+    torch.randn(1)  # leaves a second normal sample cached (or not) in the state
+    states = save_rng_states(CPU)
+    torch.normal(0.0, 1.0, (1,))
+    assert rng_moved(CPU, states)
+
+
+def test_rng_moved_compares_states_of_any_layout() -> None:
+    # A state that is not contiguous bytes (a caller's copy) is compared as torch.equal does.
+    states = save_rng_states(CPU)
+    strided = torch.empty(2 * len(states.cpu), dtype=torch.uint8)[::2]
+    strided.copy_(states.cpu)
+    copied = RNGStates(strided, None)
+    assert not rng_moved(CPU, copied)
+    torch.rand(1)
+    assert rng_moved(CPU, copied)
 
 
 def test_device_rng_lock_is_shared_per_device() -> None:

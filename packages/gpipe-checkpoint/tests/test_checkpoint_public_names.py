@@ -21,6 +21,7 @@ NAMES = [
     "is_recomputing",
     "replay_rng_states",
     "restore_rng_states",
+    "rng_moved",
     "run_backward",
     "save_rng_states",
 ]

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
 
 from gpipe_core import Losses
+from gpipe_core._partition_run import LossSpec, PartitionRun
+from gpipe_core._stream import CPUStream
+from gpipe_microbatch import Batch
 
 
 def test_sequence_of_losses() -> None:
@@ -40,3 +46,43 @@ def test_reduced_keeps_the_dtype() -> None:
 def test_lengths_must_match() -> None:
     with pytest.raises(ValueError, match=r"same length \(losses: 2, sizes: 1\)"):
         Losses([torch.tensor(1.0), torch.tensor(2.0)], sizes=[1], reduction="mean")
+
+
+# -- each micro-batch's loss, scaled in its backward pass -------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    sizes=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_a_partition_differentiates_each_loss_times_its_scale_bit_for_bit(
+    dtype: torch.dtype, sizes: list[int], seed: int
+) -> None:
+    # The loss is seeded with its scale rather than multiplied by it: the gradients are
+    # those of (loss * scale).backward(), exactly.
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(dtype)
+    x, y = torch.randn(sum(sizes), 3, dtype=dtype), torch.randn(sum(sizes), 2, dtype=dtype)
+    xs, ys = x.split(sizes), y.split(sizes)
+    scales = [size / sum(sizes) for size in sizes]
+    loss_fn = nn.MSELoss()
+    for i, (xi, yi) in enumerate(zip(xs, ys, strict=True)):
+        (loss_fn(model(xi), yi) * scales[i]).backward()
+    expected = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+
+    cpu = torch.device("cpu")
+    losses = LossSpec(loss_fn, [Batch(yi) for yi in ys], scales, backward=True)
+    run = PartitionRun(
+        0, model, cpu, CPUStream, microbatches=len(sizes), checkpoint_stop=0,
+        autograd_backward=False, grad=True, loss=losses,
+    )  # fmt: skip
+    for i, xi in enumerate(xs):
+        run.forward(i, Batch(xi), {})
+        run.backward(i, [], {})
+    got = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)

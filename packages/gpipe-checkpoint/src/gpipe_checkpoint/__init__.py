@@ -6,7 +6,8 @@
   :func:`enable_checkpointing`, :func:`enable_recomputing` set them for a pipeline that
   runs the phases itself.
 * :func:`save_rng_states`, :func:`restore_rng_states` and :class:`RNGStates`: CPU and CUDA
-  generator states; :func:`device_rng_lock`: the lock threads hold to keep their random
+  generator states; :func:`rng_moved`: whether a draw happened since states were saved;
+  :func:`device_rng_lock`: the lock threads hold to keep their random
   draws replayable.
 
 Example:
@@ -27,6 +28,7 @@ from ._rng import (
     device_rng_lock,
     replay_rng_states,
     restore_rng_states,
+    rng_moved,
     save_rng_states,
 )
 
@@ -44,6 +46,7 @@ __all__ = [
     "is_recomputing",
     "replay_rng_states",
     "restore_rng_states",
+    "rng_moved",
     "run_backward",
     "save_rng_states",
 ]

@@ -1081,7 +1081,7 @@ class GPipe(nn.Module):
                 for i, batch in enumerate(batches):
                     loss = losses(i, batch)
                     if backward:
-                        torch.autograd.backward(loss)
+                        torch.autograd.backward(loss, losses.seed(i, loss))
         else:
             actions = step_actions(plan, m, n, backward, self._placement.workers)
             with torch.set_grad_enabled(backward):

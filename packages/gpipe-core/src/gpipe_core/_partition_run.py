@@ -41,13 +41,14 @@ from gpipe_checkpoint import (
     device_rng_lock,
     is_differentiable,
     replay_rng_states,
+    rng_moved,
     run_backward,
-    save_rng_states,
 )
 from gpipe_microbatch import Batch, check_output
 from gpipe_skip import SkipKey, SkipLayout
 
 from ._dependency import fork, join
+from ._draws import calls_plainly, draws_nothing
 from ._losses import LossFunction
 from ._sequential import call_partition
 from ._skips import SkipCall
@@ -81,19 +82,14 @@ def clone(batch: Batch) -> Batch:
     return batch.with_tensors(tensor.clone() for tensor in batch)
 
 
-def _same_states(a: RNGStates, b: RNGStates) -> bool:
-    if not torch.equal(a.cpu, b.cpu):
-        return False
-    return a.cuda is None or b.cuda is None or torch.equal(a.cuda, b.cuda)
-
-
 class LossSpec:
     """What the last partition of a step needs for the losses.
 
     Args:
         loss_fn: ``loss_fn(output, target)`` returns a scalar tensor.
         targets: the micro-batches of the target, on the last partition's device.
-        scales: what each micro-batch's loss is multiplied by before its backward pass.
+        scales: what each micro-batch's loss is multiplied by in its backward pass (the
+            gradient it is seeded with, :meth:`seed`).
         backward: whether the losses are differentiated (a training step).
     """
 
@@ -126,8 +122,16 @@ class LossSpec:
                 "detached, constant or integer)"
             )
         self.losses[i] = loss.detach()
-        scale = self.scales[i]
-        return loss if scale == 1.0 else loss * scale
+        return loss
+
+    def seed(self, i: int, loss: Tensor) -> Tensor:
+        """The gradient micro-batch ``i``'s ``loss`` is differentiated with: its scale.
+
+        The same as differentiating ``loss * scale`` with a gradient of one (which
+        multiplies one by the scale in the loss's dtype), without the multiplication and
+        its autograd node.
+        """
+        return torch.full_like(loss, self.scales[i])
 
 
 class _InFlight:
@@ -144,7 +148,7 @@ class _InFlight:
         self.chk = chk
         #: The flat output with its autograd graph (None while checkpointed).
         self.outputs: tuple[Tensor, ...] | None = None
-        #: The scaled loss to differentiate, on the last partition.
+        #: The loss to differentiate (seeded with its scale), on the last partition.
         self.loss: Tensor | None = None
 
 
@@ -193,6 +197,12 @@ class PartitionRun:
         self.stream = stream
         self.microbatches = microbatches
         self.checkpoint_stop = checkpoint_stop
+        #: The lock of the device's generator, held by forward passes in a run with
+        #: checkpointing (see _guarded).
+        self.rng_lock = device_rng_lock(device) if checkpoint_stop > 0 else None
+        #: Whether the partition's layers cannot draw random numbers (see _draws): then
+        #: its forward passes take no lock and are never replayed.
+        self.draws_nothing = checkpoint_stop > 0 and draws_nothing(partition)
         self.autograd_backward = autograd_backward
         self.grad = grad
         self.loss = loss
@@ -241,8 +251,9 @@ class PartitionRun:
 
     # -- what a run learns about the partition -------------------------------------------
 
-    def _guarded(self, compute: Callable[[], _T], chk: Checkpointing | None) -> _T:
-        """Run ``compute`` under the device's generator lock in a run with checkpointing.
+    def _guarded(self, compute: Callable[[], _T], chk: Checkpointing | None, batch: Batch) -> _T:
+        """Run ``compute``, the forward pass on ``batch``, under the device's generator lock
+        in a run with checkpointing.
 
         Partitions on one CPU (or one CUDA device) share a generator. When a checkpointed
         micro-batch draws random numbers while another worker draws from the same
@@ -253,10 +264,18 @@ class PartitionRun:
         generator's state did not move under the lock) is recomputed without restoring
         the generator (:func:`_no_replay`): a restore would drop the draws of other
         workers made meanwhile.
+
+        A partition whose layers cannot draw (:mod:`gpipe_core._draws`) takes no lock and
+        is never replayed: its forward passes run beside the other workers'.
         """
-        if self.checkpoint_stop == 0:
+        if self.rng_lock is None:
             return compute()
-        with device_rng_lock(self.device):
+        if self.draws_nothing and calls_plainly(batch.tensors, batch.others):
+            result = compute()
+            if chk is not None:
+                chk.replay = _no_replay
+            return result
+        with self.rng_lock:
             _held.depth += 1
             try:
                 result = compute()
@@ -264,7 +283,7 @@ class PartitionRun:
                 if (
                     chk is not None
                     and chk.saved is not None
-                    and _same_states(chk.saved[0], save_rng_states(self.device))
+                    and not rng_moved(self.device, chk.saved[0])
                 ):
                     chk.replay = _no_replay
                 return result
@@ -381,7 +400,9 @@ class PartitionRun:
                 return self._call(function, batch)
 
         try:
-            output = self._guarded(lambda: self.record(Phase.FORWARD, i, False, compute), chk)
+            output = self._guarded(
+                lambda: self.record(Phase.FORWARD, i, False, compute), chk, batch
+            )
         except RuntimeError as error:
             if self.autograd_backward or "leaf Variable that requires grad" not in str(error):
                 raise
@@ -466,8 +487,9 @@ class PartitionRun:
             roots: list[Tensor] = []
             seeds: list[Tensor] = []
             if entry.loss is not None and entry.loss.requires_grad:
+                assert self.loss is not None
                 roots.append(entry.loss)
-                seeds.append(torch.ones_like(entry.loss))
+                seeds.append(self.loss.seed(i, entry.loss))
             for tensor, gradient in zip(entry.outputs or (), gradients, strict=False):
                 if gradient is not None and tensor.requires_grad:
                     roots.append(tensor)

@@ -44,7 +44,7 @@ from gpipe_microbatch import Batch, make_tuple
 
 from ._agreement import Fields
 from ._schedule import Action
-from ._stream import AbstractStream
+from ._stream import AbstractStream, is_cuda
 from ._tracing import Tracer
 from ._transfer import copy, wait
 
@@ -117,19 +117,27 @@ def outgoing(
 ) -> Message:
     """The message that carries ``values`` (see :meth:`Transport.send`); its tensors are
     detached from their graph if ``detach``."""
-    tensors = [value for value in values if isinstance(value, Tensor)]
-    requires_grad = tuple(
-        tensor.requires_grad or (needs_grad and is_differentiable(tensor)) for tensor in tensors
-    )
+    # One pass over the values: this runs for every message.
+    tensors: list[Tensor] = []
+    present: list[bool] = []
+    others: list[object] = []
+    for value in values:
+        if isinstance(value, Tensor):
+            tensors.append(value)
+            present.append(True)
+        else:
+            others.append(value)
+            present.append(False)
+    if needs_grad:
+        requires_grad = tuple(
+            tensor.requires_grad or is_differentiable(tensor) for tensor in tensors
+        )
+    else:
+        requires_grad = tuple(tensor.requires_grad for tensor in tensors)
     if detach:
         tensors = [tensor.detach() for tensor in tensors]
     return Message(
-        atomic,
-        tuple(isinstance(value, Tensor) for value in values),
-        requires_grad,
-        carried(tensors, atomic),
-        tuple(value for value in values if not isinstance(value, Tensor)),
-        kind,
+        atomic, tuple(present), requires_grad, carried(tensors, atomic), tuple(others), kind
     )
 
 
@@ -311,6 +319,9 @@ class LocalTransport(Transport):
         self.compute_streams: Sequence[AbstractStream] = []
         self.keep_graph = False
         self.tracer: Tracer | None = None
+        # Whether messages need stream waits or device copies: not between partitions on
+        # one device without CUDA streams (the CPU), where tensors are ready when sent.
+        self.moves = True
         self.lock = threading.Lock()
         self.arrived = [threading.Condition(self.lock) for _ in devices]
         self.messages: dict[MessageKey, Message] = {}
@@ -333,6 +344,8 @@ class LocalTransport(Transport):
         self.copy_streams = copy_streams
         self.keep_graph = keep_graph
         self.tracer = tracer
+        streams = [*compute_streams, *(stream for row in copy_streams for stream in row)]
+        self.moves = len(set(self.devices)) > 1 or any(is_cuda(stream) for stream in streams)
 
     def finish(self, error: BaseException | None, payload: object = None) -> dict[int, Any]:
         self.tracer = None  # the run's tracer is not kept past it
@@ -349,7 +362,7 @@ class LocalTransport(Transport):
         kind: type[tuple[Any, ...]] = tuple,
     ) -> None:
         message = outgoing(values, atomic, needs_grad, detach=not self.keep_graph, kind=kind)
-        if message.tensors:
+        if self.moves and message.tensors:
             # The copy to the other partition waits for this partition's computation.
             source, i = key.source, key.microbatch
             wait(message.tensors, self.compute_streams[source], self.copy_streams[source][i])
@@ -366,7 +379,7 @@ class LocalTransport(Transport):
                 self.arrived[key.target].wait()
                 message = self.messages.pop(key, None)
         tensors = message.tensors
-        if len(tensors):
+        if self.moves and len(tensors):
             self._move(key, tensors)
         return message
 

@@ -65,21 +65,29 @@ class _Job:
 
 
 class _Ended:
-    """How many jobs of a run have ended; the caller waits for all of them."""
+    """How many jobs of a run have ended; the caller waits for all of them, woken once."""
 
     def __init__(self) -> None:
         self.count = 0
+        #: The count the caller waits for (None: nobody waits).
+        self.awaited: int | None = None
         self.changed = threading.Condition()
 
     def add(self) -> None:
         with self.changed:
             self.count += 1
-            self.changed.notify()
+            # Only the job that ends the wait wakes the caller.
+            if self.awaited is not None and self.count >= self.awaited:
+                self.changed.notify()
 
     def wait(self, count: int) -> None:
         with self.changed:
-            while self.count < count:
-                self.changed.wait()
+            self.awaited = count
+            try:
+                while self.count < count:
+                    self.changed.wait()
+            finally:
+                self.awaited = None
 
 
 class _Starter:

@@ -1,0 +1,135 @@
+"""Partitions that draw no random numbers, known from their layers.
+
+In a run with checkpointing, every forward pass holds its device's generator lock so that
+the random draws of a checkpointed micro-batch can be replayed exactly (see
+``PartitionRun._guarded``): forward passes on one device then take turns. A partition whose
+forward pass cannot draw needs neither the lock nor the check that it drew, and its forward
+passes run beside the others'. This module decides which, and errs one way only: a
+partition it cannot vouch for takes the lock.
+
+A partition cannot draw when (:func:`draws_nothing`) each of its modules is one of the
+layers of ``torch.nn`` listed here, of exactly that type (a subclass may override
+``forward``), with torch's own ``forward`` (none set on the instance or patched on the
+class), no forward or backward hook (a hook runs the user's code), and plain parameters and
+buffers (a tensor subclass runs Python code on every operation); no global module hook is
+registered; and, for each forward pass (:func:`calls_plainly`), its inputs are plain
+(tensors, numbers, strings), and the thread runs no torch function or dispatch mode and no
+saved-tensor hooks.
+
+Dropout of every kind, RReLU, fractional max pooling and the attention and transformer
+layers (which hold dropout) are not listed. Neither is anything of gpipe's own (a
+skippable layer, a nested pipeline), nor any module of the user's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules import module as _module
+
+__all__ = ["calls_plainly", "draws_nothing"]
+
+
+def _layers(*names: str) -> frozenset[type[nn.Module]]:
+    # By name: a layer missing from this torch is simply not listed.
+    return frozenset(getattr(nn, name) for name in names if hasattr(nn, name))
+
+
+#: Layers whose forward pass draws no random numbers, whatever their arguments and mode.
+DRAWLESS: frozenset[type[nn.Module]] = _layers(
+    # containers and shapes
+    "Sequential", "Identity", "Flatten", "Unflatten",
+    # linear and convolutions
+    "Linear", "Bilinear", "Conv1d", "Conv2d", "Conv3d",
+    "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "Embedding", "EmbeddingBag",
+    # activations
+    "ReLU", "ReLU6", "LeakyReLU", "PReLU", "ELU", "SELU", "CELU", "GELU", "SiLU", "Mish",
+    "Sigmoid", "Tanh", "Hardtanh", "Hardsigmoid", "Hardswish", "Hardshrink", "Softshrink",
+    "Softplus", "Softsign", "Tanhshrink", "Threshold", "LogSigmoid", "GLU",
+    "Softmax", "LogSoftmax", "Softmin", "Softmax2d",
+    # normalization
+    "LayerNorm", "GroupNorm", "RMSNorm", "LocalResponseNorm",
+    "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "InstanceNorm1d", "InstanceNorm2d",
+    "InstanceNorm3d",
+    # pooling, padding, resampling
+    "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
+    "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d",
+    "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "LPPool1d", "LPPool2d",
+    "ZeroPad1d", "ZeroPad2d", "ZeroPad3d", "ConstantPad1d", "ConstantPad2d", "ConstantPad3d",
+    "ReflectionPad1d", "ReflectionPad2d", "ReflectionPad3d",
+    "ReplicationPad1d", "ReplicationPad2d", "ReplicationPad3d",
+    "CircularPad1d", "CircularPad2d", "CircularPad3d",
+    "Upsample", "UpsamplingNearest2d", "UpsamplingBilinear2d", "PixelShuffle", "PixelUnshuffle",
+    "ChannelShuffle", "Fold", "Unfold",
+)  # fmt: skip
+
+# The forward of each listed layer as torch defines it (a forward patched on the class later
+# is not the layer's own).
+_FORWARDS = {layer: layer.forward for layer in DRAWLESS}
+
+# The hooks a module may hold that run in or around its forward pass (each a dict, empty
+# without hooks).
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+# The global module hooks that run in or around forward passes.
+_GLOBAL_HOOKS = tuple(
+    name
+    for name in dir(_module)
+    if name.startswith(("_global_forward", "_global_backward")) and name.endswith("hooks")
+)
+
+
+def _global_hooks() -> bool:
+    return any(getattr(_module, name, None) for name in _GLOBAL_HOOKS)
+
+
+def _plain_tensors(tensors: Iterable[Tensor], kind: type[Tensor]) -> bool:
+    return all(type(tensor) is kind for tensor in tensors)
+
+
+def draws_nothing(partition: nn.Module) -> bool:
+    """Whether ``partition``'s forward pass cannot draw random numbers, by what it is made
+    of (see the module's docstring). Checked once per run: a model may change between
+    runs (a hook registered, a layer swapped).
+
+    Example:
+        >>> draws_nothing(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+        True
+        >>> draws_nothing(nn.Sequential(nn.Linear(2, 2), nn.Dropout()))
+        False
+    """
+    if _global_hooks():
+        return False
+    for module in partition.modules():
+        layer = type(module)
+        if layer not in DRAWLESS or layer.forward is not _FORWARDS[layer]:
+            return False
+        if "forward" in vars(module):
+            return False
+        if any(getattr(module, name, None) for name in _HOOKS):
+            return False
+        if not _plain_tensors(module.parameters(recurse=False), nn.Parameter):
+            return False
+        if not _plain_tensors(module.buffers(recurse=False), Tensor):
+            return False
+    return True
+
+
+def calls_plainly(tensors: Iterable[Tensor], others: Iterable[object] = ()) -> bool:
+    """Whether a forward pass on ``tensors`` (and the values beside them that are not
+    tensors, ``others``) in this thread runs only the layers' own code: the tensors are
+    plain, the other values are plain numbers, strings or None (an object with a
+    ``__torch_function__`` of its own could draw), and no torch function or dispatch mode and
+    no saved-tensor hooks are active (their code would run inside the pass)."""
+    if not _plain_tensors(tensors, Tensor):
+        return False
+    if not all(type(value) in _PLAIN_VALUES for value in others):
+        return False
+    if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
+        return False
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+_PLAIN_VALUES = frozenset({type(None), bool, int, float, str})
