@@ -12,7 +12,6 @@ parameters it is given.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._collective import wait_collective
 from ._errors import add_note
 
 __all__ = ["Replicas"]
@@ -87,17 +87,9 @@ class Replicas:
             flats.append((flat, group_parameters))
         works = [dist.all_reduce(flat, group=group, async_op=True) for flat, _ in flats]
         for work in works:
-            assert work is not None
-            try:
-                if self.timeout is None:
-                    work.wait()
-                else:
-                    work.wait(datetime.timedelta(seconds=self.timeout))
-            except RuntimeError as error:
-                raise TimeoutError(
-                    "the data-parallel replicas did not all end the step within "
-                    f"{self.timeout} s, or one is gone ({error})"
-                ) from error
+            wait_collective(
+                work, self.timeout, "the data-parallel replicas did not all end the step"
+            )
         failures = int(flats[0][0][-1].item())
         if failures:
             if failed:

@@ -34,7 +34,6 @@ process groups.
 
 from __future__ import annotations
 
-import datetime
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,6 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ._collective import wait_collective
 
 __all__ = ["Shared", "SharedReplicas", "Ties", "find_shared", "views"]
 
@@ -407,14 +408,6 @@ class SharedReplicas:
         return drifts
 
     def _wait(self, work: dist.Work | None, what: str) -> None:
-        assert work is not None
-        try:
-            if self.timeout is None:
-                work.wait()
-            else:
-                work.wait(datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as error:
-            raise TimeoutError(
-                f"{what}: the ranks that share it did not all take part within "
-                f"{self.timeout} s, or one is gone ({error})"
-            ) from error
+        wait_collective(
+            work, self.timeout, f"{what}: the ranks that share it did not all take part"
+        )
