@@ -13,6 +13,7 @@ it runs ``bench_*.py`` only).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import socket
@@ -330,6 +331,46 @@ class Sizes:
             ),
         }
         return "; ".join(words[case] for case in cases) + "; no checkpointing in these cases"
+
+
+def bench_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The arguments every step benchmark takes: ``--quick``, ``--rounds``, ``--threads``."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, smaller models")
+    parser.add_argument("--rounds", type=int, default=None, help="timed steps per way and case")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads per process (default 1)"
+    )
+    return parser
+
+
+def add_selection(parser: argparse.ArgumentParser, what: str, known: Sequence[str]) -> None:
+    """``--<what>``: a comma-separated subset of ``known`` to run (default: all)."""
+    parser.add_argument(
+        f"--{what}",
+        default=",".join(known),
+        help=f"comma-separated {what} to run, among {', '.join(known)} (default: all)",
+    )
+
+
+def parse_bench(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    selection: tuple[str, Sequence[str]] | None = None,
+) -> tuple[argparse.Namespace, int, Sizes, list[str]]:
+    """The arguments (``nox -s bench`` passes its arguments to every script: the unknown
+    ones are ignored), the rounds, the sizes, and the names chosen with ``selection``
+    (``(what, known)`` as given to :func:`add_selection`; an unknown name is an error)."""
+    args, _ = parser.parse_known_args(argv)
+    rounds = args.rounds or (3 if args.quick else 10)
+    chosen: list[str] = []
+    if selection is not None:
+        what, known = selection
+        chosen = [name.strip() for name in getattr(args, what).split(",") if name.strip()]
+        unknown = [name for name in chosen if name not in known]
+        if unknown:
+            parser.error(f"unknown {what}: {', '.join(unknown)} (known: {', '.join(known)})")
+    return args, rounds, Sizes.of(args.quick), chosen
 
 
 def sleep_case(n: int, m: int, seconds: float, sleep: float | None = None) -> Case:

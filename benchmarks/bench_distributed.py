@@ -42,7 +42,6 @@ ratios within one run are meaningful.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -59,8 +58,9 @@ from _step_models import (
     UNCHECKED_WAYS,
     Case,
     Check,
-    Sizes,
     Ways,
+    add_selection,
+    bench_parser,
     calibrated_sleep,
     describe_sleep,
     ideal_checks,
@@ -68,6 +68,7 @@ from _step_models import (
     mlp_case,
     ms,
     parallel_speedup,
+    parse_bench,
     print_fixed_time,
     print_table,
     print_targets,
@@ -165,27 +166,11 @@ def print_bounds(cases: Sequence[Case], results: dict[str, dict[str, Any]]) -> N
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds, smaller models")
-    parser.add_argument("--rounds", type=int, default=None, help="timed steps per way and case")
-    parser.add_argument(
-        "--threads", type=int, default=1, help="intra-op threads per process (default 1)"
-    )
-    parser.add_argument(
-        "--cases",
-        default=",".join(CASES),
-        help=f"comma-separated cases to run, among {', '.join(CASES)} (default: all)",
-    )
-    args, _ = parser.parse_known_args(argv)  # nox -s bench passes its arguments to every script
+    parser = bench_parser(__doc__)
+    add_selection(parser, "cases", CASES)
+    args, rounds, sizes, chosen = parse_bench(parser, argv, ("cases", CASES))
     torch.set_num_threads(args.threads)
-    quick = args.quick
-    rounds = args.rounds or (3 if quick else 10)
-    sizes = Sizes.of(quick)
     mlp, transformer, tiny = mlp_case(sizes), transformer_case(sizes), tiny_case()
-    chosen = [name.strip() for name in args.cases.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in CASES]
-    if unknown:
-        parser.error(f"unknown cases: {', '.join(unknown)} (known: {', '.join(CASES)})")
 
     print(
         f"Stages across processes: CPU, torch {torch.__version__}, intra-op threads "

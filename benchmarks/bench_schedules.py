@@ -68,7 +68,6 @@ reaped, also on failure. Only ratios within one run are meaningful.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -88,11 +87,14 @@ from _step_models import (
     SavedBytes,
     Sizes,
     Ways,
+    add_selection,
+    bench_parser,
     calibrated_sleep,
     describe_sleep,
     measure,
     ms,
     parallel_speedup,
+    parse_bench,
     parse_way,
     per_microbatch_bytes,
     placed_balance,
@@ -431,26 +433,10 @@ def print_memory(sizes: Sequence[int], width: int) -> list[Check]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     began = time.perf_counter()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds, smaller models")
-    parser.add_argument("--rounds", type=int, default=None, help="timed steps per way and case")
-    parser.add_argument(
-        "--threads", type=int, default=1, help="intra-op threads per process (default 1)"
-    )
-    parser.add_argument(
-        "--tables",
-        default=",".join(TABLES),
-        help=f"comma-separated tables to run, among {', '.join(TABLES)} (default: all)",
-    )
-    args, _ = parser.parse_known_args(argv)  # nox -s bench passes its arguments to every script
+    parser = bench_parser(__doc__)
+    add_selection(parser, "tables", TABLES)
+    args, rounds, sizes, chosen = parse_bench(parser, argv, ("tables", TABLES))
     torch.set_num_threads(args.threads)
-    quick = args.quick
-    rounds = args.rounds or (3 if quick else 10)
-    sizes = Sizes.of(quick)
-    chosen = [name.strip() for name in args.tables.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in TABLES]
-    if unknown:
-        parser.error(f"unknown tables: {', '.join(unknown)} (known: {', '.join(TABLES)})")
 
     print(
         f"Interleaved and zero-bubble schedules: CPU, torch {torch.__version__}, intra-op "

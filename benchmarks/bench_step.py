@@ -78,6 +78,7 @@ from _step_models import (
     Runner,
     SavedBytes,
     Sizes,
+    bench_parser,
     calibrated_sleep,
     cnn_case,
     describe_sleep,
@@ -87,6 +88,7 @@ from _step_models import (
     mlp_case,
     ms,
     parallel_speedup,
+    parse_bench,
     per_microbatch_bytes,
     pipelining_check,
     plain_microbatched_runner,
@@ -336,20 +338,15 @@ def reasons_of(results: dict[str, Any], seen: dict[str, str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds, smaller models")
-    parser.add_argument("--rounds", type=int, default=None, help="timed steps per way and case")
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
+    parser = bench_parser(__doc__)
     parser.add_argument(
         "--default-threading-only",
         action="store_true",
         help="only the default-threading table and its targets",
     )
     parser.add_argument("--single-thread-plain", metavar="CASE", help=argparse.SUPPRESS)
-    args, _ = parser.parse_known_args(argv)  # nox -s bench passes its arguments to every script
+    args, rounds, sizes, _ = parse_bench(parser, argv)
     quick = args.quick
-    rounds = args.rounds or (3 if quick else 10)
-    sizes = Sizes.of(quick)
     if args.single_thread_plain is not None:  # the child of single_thread_plain()
         case = {c.name: c for c in default_cases(sizes)}[args.single_thread_plain]
         print(measure({"plain": plain_runner(case)}, rounds)["plain"])
