@@ -332,6 +332,7 @@ class GPipe(nn.Module):
                 ("chunks", self.chunks),
                 ("checkpoint", self.checkpoint),
                 ("deferred_batch_norm", deferred_batch_norm),
+                ("placement", placement.workers if placement_spec is not None else None),
                 ("the rank of each partition", placement.ranks),
                 (
                     "the device types of each rank's partitions",
