@@ -51,6 +51,7 @@ from ._dependency import fork, join
 from ._losses import LossFunction
 from ._sequential import call_partition
 from ._skips import SkipCall
+from ._split_backward import WeightGradient, input_gradient
 from ._stream import AbstractStream
 from ._timeline import Phase
 from ._tracing import Tracer
@@ -202,8 +203,8 @@ class PartitionRun:
         #: Whether the partition modifies its input in place (None: not known yet).
         self.modifies_input: bool | None = None
         self.in_flight: dict[int, _InFlight] = {}
-        #: What the weight gradient of each micro-batch differentiates, after its input gradient.
-        self.deferred: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+        #: The weight gradient of each micro-batch, after its input gradient.
+        self.deferred: dict[int, WeightGradient] = {}
         # The phony forked off the previous micro-batch's output (autograd backward), and
         # whether to order the micro-batches' backward passes so: recomputations need it
         # (each runs right before its own backward pass), and CUDA streams; on the CPU
@@ -494,11 +495,11 @@ class PartitionRun:
     ) -> tuple[list[Tensor | None], dict[SkipKey, Tensor | None]]:
         """The input gradient of micro-batch ``i`` (after its recomputation if checkpointed):
         the gradients of the partition's input and popped skips, as :meth:`backward`
-        returns them, keeping the graph for :meth:`backward_weight`.
+        returns them, keeping what :meth:`backward_weight` needs.
 
-        Autograd runs the paths from the outputs to the inputs only; the weight gradient
-        later runs the graph again to the parameters (the activation gradients it needs
-        are computed a second time: exact, at the cost of that repetition).
+        Autograd runs the paths from the outputs to the inputs only, capturing the
+        gradients where the parameters' paths leave them (see
+        :mod:`gpipe_core._split_backward`); the weight gradient starts there.
         """
         entry = self.in_flight.pop(i)
         if entry.chk is not None:
@@ -509,20 +510,20 @@ class PartitionRun:
         # The first partition's inputs are views of the step's leaves: their gradients are
         # passed on to those leaves.
         wanted = [tensor for tensor in inputs if tensor.requires_grad]
-        views = [tensor for tensor in wanted if not tensor.is_leaf]
 
-        def compute() -> None:
-            if not roots or not wanted:
-                return
-            torch.autograd.backward(roots, seeds, inputs=wanted, retain_graph=True)
-            pairs = [(view, view.grad) for view in views if view.grad is not None]
-            for view in views:
-                view.grad = None
-            if pairs:
-                torch.autograd.backward([v for v, _ in pairs], [g for _, g in pairs])
+        def compute() -> WeightGradient:
+            found, weight = input_gradient(roots, seeds, wanted)
+            views = [(view, grad) for view, grad in zip(wanted, found, strict=True)
+                     if grad is not None and not view.is_leaf]  # fmt: skip
+            for tensor, grad in zip(wanted, found, strict=True):
+                if grad is not None and tensor.is_leaf:
+                    tensor.grad = grad if tensor.grad is None else tensor.grad + grad
+            if views:
+                torch.autograd.backward([v for v, _ in views], [g for _, g in views])
+            return weight
 
-        self.record(Phase.INPUT_GRADIENT, i, True, compute)
-        self.deferred[i] = (roots, seeds)
+        self.deferred[i] = self.record(Phase.INPUT_GRADIENT, i, True, compute)
+        entry.outputs = entry.loss = None
         call = entry.call
         count = call.inputs if call is not None else len(inputs)
         input_grads = [_grad(tensor) for tensor in inputs[:count]]
@@ -536,14 +537,8 @@ class PartitionRun:
     def backward_weight(self, i: int) -> None:
         """The weight gradient of micro-batch ``i``, after its :meth:`backward_input`:
         accumulated into the parameters' ``.grad``; the graph is freed."""
-        roots, seeds = self.deferred.pop(i)
-        parameters = list(self.parameters)
-
-        def compute() -> None:
-            if roots and parameters:
-                torch.autograd.backward(roots, seeds, inputs=parameters)
-
-        self.record(Phase.WEIGHT_GRADIENT, i, True, compute)
+        weight = self.deferred.pop(i)
+        self.record(Phase.WEIGHT_GRADIENT, i, True, weight)
 
     def _recompute(self, i: int, entry: _InFlight) -> None:
         chk = entry.chk
