@@ -9,6 +9,7 @@ the plain model's losses and gradients; the refusals name schedule, placement an
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import pytest
 import torch
@@ -351,3 +352,57 @@ def test_timeline_shows_input_and_weight_gradients() -> None:
     # Each worker's thread ran its two partitions.
     threads = {e.partition: e.thread for e in timeline.events if str(e.phase) == "forward"}
     assert threads[0] == threads[2] and threads[1] == threads[3] and threads[0] != threads[1]
+
+
+# -- compiled partitions --------------------------------------------------------------------
+
+
+def compiled(backend: str, whole: bool, seed: int) -> nn.Sequential:
+    """Four partitions of one block (linear, tanh) each, compiled with ``backend``: the
+    block alone (``whole``: each partition's backward is one compiled function), or the
+    block and a plain linear layer after it (``I`` and ``W`` split around it)."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(4):
+        block = torch.compile(nn.Sequential(nn.Linear(3, 3), nn.Tanh()), backend=backend)
+        layers.append(cast(nn.Module, block))
+        if not whole:
+            layers.append(nn.Linear(3, 3))
+    return nn.Sequential(*layers).double()
+
+
+@pytest.mark.parametrize(("backend", "whole"), [("aot_eager", True), ("aot_eager", False),
+                                               ("eager", True)])  # fmt: skip
+def test_compiled_partitions_run_every_schedule_exactly(backend: str, whole: bool) -> None:
+    """Each schedule on its placements, each checkpoint mode: the plain model's numbers.
+    A partition whose backward is one compiled function (``aot_eager``, compiled whole)
+    runs it whole at ``I`` (a backward task on the timeline) and an empty ``W``; with a
+    plain layer beside it, or compiled with ``eager`` (the usual autograd nodes), ``I`` and
+    ``W`` split."""
+    torch._dynamo.reset()
+    plain = compiled(backend, whole, 0)
+    per_partition = 1 if whole else 2
+    x = torch.randn(8, 3, dtype=torch.float64)
+    y = torch.randn(8, 3, dtype=torch.float64)
+    x_plain = x.clone().requires_grad_()
+    nn.MSELoss()(plain(x_plain), y).backward()
+    for name, kind in PAIRS:
+        for checkpoint in MODES:
+            pipe = GPipe(copy.deepcopy(plain), [per_partition] * 4, chunks=4,
+                         checkpoint=checkpoint, devices=["cpu", "cpu"], placement=kind)  # fmt: skip
+            for p in pipe.parameters():
+                p.grad = None
+            x_pipe = x.clone().requires_grad_()
+            with pipe.trace() as timeline:
+                pipe.step(x_pipe, y, nn.MSELoss(), schedule=name)
+            where = f"{name} {kind} {checkpoint}"
+            for p, q in zip(pipe.parameters(), plain.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, msg=where)
+            torch.testing.assert_close(x_pipe.grad, x_plain.grad, msg=where)
+            if not name.startswith("zb"):
+                continue
+            phases = {str(event.phase) for event in timeline.events}
+            assert "weight-gradient" in phases, where
+            split = backend == "eager" or not whole
+            assert ("input-gradient" in phases) == split, (where, phases)
+            assert ("backward" in phases) != split, (where, phases)

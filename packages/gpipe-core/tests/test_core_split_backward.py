@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from gpipe_core import GPipe
-from gpipe_core._split_backward import input_gradient
+from gpipe_core._split_backward import SplitBackward, WeightGradient
 
 WIDTH = 3
 
@@ -89,6 +89,12 @@ def graph(kinds: list[str], seed: int) -> tuple[nn.Module, nn.ModuleList]:
     torch.manual_seed(seed)
     shared = nn.Linear(WIDTH, WIDTH)
     return shared, nn.ModuleList(Block(kind, shared) for kind in kinds).double()
+
+
+def input_gradient(
+    roots: list[Tensor], seeds: list[Tensor], wanted: list[Tensor]
+) -> tuple[list[Tensor | None], WeightGradient]:
+    return SplitBackward(roots, seeds, wanted).input_gradient()
 
 
 def outputs(blocks: nn.ModuleList, x: Tensor, extra: bool) -> list[Tensor]:

@@ -51,7 +51,7 @@ from ._dependency import fork, join
 from ._losses import LossFunction
 from ._sequential import call_partition
 from ._skips import SkipCall
-from ._split_backward import WeightGradient, input_gradient
+from ._split_backward import SplitBackward, WeightGradient
 from ._stream import AbstractStream
 from ._timeline import Phase
 from ._tracing import Tracer
@@ -499,7 +499,9 @@ class PartitionRun:
 
         Autograd runs the paths from the outputs to the inputs only, capturing the
         gradients where the parameters' paths leave them (see
-        :mod:`gpipe_core._split_backward`); the weight gradient starts there.
+        :mod:`gpipe_core._split_backward`); the weight gradient starts there. A partition
+        whose backward cannot be split (compiled whole) runs it whole here, traced as a
+        backward task, and its weight gradient is empty.
         """
         entry = self.in_flight.pop(i)
         if entry.chk is not None:
@@ -511,18 +513,25 @@ class PartitionRun:
         # passed on to those leaves.
         wanted = [tensor for tensor in inputs if tensor.requires_grad]
 
-        def compute() -> WeightGradient:
-            found, weight = input_gradient(roots, seeds, wanted)
-            views = [(view, grad) for view, grad in zip(wanted, found, strict=True)
-                     if grad is not None and not view.is_leaf]  # fmt: skip
-            for tensor, grad in zip(wanted, found, strict=True):
-                if grad is not None and tensor.is_leaf:
-                    tensor.grad = grad if tensor.grad is None else tensor.grad + grad
-            if views:
-                torch.autograd.backward([v for v, _ in views], [g for _, g in views])
-            return weight
+        split = SplitBackward(roots, seeds, wanted)
+        if split.whole:
+            # Nothing can wait (a compiled partition): the whole backward pass now.
+            self.record(Phase.BACKWARD, i, True, lambda: run_backward(roots, seeds))
+            self.deferred[i] = WeightGradient([])
+        else:
 
-        self.deferred[i] = self.record(Phase.INPUT_GRADIENT, i, True, compute)
+            def compute() -> WeightGradient:
+                found, weight = split.input_gradient()
+                views = [(view, grad) for view, grad in zip(wanted, found, strict=True)
+                         if grad is not None and not view.is_leaf]  # fmt: skip
+                for tensor, grad in zip(wanted, found, strict=True):
+                    if grad is not None and tensor.is_leaf:
+                        tensor.grad = grad if tensor.grad is None else tensor.grad + grad
+                if views:
+                    torch.autograd.backward([v for v, _ in views], [g for _, g in views])
+                return weight
+
+            self.deferred[i] = self.record(Phase.INPUT_GRADIENT, i, True, compute)
         entry.outputs = entry.loss = None
         call = entry.call
         count = call.inputs if call is not None else len(inputs)

@@ -2,9 +2,9 @@
 
 A zero-bubble schedule runs a micro-batch's backward pass in two actions (see
 :mod:`gpipe_core._schedule`): the input gradient ``I`` (sent upstream at once) and the
-weight gradient ``W`` (deferred). :func:`input_gradient` runs ``I`` and returns the
-:class:`WeightGradient` that runs ``W``; together they compute what one backward pass does,
-and each node of the autograd graph runs once.
+weight gradient ``W`` (deferred). :meth:`SplitBackward.input_gradient` runs ``I`` and
+returns the :class:`WeightGradient` that runs ``W``; together they compute what one
+backward pass does, and each node of the autograd graph runs once.
 
 **How the graph is cut.** From the roots (the outputs that received a gradient, the loss),
 the *input path* is every node from which one of the wanted inputs can be reached. ``I``
@@ -29,9 +29,10 @@ returns every gradient it computes, whichever are asked for; a compiled graph's
 (``CompiledFunctionBackward``: a partition or layer compiled by ``torch.compile`` with
 ``aot_eager`` or ``inductor``) is one such function. Such a node on the frontier runs
 whole, once, at ``I``: its gradients for the parameters' paths are captured then, and ``W``
-carries them on (to ``AccumulateGrad``). A partition compiled whole thus has its backward
-pass at ``I`` and an all but empty ``W`` (short on the timeline). A layer compiled with
-``backend="eager"`` records the usual nodes and splits as usual.
+carries them on (to ``AccumulateGrad``). Where every frontier node is such (a partition
+compiled whole), :attr:`SplitBackward.whole` says so: the partition runs its whole
+backward pass at ``I`` (a backward task on the timeline) and its ``W`` is empty. A layer
+compiled with ``backend="eager"`` records the usual nodes and splits as usual.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
 
-__all__ = ["WeightGradient", "input_gradient"]
+__all__ = ["SplitBackward", "WeightGradient"]
 
 
 _Grads = tuple[Tensor | None, ...]
@@ -95,69 +96,96 @@ class WeightGradient:
             group.run()
 
 
-def input_gradient(
-    roots: Sequence[Tensor], seeds: Sequence[Tensor], wanted: Sequence[Tensor]
-) -> tuple[list[Tensor | None], WeightGradient]:
-    """Differentiate ``roots`` (with gradients ``seeds``) to ``wanted`` only.
+class SplitBackward:
+    """The backward pass of ``roots`` (with gradients ``seeds``) split at ``wanted``: the
+    graph is read once, then :meth:`input_gradient` runs.
 
-    Returns:
-        The gradient of each of ``wanted`` (None where none flowed), and what the weight
-        gradient runs later (see the module's docstring).
+    Args:
+        roots: the tensors to differentiate (outputs that received a gradient, a loss).
+        seeds: their gradients.
+        wanted: the inputs whose gradients the input gradient computes.
     """
-    inputs = {_node(tensor): k for k, tensor in enumerate(wanted)}
-    graph = _Graph([_node(root) for root in roots], inputs)
-    frontier: list[tuple[Node, list[Node]]] = []
-    captures: list[GradientEdge] = []
-    for node in graph.path:
-        off = [
-            child
-            for child, _ in node.next_functions
-            if child is not None and child not in inputs and graph.leafward(child)
+
+    def __init__(
+        self, roots: Sequence[Tensor], seeds: Sequence[Tensor], wanted: Sequence[Tensor]
+    ) -> None:
+        self.roots, self.seeds, self.wanted = roots, seeds, wanted
+        self.inputs = {_node(tensor): k for k, tensor in enumerate(wanted)}
+        self.nodes = [_node(root) for root in roots]
+        self.graph = graph = _Graph(self.nodes, self.inputs)
+        #: The frontier nodes that split, with their children off the input path.
+        self.frontier: list[tuple[Node, list[Node]]] = []
+        #: The edges off the input path of the frontier nodes that do not split.
+        self.captures: list[GradientEdge] = []
+        for node in graph.path:
+            off = [
+                child
+                for child, _ in node.next_functions
+                if child is not None and child not in self.inputs and graph.leafward(child)
+            ]
+            if not off:
+                continue
+            if _unsplittable(node):
+                self.captures.extend(
+                    GradientEdge(child, nr)
+                    for child, nr in node.next_functions
+                    if child is not None and child in off
+                )
+            else:
+                self.frontier.append((node, off))
+        #: The roots that lead to an input (or are one), and those off the input path
+        #: that lead to a leaf (differentiated whole by the weight gradient).
+        self.on_path = [k for k, node in enumerate(self.nodes) if graph.to_input.get(node, False)]
+        self.off_path = [
+            k
+            for k, node in enumerate(self.nodes)
+            if not graph.to_input.get(node, False) and graph.leafward(node)
         ]
-        if not off:
-            continue
-        if _unsplittable(node):
-            # Its edges off the input path are computed at I, captured, seeded at W.
-            captures.extend(
-                GradientEdge(child, nr)
-                for child, nr in node.next_functions
-                if child is not None and child in off
-            )
-        else:
-            frontier.append((node, off))
-    # The roots that lead to an input (or are one).
-    on_path = [k for k, root in enumerate(roots) if graph.to_input.get(_node(root), False)]
-    captured: dict[Node, _Grads] = {}
-    grads: list[Tensor | None] = [None] * len(wanted)
-    edge_grads: Sequence[Tensor | None] = []
-    if on_path and (wanted or captures):
-        handles = [node.register_prehook(_capture(captured, node)) for node, _ in frontier]
-        try:
-            found = torch.autograd.grad(
-                [roots[k] for k in on_path],
-                cast(list[GradientEdge], [*wanted, *captures]),
-                [seeds[k] for k in on_path],
-                retain_graph=True,
-                allow_unused=True,
-            )
-        finally:
-            for handle in handles:
-                handle.remove()
-        grads = list(found[: len(wanted)])
-        edge_grads = found[len(wanted) :]
-    # The weight gradient's seeds, grouped by the parts of the graph they reach.
-    groups = _Groups(graph)
-    for node, off in frontier:
-        if node in captured:
-            groups.add_frontier(node, captured[node], off)
-    for edge, grad in zip(captures, edge_grads, strict=True):
-        if grad is not None:
-            groups.add(edge, grad, edge.node)
-    for k, root in enumerate(roots):
-        node = _node(root)
-        if not graph.on_path(node) and node not in inputs and graph.leafward(node):
-            groups.add(root, seeds[k], node)
-    return grads, WeightGradient(groups.made())
+
+    @property
+    def whole(self) -> bool:
+        """Whether nothing of the parameters' side can wait for a weight gradient: every
+        frontier node's backward computes all of its gradients at once (a compiled
+        partition's), so the backward pass runs whole, at the input gradient."""
+        return bool(self.captures) and not self.frontier and not self.off_path
+
+    def input_gradient(self) -> tuple[list[Tensor | None], WeightGradient]:
+        """Differentiate the roots to ``wanted`` only.
+
+        Returns:
+            The gradient of each of ``wanted`` (None where none flowed), and what the
+            weight gradient runs later (see the module's docstring).
+        """
+        roots, seeds, wanted, captures = self.roots, self.seeds, self.wanted, self.captures
+        captured: dict[Node, _Grads] = {}
+        grads: list[Tensor | None] = [None] * len(wanted)
+        edge_grads: Sequence[Tensor | None] = []
+        if self.on_path and (wanted or captures):
+            hooks = [node.register_prehook(_capture(captured, node)) for node, _ in self.frontier]
+            try:
+                found = torch.autograd.grad(
+                    [roots[k] for k in self.on_path],
+                    cast(list[GradientEdge], [*wanted, *captures]),
+                    [seeds[k] for k in self.on_path],
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            grads = list(found[: len(wanted)])
+            edge_grads = found[len(wanted) :]
+        # The weight gradient's seeds, grouped by the parts of the graph they reach.
+        groups = _Groups()
+        for node, off in self.frontier:
+            if node in captured:
+                groups.add_frontier(node, captured[node], off)
+        for edge, grad in zip(captures, edge_grads, strict=True):
+            if grad is not None:
+                groups.add(edge, grad, edge.node)
+        for k in self.off_path:
+            groups.add(roots[k], seeds[k], self.nodes[k])
+        return grads, WeightGradient(groups.made())
 
 
 def _node(tensor: Tensor) -> Node:
@@ -233,8 +261,7 @@ class _Graph:
 class _Groups:
     """The seeds of a weight gradient, grouped where their parts of the graph meet."""
 
-    def __init__(self, graph: _Graph) -> None:
-        self.graph = graph
+    def __init__(self) -> None:
         self.owner: dict[Node, int] = {}  # a node off the input path -> its seed's index
         self.parent: list[int] = []
         self.seeds: list[tuple[Tensor | GradientEdge, Tensor]] = []
