@@ -59,7 +59,7 @@ def test_step_matches_plain_with_two_partitions_per_rank(
     checkpoint: str,
     layers: tuple[str, ...],
 ) -> None:
-    spec = {"layers": layers, "seed": 3, "batches": [8, 5], "chunks": 4}
+    spec = {"layers": layers, "seed": 3, "batches": [8, 7], "chunks": 4}
     results = cluster2.results(
         "step",
         balance=[2, 2, 2, 2],

@@ -49,6 +49,12 @@ def peak_held(actions: list[Action]) -> int:
     return peak
 
 
+def refused(name: str, m: int, n: int, workers: int) -> bool:
+    """Whether ``name`` refuses ``m`` micro-batches on ``n`` partitions in a loop over
+    ``workers``: interleaved rounds with a shorter last one."""
+    return name in ("interleaved-1f1b", "zb-h1") and n > workers and m > workers and m % workers > 0
+
+
 # -- the action lists ----------------------------------------------------------------------
 
 
@@ -65,6 +71,10 @@ def test_every_schedule_gives_valid_lists_on_its_placements(
     name, kind = pair
     n = 2 * workers if kind == "v" else chunks * workers
     placement = place_partitions(kind, n, workers)
+    if refused(name, m, n, workers):
+        with pytest.raises(ScheduleError, match=r"multiple of the workers"):
+            get_schedule(name).worker_actions(m, n, placement)
+        return
     lists = get_schedule(name).worker_actions(m, n, placement)
     assert len(lists) == workers
     check_actions(lists, m, placement=placement)
@@ -178,6 +188,46 @@ def test_schedules_refuse_placements_they_cannot_run(
         get_schedule(name).worker_actions(4, 4, placement)
 
 
+LOOP4 = [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "zb-h1"])
+def test_interleaved_rounds_refuse_a_shorter_last_round(name: str) -> None:
+    """Several partitions per worker: m a multiple of the workers or at most them; one
+    partition per worker (1F1B's order) takes any m."""
+    schedule = get_schedule(name)
+    with pytest.raises(
+        ScheduleError,
+        match=rf"schedule '{name}' with several partitions per worker needs a number of "
+        r"micro-batches that is a multiple of the workers, or at most the workers "
+        r"\(micro-batches: 5, workers: 4, partitions: 8, placement: \[0, 1, 2, 3, 0, 1, 2, "
+        r"3\]\); choose the batch size and chunks to give such a number, or use schedule '1f1b'",
+    ):
+        schedule.worker_actions(5, 8, LOOP4)
+    for m in (1, 3, 4, 8):
+        check_actions(schedule.worker_actions(m, 8, LOOP4), m, placement=LOOP4)
+    check_actions(schedule.worker_actions(5, 4, [0, 1, 2, 3]), 5, placement=[0, 1, 2, 3])
+
+
+def test_step_refuses_a_shorter_last_round_before_anything_runs() -> None:
+    pipe = GPipe(build(4, [], 0), [1, 1, 1, 1], chunks=4, devices=["cpu", "cpu"],
+                 placement="loop")  # fmt: skip
+    # A batch of 6 in 4 chunks: 3 micro-batches of 2, on 2 workers.
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    with pytest.raises(ScheduleError, match=r"\(micro-batches: 3, workers: 2, partitions: 4"):
+        pipe.step(x, y, nn.MSELoss(), schedule="zb-h1")
+    assert all(p.grad is None for p in pipe.parameters())
+    pipe.step(x, y, nn.MSELoss(), schedule="1f1b")  # runs
+
+
+def test_every_built_in_schedule_takes_fewer_micro_batches_than_partitions() -> None:
+    """No schedule needs m >= n: with fewer micro-batches, 1F1B's warm-up is shorter."""
+    for name, kind in PAIRS:
+        placement = place_partitions(kind, 4, 2)
+        lists = get_schedule(name).worker_actions(1, 4, placement)
+        check_actions(lists, 1, placement=placement)
+
+
 @pytest.mark.parametrize(
     ("placement", "workers", "error", "message"),
     [
@@ -281,6 +331,11 @@ def test_step_matches_plain_on_every_schedule_and_placement(
     x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
     y = torch.randn(7, 3, dtype=torch.float64)
     x_plain = x.detach().clone().requires_grad_()
+    if refused(name, len(x.chunk(chunks)), n, workers):
+        with pytest.raises(ScheduleError, match=r"multiple of the workers"):
+            pipe.step(x, y, nn.MSELoss(), schedule=name)
+        assert all(p.grad is None for p in pipe.parameters()) and x.grad is None
+        return
     losses = pipe.step(x, y, nn.MSELoss(), schedule=name)
     expected = nn.MSELoss()(plain(x_plain), y)
     expected.backward()
