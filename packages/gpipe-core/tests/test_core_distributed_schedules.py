@@ -19,7 +19,10 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from core_strategies import compositions
 from test_core_distributed import check_steps
 from test_core_distributed_agreement import check_alike, same_value_error
 
@@ -68,6 +71,55 @@ def test_step_matches_plain_with_two_partitions_per_rank(
         placement=placement,
         **spec,
     )
+    check_steps(cases, results, **spec)
+
+
+@st.composite
+def random_cases(draw: st.DrawFn) -> dict[str, Any]:
+    """A random model of linear and tanh layers with a skip between any two positions
+    (or none), split into any four partitions, on any schedule and placement."""
+    kinds = draw(st.lists(st.sampled_from(["linear", "tanh"]), min_size=4, max_size=7))
+    if draw(st.booleans()):
+        a = draw(st.integers(0, len(kinds)))
+        b = draw(st.integers(a, len(kinds)))
+        kinds = [*kinds[:a], "stash", *kinds[a:b], "pop", *kinds[b:]]
+    if "linear" not in kinds:
+        kinds.append("linear")
+    schedule, placement = draw(st.sampled_from(PAIRS))
+    return {
+        "layers": tuple(kinds),
+        "balance": draw(st.sampled_from(compositions(len(kinds), 4))),
+        "schedule": schedule,
+        "placement": placement,
+        "checkpoint": draw(st.sampled_from(MODES)),
+        # 1, 2 or 4 micro-batches: what interleaved rounds on two workers take.
+        "chunks": draw(st.sampled_from([1, 2, 4])),
+        "seed": draw(st.integers(0, 2**16)),
+        "batches": [8],
+    }
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(case=random_cases())
+def test_random_models_match_plain_with_two_partitions_per_rank(
+    cluster2: Any, cases: ModuleType, case: dict[str, Any]
+) -> None:
+    results = cluster2.results("step", **case)
+    check_steps(cases, results, **case)
+
+
+@pytest.mark.parametrize(("schedule", "placement"), [("zb-h1", "loop"), ("zbv", "v")])
+def test_deferred_batch_norm_with_two_partitions_per_rank(
+    cluster2: Any, cases: ModuleType, schedule: str, placement: str
+) -> None:
+    spec = {"layers": ("linear", "tanh", "linear", "bn", "linear", "tanh", "linear", "linear"),
+            "seed": 6, "batches": [8, 16], "chunks": 4}  # fmt: skip
+    results = cluster2.results(
+        "step", balance=[2, 2, 2, 2], schedule=schedule, placement=placement,
+        deferred_batch_norm=True, **spec,
+    )  # fmt: skip
     check_steps(cases, results, **spec)
 
 
