@@ -118,9 +118,10 @@ class SplitBackward:
         #: The edges off the input path of the frontier nodes that do not split.
         self.captures: list[GradientEdge] = []
         for node in graph.path:
+            edges = graph.edges[node]
             off = [
                 child
-                for child, _ in node.next_functions
+                for child, _ in edges
                 if child is not None and child not in self.inputs and graph.leafward(child)
             ]
             if not off:
@@ -128,7 +129,7 @@ class SplitBackward:
             if _unsplittable(node):
                 self.captures.extend(
                     GradientEdge(child, nr)
-                    for child, nr in node.next_functions
+                    for child, nr in edges
                     if child is not None and child in off
                 )
             else:
@@ -208,8 +209,19 @@ def _unsplittable(node: Node) -> bool:
     return isinstance(node, BackwardCFunction)
 
 
+def _accumulate_grad() -> type:
+    leaf = torch.zeros((), requires_grad=True)
+    with torch.enable_grad():
+        node = _node(leaf)
+    return type(node)
+
+
+#: The type of the nodes that accumulate a leaf's gradient (``AccumulateGrad``).
+_ACCUMULATE_GRAD = _accumulate_grad()
+
+
 def _is_leaf_node(node: Node) -> bool:
-    return hasattr(node, "variable")
+    return type(node) is _ACCUMULATE_GRAD
 
 
 class _Graph:
@@ -220,6 +232,8 @@ class _Graph:
         self.inputs = inputs
         self.to_input: dict[Node, bool] = {}
         self.to_leaf: dict[Node, bool] = {}
+        #: Each node's ``next_functions`` (read once: each read builds new tuples).
+        self.edges: dict[Node, tuple[tuple[Node | None, int], ...]] = {}
         #: The nodes of the input path (the inputs' own nodes excluded).
         self.path: list[Node] = []
         seen: set[Node] = set()
@@ -235,13 +249,14 @@ class _Graph:
             stack.append((node, True))
             if node in inputs:
                 continue
-            stack.extend((child, False) for child, _ in node.next_functions if child is not None)
+            edges = self.edges[node] = node.next_functions
+            stack.extend((child, False) for child, _ in edges if child is not None)
 
     def _finish(self, node: Node) -> None:
         if node in self.inputs:
             self.to_input[node], self.to_leaf[node] = True, False
             return
-        children = [child for child, _ in node.next_functions if child is not None]
+        children = [child for child, _ in self.edges[node] if child is not None]
         to_input = any(self.to_input[child] for child in children)
         self.to_input[node] = to_input
         self.to_leaf[node] = _is_leaf_node(node) or any(
@@ -249,9 +264,6 @@ class _Graph:
         )
         if to_input:
             self.path.append(node)
-
-    def on_path(self, node: Node) -> bool:
-        return node not in self.inputs and self.to_input.get(node, False)
 
     def leafward(self, node: Node) -> bool:
         """Whether ``node`` is off the input path and leads to a leaf."""
