@@ -2,8 +2,10 @@
 
 ``input_gradient`` then the ``WeightGradient`` it returns give what one backward pass gives
 (hypothesis over random graphs: layers of their own, tied weights, branches of parameters
-only, outputs of parameters only, custom functions with and without parameters, inputs
-with and without gradients), and the weight gradient does not run the input path again:
+only, outputs of parameters only, custom functions with and without parameters (tied to
+another layer's too), in-place operations, hooks that change an activation's or a
+parameter's gradient, inputs with and without gradients), and the weight gradient does not
+run the input path again:
 a custom function's backward on it is called once per micro-batch, in a step as well.
 """
 
@@ -62,7 +64,7 @@ class Block(nn.Module):
     def __init__(self, kind: str, shared: nn.Linear) -> None:
         super().__init__()
         self.kind = kind
-        self.linear = shared if kind == "tied" else nn.Linear(WIDTH, WIDTH)
+        self.linear = shared if kind in ("tied", "custom-tied") else nn.Linear(WIDTH, WIDTH)
         self.scale = nn.Parameter(torch.randn(WIDTH))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -73,8 +75,13 @@ class Block(nn.Module):
             return x * self.scale.square() + self.linear.bias.exp()
         if kind == "counted":
             return Counted.apply(x)  # type: ignore[no-any-return]
-        if kind == "custom":
+        if kind in ("custom", "custom-tied", "custom-hooked"):
             return CustomLinear.apply(x, self.linear.weight)  # type: ignore[no-any-return]
+        if kind == "hooked":  # a hook on an activation changes its gradient
+            y = self.linear(x)
+            if y.requires_grad:
+                y.register_hook(lambda grad: grad * 2)
+            return torch.tanh(y)
         if kind == "in-place":
             y = self.linear(x)
             y.mul_(self.scale)
@@ -82,7 +89,25 @@ class Block(nn.Module):
         raise AssertionError(kind)
 
 
-KINDS = ("linear", "tied", "branch", "counted", "custom", "in-place")
+KINDS = (
+    "linear",
+    "tied",
+    "branch",
+    "counted",
+    "custom",
+    "custom-tied",
+    "custom-hooked",
+    "in-place",
+    "hooked",
+)
+
+
+def hook_parameters(blocks: nn.Module) -> None:
+    """A hook that changes the gradient of each ``custom-hooked`` block's weight (hooks
+    are not copied with their tensor)."""
+    for block in blocks.modules():
+        if isinstance(block, Block) and block.kind == "custom-hooked":
+            block.linear.weight.register_hook(lambda grad: grad * 3)
 
 
 def graph(kinds: list[str], seed: int) -> tuple[nn.Module, nn.ModuleList]:
@@ -119,6 +144,8 @@ def test_input_then_weight_gradient_equals_one_backward_pass(
     shared, blocks = graph(kinds, seed)
     model = nn.ModuleList([shared, blocks])
     twin = copy.deepcopy(model)
+    hook_parameters(model)
+    hook_parameters(twin)
     x = torch.randn(4, WIDTH, dtype=torch.float64, requires_grad=needs_input)
     x_full = x.detach().clone().requires_grad_(needs_input)
     roots = outputs(twin[1], x_full, extra)

@@ -19,20 +19,24 @@ path (a loss where no input needs a gradient, an output computed from parameters
 differentiated whole by ``W``.
 
 ``W`` runs one autograd call per *group*: frontier nodes whose parts below the input path
-share a node (a parameter used by two layers) go together, and since autograd would then
-run the input path between them again, a pre-hook sets each one's gradient back to what
-``I`` captured (exact; the repetition is limited to such layers). Other groups share no
-node, and their calls touch no node of the input path but their own frontier node.
+share a node (a parameter used by two layers) go together, and autograd then runs the
+input path between them again (exact; the repetition is limited to such layers). Other
+groups share no node, and their calls touch no node of the input path but their own
+frontier node. During ``W`` a pre-hook sets each frontier node's gradient to what ``I``
+captured: what the input path sends it again is dropped, and so is the effect of a hook on
+the tensor it differentiates (``Tensor.register_hook``), which ran at ``I`` already (the
+hook is called again, its result is not used).
 
 **Backward passes that cannot be split.** The backward of a custom ``autograd.Function``
 returns every gradient it computes, whichever are asked for; a compiled graph's
 (``CompiledFunctionBackward``: a partition or layer compiled by ``torch.compile`` with
 ``aot_eager`` or ``inductor``) is one such function. Such a node on the frontier runs
-whole, once, at ``I``: its gradients for the parameters' paths are captured then, and ``W``
-carries them on (to ``AccumulateGrad``). Where every frontier node is such (a partition
-compiled whole), :attr:`SplitBackward.whole` says so: the partition runs its whole
-backward pass at ``I`` (a backward task on the timeline) and its ``W`` is empty. A layer
-compiled with ``backend="eager"`` records the usual nodes and splits as usual.
+whole, once, at ``I``: the gradients into its children off the input path are captured
+then, and ``W`` starts from them (set back to them, as a frontier node's). Where every
+frontier node is such (a partition compiled whole), :attr:`SplitBackward.whole` says so:
+the partition runs its whole backward pass at ``I`` (a backward task on the timeline) and
+its ``W`` is empty. A layer compiled with ``backend="eager"`` records the usual nodes and
+splits as usual.
 """
 
 from __future__ import annotations
@@ -62,14 +66,14 @@ class _Group:
         self.grads: list[Tensor] = []
         #: The leaves (parameters) the group's part of the graph reaches.
         self.leaves: list[Tensor] = []
-        #: Frontier nodes whose gradient is set back to the captured one (two or more
-        #: frontier nodes in the group).
-        self.clamped: list[tuple[Node, _Grads]] = []
+        #: The nodes whose gradient is set back to the one captured at ``I`` (frontier
+        #: nodes, and the children of those that do not split), by position.
+        self.clamped: list[tuple[Node, dict[int, Tensor | None]]] = []
 
     def run(self) -> None:
         if not self.seeds or not self.leaves:
             return
-        handles = [node.register_prehook(_constant(grads)) for node, grads in self.clamped]
+        handles = [node.register_prehook(_replace(grads)) for node, grads in self.clamped]
         try:
             # Kept: another group's call may run this group's frontier node on its way
             # (the graph is freed with the weight gradient).
@@ -183,7 +187,7 @@ class SplitBackward:
                 groups.add_frontier(node, captured[node], off)
         for edge, grad in zip(captures, edge_grads, strict=True):
             if grad is not None:
-                groups.add(edge, grad, edge.node)
+                groups.add_captured(edge, grad)
         for k in self.off_path:
             groups.add(roots[k], seeds[k], self.nodes[k])
         return grads, WeightGradient(groups.made())
@@ -277,7 +281,8 @@ class _Groups:
         self.owner: dict[Node, int] = {}  # a node off the input path -> its seed's index
         self.parent: list[int] = []
         self.seeds: list[tuple[Tensor | GradientEdge, Tensor]] = []
-        self.frontier: dict[int, tuple[Node, _Grads]] = {}
+        #: What each group's nodes are set back to, by a seed's index.
+        self.clamps: dict[int, tuple[Node, dict[int, Tensor | None]]] = {}
 
     def _find(self, k: int) -> int:
         while self.parent[k] != k:
@@ -306,7 +311,15 @@ class _Groups:
         return k
 
     def add(self, seed: Tensor | GradientEdge, grad: Tensor, node: Node) -> None:
+        """A seed (a root, or an edge), whose gradient flows into ``node``."""
         self._claim(self._new(seed, grad), [node])
+
+    def add_captured(self, edge: GradientEdge, grad: Tensor) -> None:
+        """An edge of a frontier node that does not split, with the gradient captured
+        into it at ``I`` (all that flowed there then: set back to it at ``W``)."""
+        k = self._new(edge, grad)
+        self.clamps[k] = (edge.node, {edge.output_nr: grad})
+        self._claim(k, [edge.node])
 
     def add_frontier(self, node: Node, grads: _Grads, off: Sequence[Node]) -> None:
         """A frontier node with the gradient captured into it, and its children off the
@@ -321,24 +334,18 @@ class _Groups:
         k = made[-1]
         for j in made[:-1]:
             self.parent[j] = k
-        self.frontier[k] = (node, grads)
+        self.clamps[k] = (node, dict(enumerate(grads)))
         self._claim(k, off)
 
     def made(self) -> list[_Group]:
         groups: dict[int, _Group] = {}
-        members: dict[int, int] = {}
         for k, (seed, grad) in enumerate(self.seeds):
             root = self._find(k)
             group = groups.setdefault(root, _Group())
             group.seeds.append(seed)
             group.grads.append(grad)
-        for k, (node, grads) in self.frontier.items():
-            root = self._find(k)
-            members[root] = members.get(root, 0) + 1
-            groups[root].clamped.append((node, grads))
-        for root, group in groups.items():
-            if members.get(root, 0) < 2:
-                group.clamped = []
+        for k, (node, grads) in self.clamps.items():
+            groups[self._find(k)].clamped.append((node, grads))
         for node, k in self.owner.items():
             if _is_leaf_node(node):
                 groups[self._find(k)].leaves.append(node.variable)  # type: ignore[attr-defined]
@@ -352,8 +359,8 @@ def _capture(captured: dict[Node, _Grads], node: Node) -> Callable[[Any], None]:
     return hook
 
 
-def _constant(grads: _Grads) -> Callable[[Any], _Grads]:
+def _replace(grads: dict[int, Tensor | None]) -> Callable[[Any], _Grads]:
     def hook(grad_outputs: _Grads) -> _Grads:
-        return grads
+        return tuple(grads.get(nr, grad) for nr, grad in enumerate(grad_outputs))
 
     return hook
