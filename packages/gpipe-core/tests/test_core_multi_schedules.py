@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from gpipe_core import GPipe, ScheduleError, check_actions, get_schedule, simulate
 from gpipe_core._schedule import Action, place_partitions
@@ -461,3 +462,42 @@ def test_compiled_partitions_run_every_schedule_exactly(backend: str, whole: boo
             split = backend == "eager" or not whole
             assert ("input-gradient" in phases) == split, (where, phases)
             assert ("backward" in phases) != split, (where, phases)
+
+
+class TorchCheckpointed(nn.Module):
+    """Two linear layers under ``torch.utils.checkpoint``."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def inner(t: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.a(t)))
+
+        return cast(torch.Tensor, torch_checkpoint(inner, x, use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize(("name", "kind"), [("zb-h1", "loop"), ("zbv", "v")])
+def test_layers_under_torch_checkpoint_split_or_run_whole(
+    name: str, kind: str, reentrant: bool
+) -> None:
+    """A non-reentrant ``torch.utils.checkpoint`` splits as usual; a reentrant one refuses
+    a backward pass to chosen inputs, so its partition runs the whole backward pass at I."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(*(TorchCheckpointed(reentrant) for _ in range(4))).double()
+    pipe = GPipe(copy.deepcopy(plain), [1, 1, 1, 1], chunks=4, checkpoint="never",
+                 devices=["cpu", "cpu"], placement=kind)  # fmt: skip
+    x = torch.randn(8, 3, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(8, 3, dtype=torch.float64)
+    with pipe.trace() as timeline:
+        pipe.step(x, y, nn.MSELoss(), schedule=name)
+    x_plain = x.detach().clone().requires_grad_()
+    nn.MSELoss()(plain(x_plain), y).backward()
+    for p, q in zip(pipe.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    torch.testing.assert_close(x.grad, x_plain.grad)
+    phases = {str(event.phase) for event in timeline.events}
+    assert ("input-gradient" in phases) != reentrant and ("backward" in phases) == reentrant

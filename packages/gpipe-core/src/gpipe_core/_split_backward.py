@@ -36,7 +36,9 @@ then, and ``W`` starts from them (set back to them, as a frontier node's). Where
 frontier node is such (a partition compiled whole), :attr:`SplitBackward.whole` says so:
 the partition runs its whole backward pass at ``I`` (a backward task on the timeline) and
 its ``W`` is empty. A layer compiled with ``backend="eager"`` records the usual nodes and
-splits as usual.
+splits as usual. So does ``torch.utils.checkpoint`` with ``use_reentrant=False``; with
+``use_reentrant=True`` its backward refuses to run for chosen inputs only, so a partition
+with one runs its whole backward pass at ``I`` as well.
 """
 
 from __future__ import annotations
@@ -121,7 +123,12 @@ class SplitBackward:
         self.frontier: list[tuple[Node, list[Node]]] = []
         #: The edges off the input path of the frontier nodes that do not split.
         self.captures: list[GradientEdge] = []
+        #: Whether the input path has a reentrant checkpoint (``torch.utils.checkpoint``
+        #: with ``use_reentrant=True``), which refuses a backward pass to chosen inputs.
+        self.reentrant = False
         for node in graph.path:
+            if type(node).__name__ == "CheckpointFunctionBackward":
+                self.reentrant = True
             edges = graph.edges[node]
             off = [
                 child
@@ -149,10 +156,11 @@ class SplitBackward:
 
     @property
     def whole(self) -> bool:
-        """Whether nothing of the parameters' side can wait for a weight gradient: every
-        frontier node's backward computes all of its gradients at once (a compiled
-        partition's), so the backward pass runs whole, at the input gradient."""
-        return bool(self.captures) and not self.frontier and not self.off_path
+        """Whether the backward pass runs whole, at the input gradient: nothing of the
+        parameters' side can wait for a weight gradient (every frontier node's backward
+        computes all of its gradients at once: a compiled partition's), or the input path
+        has a reentrant checkpoint."""
+        return self.reentrant or (bool(self.captures) and not self.frontier and not self.off_path)
 
     def input_gradient(self) -> tuple[list[Tensor | None], WeightGradient]:
         """Differentiate the roots to ``wanted`` only.
