@@ -500,8 +500,8 @@ class PartitionRun:
         Autograd runs the paths from the outputs to the inputs only, capturing the
         gradients where the parameters' paths leave them (see
         :mod:`gpipe_core._split_backward`); the weight gradient starts there. A partition
-        whose backward cannot be split (compiled whole) runs it whole here, traced as a
-        backward task, and its weight gradient is empty.
+        whose backward cannot be split (compiled whole, or with a reentrant checkpoint)
+        runs it whole here, traced as a backward task, and its weight gradient is empty.
         """
         entry = self.in_flight.pop(i)
         if entry.chk is not None:
@@ -515,7 +515,8 @@ class PartitionRun:
 
         split = SplitBackward(roots, seeds, wanted)
         if split.whole:
-            # Nothing can wait (a compiled partition): the whole backward pass now.
+            # Nothing can wait (a compiled partition, a reentrant checkpoint): the whole
+            # backward pass now.
             self.record(Phase.BACKWARD, i, True, lambda: run_backward(roots, seeds))
             self.deferred[i] = WeightGradient([])
         else:

@@ -77,9 +77,9 @@ class _Group:
             return
         handles = [node.register_prehook(_replace(grads)) for node, grads in self.clamped]
         try:
-            # Kept: another group's call may run this group's frontier node on its way
-            # (the graph is freed with the weight gradient).
-            # Tensors and edges mixed, as autograd takes them.
+            # Tensors and edges mixed, as autograd takes them. The graph is kept: another
+            # group's call may run this group's frontier node on its way (the graph is
+            # freed with the weight gradient).
             seeds = cast(list[GradientEdge], self.seeds)
             torch.autograd.backward(seeds, self.grads, inputs=self.leaves, retain_graph=True)
         finally:
@@ -88,7 +88,7 @@ class _Group:
 
 
 class WeightGradient:
-    """The weight gradient of one micro-batch, captured by :func:`input_gradient`:
+    """The weight gradient of one micro-batch, made by :meth:`SplitBackward.input_gradient`:
     calling it accumulates the leaves' gradients (into ``.grad``) and frees the graph."""
 
     __slots__ = ("groups",)
