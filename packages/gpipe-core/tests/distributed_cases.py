@@ -486,6 +486,7 @@ def case_failure(
     microbatch: int,
     checkpoint: str = "always",
     schedule: str = "gpipe",
+    placement: str | None = None,
 ) -> dict[str, Any]:
     """A step that fails on ``trap_rank``, then a step that must run normally."""
     pipe = GPipe(
@@ -495,6 +496,7 @@ def case_failure(
         checkpoint=checkpoint,  # type: ignore[arg-type]
         group=dist.group.WORLD,
         timeout=30,
+        placement=placement,
     )
     traps = [m for m in pipe.modules() if isinstance(m, Trap)]
     if rank == trap_rank:

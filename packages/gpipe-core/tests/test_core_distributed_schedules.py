@@ -181,3 +181,48 @@ def test_a_rank_refuses_partitions_on_two_devices_under_a_placement() -> None:
         r"one device \(placement: 'v', rank: 1, devices of its partitions: \['cpu', 'cuda:0'\]\)",
     ):
         _check_one_device([torch.device("cpu"), torch.device("cuda:0")], 1, "v")
+
+
+#: Partitions [2, 1, 2, 1]: linear, trap | tanh | linear, trap | linear (the traps on rank
+#: 0 with "loop", on both ranks with "v").
+TRAPPED = ("linear", "trap", "tanh", "linear", "trap", "linear")
+
+
+@pytest.mark.parametrize(
+    ("schedule", "placement", "trap_rank", "phase"),
+    [
+        ("zb-h1", "loop", 0, "forward"),
+        ("zb-h1", "loop", 0, "backward"),
+        ("interleaved-1f1b", "loop", 0, "recompute"),
+        ("zbv", "v", 1, "backward"),
+        ("zbv", "v", 0, "recompute"),
+    ],
+)
+def test_a_failing_partition_fails_every_rank_then_the_next_step_runs(
+    cluster2: Any, cases: ModuleType, schedule: str, placement: str, trap_rank: int, phase: str
+) -> None:
+    chunks, seed = 4, 4
+    results = cluster2.results(
+        "failure", layers=TRAPPED, balance=[2, 1, 2, 1], seed=seed, chunks=chunks,
+        trap_rank=trap_rank, phase=phase, microbatch=1, schedule=schedule,
+        placement=placement, timeout=60,
+    )  # fmt: skip
+    for rank, result in enumerate(results):
+        expected = "Fail" if rank == trap_rank else "RemoteStageError"
+        assert result["error"]["type"] == expected, (rank, result["error"])
+    # The next step: the plain model's loss and gradients.
+    model = cases.build(TRAPPED, seed)
+    x, y = cases.data(seed + 1, 2 * chunks)
+    per_micro = [
+        torch.nn.functional.mse_loss(model(xi), yi) * len(xi) / len(x)
+        for xi, yi in zip(x.chunk(chunks), y.chunk(chunks), strict=True)
+    ]
+    torch.autograd.backward(per_micro)
+    grads: dict[str, torch.Tensor] = {}
+    for result in results:
+        torch.testing.assert_close(result["reduced"], sum(loss.item() for loss in per_micro))
+        grads.update({name.split(".", 2)[2]: grad for name, grad in result["grads"].items()})
+    expected_grads = {name: p.grad for name, p in model.named_parameters()}
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
