@@ -23,8 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from core_strategies import compositions
-from test_core_distributed import check_steps
-from test_core_distributed_agreement import check_alike, same_value_error
+from distributed_checks import check_alike, check_steps, same_value_error
 
 MODES = ("always", "except_last", "never")
 PAIRS = [
