@@ -73,6 +73,19 @@ def test_step_matches_plain_with_two_partitions_per_rank(
     check_steps(cases, results, **spec)
 
 
+@pytest.mark.parametrize("placement", ["loop", "v"])
+def test_a_schedule_of_the_users_runs_on_two_partitions_per_rank(
+    cluster2: Any, cases: ModuleType, placement: str
+) -> None:
+    """A schedule written for one partition per worker: its lists merged per rank."""
+    spec = {"layers": SKIP_03, "seed": 5, "batches": [8, 7], "chunks": 4}
+    results = cluster2.results(
+        "step", balance=[2, 2, 2, 2], schedule="in-order", placement=placement, **spec
+    )
+    assert all(result["schedule_asked"] for result in results)  # the steps ran it
+    check_steps(cases, results, **spec)
+
+
 @st.composite
 def random_cases(draw: st.DrawFn) -> dict[str, Any]:
     """A random model of linear and tanh layers with a skip between any two positions
