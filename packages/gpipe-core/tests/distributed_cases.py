@@ -538,9 +538,31 @@ def steps(
     deferred_batch_norm: bool = False,
     give_all: bool = False,
     backend: str | None = None,
+    placement: str | list[int] | None = None,
+    record_wire: bool = False,
 ) -> dict[str, Any]:
     """Steps of a pipeline across the group (WORLD, or a group of every rank with
-    ``backend``); each rank's losses, gradients and buffers."""
+    ``backend``); each rank's losses, gradients and buffers. With ``record_wire``, the
+    ``(kind, source, target)`` of every message handed to the transport, as ``"wire"``."""
+    if record_wire:
+        from gpipe_core._distributed import DistributedTransport
+
+        wire: list[tuple[str, int, int]] = []
+        real = DistributedTransport.send
+
+        def send(self: DistributedTransport, key: Any, *args: Any, **kwargs: Any) -> None:
+            wire.append((key.kind, key.source, key.target))
+            real(self, key, *args, **kwargs)
+
+        DistributedTransport.send = send  # type: ignore[method-assign]
+        try:
+            result = steps(rank, layers=layers, balance=balance, seed=seed, batches=batches,
+                           chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+                           deferred_batch_norm=deferred_batch_norm, give_all=give_all,
+                           backend=backend, placement=placement)  # fmt: skip
+        finally:
+            DistributedTransport.send = real  # type: ignore[method-assign]
+        return {**result, "wire": wire}
     model = build(layers, seed)
     group = every_rank(backend)
     custom = SCHEDULES.get(schedule)
@@ -553,6 +575,7 @@ def steps(
         deferred_batch_norm=deferred_batch_norm,
         group=group,
         timeout=60,
+        placement=placement,
     )
     first, last = pipe.partition_ranks[0] == rank, pipe.partition_ranks[-1] == rank
     results = []
@@ -674,6 +697,7 @@ def case_failure(
     microbatch: int,
     checkpoint: str = "always",
     schedule: str = "gpipe",
+    placement: str | None = None,
 ) -> dict[str, Any]:
     """A step that fails on ``trap_rank``, then a step that must run normally."""
     pipe = GPipe(
@@ -683,6 +707,7 @@ def case_failure(
         checkpoint=checkpoint,  # type: ignore[arg-type]
         group=dist.group.WORLD,
         timeout=30,
+        placement=placement,
     )
     traps = [m for m in pipe.modules() if isinstance(m, Trap)]
     if rank == trap_rank:
@@ -1068,6 +1093,32 @@ def case_disagree_run(rank: int, *, field: str, odd_rank: int) -> dict[str, Any]
     outcome["no_grads_changed"] = all(g is None for g in grads)
     pipe.train()
     return {**outcome, **_step_again(pipe, x, y)}
+
+
+def case_disagree_placement(rank: int, *, field: str, odd_rank: int) -> dict[str, Any]:
+    """Four partitions on two ranks: ``odd_rank`` builds them with another placement, or
+    steps with another schedule; then every rank steps alike."""
+    layers, balance = AGREE_LAYERS, [2, 1, 1, 2]
+    odd = rank == odd_rank
+    placement, schedule = "loop", "interleaved-1f1b"
+    if odd and field == "placement":
+        placement = "v"
+    elif odd and field == "no placement":
+        placement = None  # type: ignore[assignment]
+    elif odd and field == "schedule":
+        schedule = "zb-h1"
+    model = build(layers, 9)
+    outcome: dict[str, Any] = {}
+
+    def build_and_step() -> None:
+        pipe = GPipe(model, balance, chunks=2, group=dist.group.WORLD, timeout=30,
+                     placement=placement)  # fmt: skip
+        outcome["built"] = True
+        x, y = data(9, 4)
+        pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+
+    outcome.update(_timed(build_and_step))
+    return {**outcome, **_train_alike(9)}
 
 
 class Unprintable(Exception):

@@ -8,7 +8,6 @@ plain ``nn.Sequential`` computed here.
 
 from __future__ import annotations
 
-import copy
 import itertools
 from collections.abc import Callable
 from types import ModuleType
@@ -21,6 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from distributed_checks import check_steps, plain_name
+
 SCHEDULES = ("gpipe", "1f1b")
 MODES = ("always", "except_last", "never")
 
@@ -28,79 +29,6 @@ MODES = ("always", "except_last", "never")
 @pytest.fixture(scope="module")
 def cases(load_cases: Callable[[], ModuleType]) -> ModuleType:
     return load_cases()
-
-
-def plain_name(name: str) -> str:
-    """A parameter's name on a rank's pipeline: the plain module's (``<layer>.<rest>``)."""
-    assert not name.startswith("partitions."), name
-    return name
-
-
-def expected_steps(
-    cases: ModuleType,
-    layers: tuple[str, ...],
-    seed: int,
-    batches: list[int],
-    chunks: int,
-) -> tuple[list[dict[str, Any]], nn.Module]:
-    """The plain model's losses and gradients per step (each micro-batch's loss scaled by
-    its share of the batch, as a step does), and the model whose running statistics saw
-    each whole batch."""
-    per_micro = cases.build(layers, seed)
-    whole = copy.deepcopy(per_micro)
-    steps = []
-    for k, batch in enumerate(batches):
-        x, y = cases.data(seed + k, batch)
-        x.requires_grad_(True)
-        for p in per_micro.parameters():
-            p.grad = None
-        losses = []
-        for xi, yi in zip(x.chunk(chunks), y.chunk(chunks), strict=True):
-            loss = nn.MSELoss()(per_micro(xi), yi)
-            (loss * len(xi) / batch).backward()
-            losses.append(loss.item())
-        with torch.no_grad():
-            whole(x)
-        steps.append(
-            {
-                "losses": losses,
-                "grads": {name: p.grad.clone() for name, p in per_micro.named_parameters()},
-                "input_grad": x.grad.clone(),
-                "whole_loss": nn.MSELoss()(whole.eval()(x), y).item()
-                if "bn" not in layers
-                else None,
-            }
-        )
-        whole.train()
-    return steps, whole
-
-
-def check_steps(cases: ModuleType, results: list[dict[str, Any]], **spec: Any) -> None:
-    """Every rank's losses, the gradients of each rank's parameters and the first rank's
-    input gradient equal the plain model's."""
-    layers, seed, batches, chunks = spec["layers"], spec["seed"], spec["batches"], spec["chunks"]
-    expected, whole = expected_steps(cases, layers, seed, batches, chunks)
-    for k, want in enumerate(expected):
-        grads: dict[str, torch.Tensor | None] = {}
-        for rank, result in enumerate(results):
-            got = result["steps"][k]
-            torch.testing.assert_close(got["losses"], want["losses"], msg=f"rank {rank}")
-            if want["whole_loss"] is not None:
-                torch.testing.assert_close(got["reduced"], want["whole_loss"])
-            for name, grad in got["grads"].items():
-                assert plain_name(name) not in grads, f"{name} on two ranks"
-                grads[plain_name(name)] = grad
-        assert grads.keys() == want["grads"].keys()
-        for name, grad in want["grads"].items():
-            assert grads[name] is not None, name
-            torch.testing.assert_close(grads[name], grad, msg=name)
-        torch.testing.assert_close(results[0]["steps"][k]["input_grad"], want["input_grad"])
-    # Buffers (running statistics) of each rank's layers, under the plain keys.
-    state = whole.state_dict()
-    for result in results:
-        for key, value in result["buffers"].items():
-            if "running" in key or "num_batches" in key:
-                torch.testing.assert_close(value, state[key], msg=key)
 
 
 # -- equivalence -----------------------------------------------------------------------------

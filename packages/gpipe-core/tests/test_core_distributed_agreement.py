@@ -17,12 +17,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-import torch
-from torch import nn
 
-#: Every error here comes at once, well within the ranks' timeout (30 s): a wait for the
-#: timeout would take longer than this.
-PROMPT = 20.0
+from distributed_checks import PROMPT, check_alike, same_value_error
 
 
 @pytest.fixture(scope="module")
@@ -33,34 +29,6 @@ def cases(load_cases: Callable[[], ModuleType]) -> ModuleType:
 @pytest.fixture(scope="module")
 def cluster4(new_cluster_module: Callable[[int], Any]) -> Any:
     return new_cluster_module(4)
-
-
-def check_alike(cases: ModuleType, results: list[dict[str, Any]], seed: int = 9) -> None:
-    """The step after the failure: the plain model's loss and gradients on every rank."""
-    model = cases.build(cases.AGREE_LAYERS, seed)
-    x, y = cases.data(seed, 4)
-    per_micro = [
-        nn.MSELoss()(model(xi), yi) * len(xi) / 4 for xi, yi in zip(x.chunk(2), y.chunk(2))
-    ]
-    torch.autograd.backward(per_micro)
-    expected = {name: p.grad for name, p in model.named_parameters()}
-    grads: dict[str, torch.Tensor] = {}
-    for result in results:
-        torch.testing.assert_close(result["reduced"], sum(loss.item() for loss in per_micro))
-        grads.update(result["grads"])  # the plain module's names
-    assert grads.keys() == expected.keys()
-    for name, grad in expected.items():
-        torch.testing.assert_close(grads[name], grad, msg=name)
-
-
-def same_value_error(results: list[dict[str, Any]], message: str) -> None:
-    """Every rank raised the same ValueError, ``message``, at once."""
-    for rank, result in enumerate(results):
-        error = result["error"]
-        assert error.get("is_value_error"), (rank, error)
-        assert error["type"] == "RanksDisagree", (rank, error)
-        assert error["message"] == message, (rank, error["message"])
-        assert result["seconds"] < PROMPT, (rank, result["seconds"])
 
 
 # -- the ranks agree when the pipeline is built ------------------------------------------------

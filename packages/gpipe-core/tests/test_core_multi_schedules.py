@@ -9,12 +9,14 @@ the plain model's losses and gradients; the refusals name schedule, placement an
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from gpipe_core import GPipe, ScheduleError, check_actions, get_schedule, simulate
 from gpipe_core._schedule import Action, place_partitions
@@ -48,6 +50,12 @@ def peak_held(actions: list[Action]) -> int:
     return peak
 
 
+def refused(name: str, m: int, n: int, workers: int) -> bool:
+    """Whether ``name`` refuses ``m`` micro-batches on ``n`` partitions in a loop over
+    ``workers``: interleaved rounds with a shorter last one."""
+    return name in ("interleaved-1f1b", "zb-h1") and n > workers and m > workers and m % workers > 0
+
+
 # -- the action lists ----------------------------------------------------------------------
 
 
@@ -64,6 +72,10 @@ def test_every_schedule_gives_valid_lists_on_its_placements(
     name, kind = pair
     n = 2 * workers if kind == "v" else chunks * workers
     placement = place_partitions(kind, n, workers)
+    if refused(name, m, n, workers):
+        with pytest.raises(ScheduleError, match=r"multiple of the workers"):
+            get_schedule(name).worker_actions(m, n, placement)
+        return
     lists = get_schedule(name).worker_actions(m, n, placement)
     assert len(lists) == workers
     check_actions(lists, m, placement=placement)
@@ -177,6 +189,46 @@ def test_schedules_refuse_placements_they_cannot_run(
         get_schedule(name).worker_actions(4, 4, placement)
 
 
+LOOP4 = [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "zb-h1"])
+def test_interleaved_rounds_refuse_a_shorter_last_round(name: str) -> None:
+    """Several partitions per worker: m a multiple of the workers or at most them; one
+    partition per worker (1F1B's order) takes any m."""
+    schedule = get_schedule(name)
+    with pytest.raises(
+        ScheduleError,
+        match=rf"schedule '{name}' with several partitions per worker needs a number of "
+        r"micro-batches that is a multiple of the workers, or at most the workers "
+        r"\(micro-batches: 5, workers: 4, partitions: 8, placement: \[0, 1, 2, 3, 0, 1, 2, "
+        r"3\]\); choose the batch size and chunks to give such a number, or use schedule '1f1b'",
+    ):
+        schedule.worker_actions(5, 8, LOOP4)
+    for m in (1, 3, 4, 8):
+        check_actions(schedule.worker_actions(m, 8, LOOP4), m, placement=LOOP4)
+    check_actions(schedule.worker_actions(5, 4, [0, 1, 2, 3]), 5, placement=[0, 1, 2, 3])
+
+
+def test_step_refuses_a_shorter_last_round_before_anything_runs() -> None:
+    pipe = GPipe(build(4, [], 0), [1, 1, 1, 1], chunks=4, devices=["cpu", "cpu"],
+                 placement="loop")  # fmt: skip
+    # A batch of 6 in 4 chunks: 3 micro-batches of 2, on 2 workers.
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    with pytest.raises(ScheduleError, match=r"\(micro-batches: 3, workers: 2, partitions: 4"):
+        pipe.step(x, y, nn.MSELoss(), schedule="zb-h1")
+    assert all(p.grad is None for p in pipe.parameters())
+    pipe.step(x, y, nn.MSELoss(), schedule="1f1b")  # runs
+
+
+def test_every_built_in_schedule_takes_fewer_micro_batches_than_partitions() -> None:
+    """No schedule needs m >= n: with fewer micro-batches, 1F1B's warm-up is shorter."""
+    for name, kind in PAIRS:
+        placement = place_partitions(kind, 4, 2)
+        lists = get_schedule(name).worker_actions(1, 4, placement)
+        check_actions(lists, 1, placement=placement)
+
+
 @pytest.mark.parametrize(
     ("placement", "workers", "error", "message"),
     [
@@ -280,6 +332,11 @@ def test_step_matches_plain_on_every_schedule_and_placement(
     x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
     y = torch.randn(7, 3, dtype=torch.float64)
     x_plain = x.detach().clone().requires_grad_()
+    if refused(name, len(x.chunk(chunks)), n, workers):
+        with pytest.raises(ScheduleError, match=r"multiple of the workers"):
+            pipe.step(x, y, nn.MSELoss(), schedule=name)
+        assert all(p.grad is None for p in pipe.parameters()) and x.grad is None
+        return
     losses = pipe.step(x, y, nn.MSELoss(), schedule=name)
     expected = nn.MSELoss()(plain(x_plain), y)
     expected.backward()
@@ -351,3 +408,96 @@ def test_timeline_shows_input_and_weight_gradients() -> None:
     # Each worker's thread ran its two partitions.
     threads = {e.partition: e.thread for e in timeline.events if str(e.phase) == "forward"}
     assert threads[0] == threads[2] and threads[1] == threads[3] and threads[0] != threads[1]
+
+
+# -- compiled partitions --------------------------------------------------------------------
+
+
+def compiled(backend: str, whole: bool, seed: int) -> nn.Sequential:
+    """Four partitions of one block (linear, tanh) each, compiled with ``backend``: the
+    block alone (``whole``: each partition's backward is one compiled function), or the
+    block and a plain linear layer after it (``I`` and ``W`` split around it)."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(4):
+        block = torch.compile(nn.Sequential(nn.Linear(3, 3), nn.Tanh()), backend=backend)
+        layers.append(cast(nn.Module, block))
+        if not whole:
+            layers.append(nn.Linear(3, 3))
+    return nn.Sequential(*layers).double()
+
+
+@pytest.mark.parametrize(("backend", "whole"), [("aot_eager", True), ("aot_eager", False),
+                                               ("eager", True)])  # fmt: skip
+def test_compiled_partitions_run_every_schedule_exactly(backend: str, whole: bool) -> None:
+    """Each schedule on its placements, each checkpoint mode: the plain model's numbers.
+    A partition whose backward is one compiled function (``aot_eager``, compiled whole)
+    runs it whole at ``I`` (a backward task on the timeline) and an empty ``W``; with a
+    plain layer beside it, or compiled with ``eager`` (the usual autograd nodes), ``I`` and
+    ``W`` split."""
+    torch._dynamo.reset()
+    plain = compiled(backend, whole, 0)
+    per_partition = 1 if whole else 2
+    x = torch.randn(8, 3, dtype=torch.float64)
+    y = torch.randn(8, 3, dtype=torch.float64)
+    x_plain = x.clone().requires_grad_()
+    nn.MSELoss()(plain(x_plain), y).backward()
+    for name, kind in PAIRS:
+        for checkpoint in MODES:
+            pipe = GPipe(copy.deepcopy(plain), [per_partition] * 4, chunks=4,
+                         checkpoint=checkpoint, devices=["cpu", "cpu"], placement=kind)  # fmt: skip
+            for p in pipe.parameters():
+                p.grad = None
+            x_pipe = x.clone().requires_grad_()
+            with pipe.trace() as timeline:
+                pipe.step(x_pipe, y, nn.MSELoss(), schedule=name)
+            where = f"{name} {kind} {checkpoint}"
+            for p, q in zip(pipe.parameters(), plain.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, msg=where)
+            torch.testing.assert_close(x_pipe.grad, x_plain.grad, msg=where)
+            if not name.startswith("zb"):
+                continue
+            phases = {str(event.phase) for event in timeline.events}
+            assert "weight-gradient" in phases, where
+            split = backend == "eager" or not whole
+            assert ("input-gradient" in phases) == split, (where, phases)
+            assert ("backward" in phases) != split, (where, phases)
+
+
+class TorchCheckpointed(nn.Module):
+    """Two linear layers under ``torch.utils.checkpoint``."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def inner(t: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.a(t)))
+
+        return cast(torch.Tensor, torch_checkpoint(inner, x, use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize(("name", "kind"), [("zb-h1", "loop"), ("zbv", "v")])
+def test_layers_under_torch_checkpoint_split_or_run_whole(
+    name: str, kind: str, reentrant: bool
+) -> None:
+    """A non-reentrant ``torch.utils.checkpoint`` splits as usual; a reentrant one refuses
+    a backward pass to chosen inputs, so its partition runs the whole backward pass at I."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(*(TorchCheckpointed(reentrant) for _ in range(4))).double()
+    pipe = GPipe(copy.deepcopy(plain), [1, 1, 1, 1], chunks=4, checkpoint="never",
+                 devices=["cpu", "cpu"], placement=kind)  # fmt: skip
+    x = torch.randn(8, 3, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(8, 3, dtype=torch.float64)
+    with pipe.trace() as timeline:
+        pipe.step(x, y, nn.MSELoss(), schedule=name)
+    x_plain = x.detach().clone().requires_grad_()
+    nn.MSELoss()(plain(x_plain), y).backward()
+    for p, q in zip(pipe.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    torch.testing.assert_close(x.grad, x_plain.grad)
+    phases = {str(event.phase) for event in timeline.events}
+    assert ("input-gradient" in phases) != reentrant and ("backward" in phases) == reentrant

@@ -337,6 +337,7 @@ class GPipe(nn.Module):
                 ("chunks", self.chunks),
                 ("checkpoint", self.checkpoint),
                 ("deferred_batch_norm", deferred_batch_norm),
+                ("placement", placement.workers if placement_spec is not None else None),
                 ("the rank of each partition", placement.ranks),
                 ("the uses of each shared parameter or buffer", [s.uses for s in shared]),
                 (

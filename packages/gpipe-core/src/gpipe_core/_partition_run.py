@@ -52,6 +52,7 @@ from ._draws import calls_plainly, draws_nothing
 from ._losses import LossFunction
 from ._sequential import call_partition
 from ._skips import SkipCall
+from ._split_backward import SplitBackward, WeightGradient
 from ._stream import AbstractStream
 from ._timeline import Phase
 from ._tracing import Tracer
@@ -212,8 +213,8 @@ class PartitionRun:
         #: Whether the partition modifies its input in place (None: not known yet).
         self.modifies_input: bool | None = None
         self.in_flight: dict[int, _InFlight] = {}
-        #: What the weight gradient of each micro-batch differentiates, after its input gradient.
-        self.deferred: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+        #: The weight gradient of each micro-batch, after its input gradient.
+        self.deferred: dict[int, WeightGradient] = {}
         # The phony forked off the previous micro-batch's output (autograd backward), and
         # whether to order the micro-batches' backward passes so: recomputations need it
         # (each runs right before its own backward pass), and CUDA streams; on the CPU
@@ -477,37 +478,15 @@ class PartitionRun:
         entry = self.in_flight.pop(i)
         if entry.chk is not None:
             self._recompute(i, entry)
-        call = entry.call
-        gradients = list(grads)
-        if call is not None:
-            assert call.structure is not None
-            gradients.extend(skip_grads.get(key) for key in call.structure[2])
+        roots, seeds = self._roots(i, entry, grads, skip_grads)
 
         def compute() -> None:
-            roots: list[Tensor] = []
-            seeds: list[Tensor] = []
-            if entry.loss is not None and entry.loss.requires_grad:
-                assert self.loss is not None
-                roots.append(entry.loss)
-                seeds.append(self.loss.seed(i, entry.loss))
-            for tensor, gradient in zip(entry.outputs or (), gradients, strict=False):
-                if gradient is not None and tensor.requires_grad:
-                    roots.append(tensor)
-                    seeds.append(gradient)
             if roots:
                 run_backward(roots, seeds)
 
         self.record(Phase.BACKWARD, i, True, compute)
-        inputs = entry.inputs.tensors
         entry.outputs = entry.loss = entry.chk = None
-        count = call.inputs if call is not None else len(inputs)
-        input_grads = [_grad(tensor) for tensor in inputs[:count]]
-        popped: dict[SkipKey, Tensor | None] = {}
-        if call is not None:
-            by_key = dict(zip(call.in_keys, inputs[count:], strict=True))
-            for keys in self.pops.values():
-                popped.update((key, _grad(by_key[key]) if key in by_key else None) for key in keys)
-        return input_grads, popped
+        return self._input_gradients(entry)
 
     # -- the backward pass split in two: input gradient, then weight gradient ------------
 
@@ -516,36 +495,85 @@ class PartitionRun:
     ) -> tuple[list[Tensor | None], dict[SkipKey, Tensor | None]]:
         """The input gradient of micro-batch ``i`` (after its recomputation if checkpointed):
         the gradients of the partition's input and popped skips, as :meth:`backward`
-        returns them, keeping the graph for :meth:`backward_weight`.
+        returns them, keeping what :meth:`backward_weight` needs.
 
-        Autograd runs the paths from the outputs to the inputs only; the weight gradient
-        later runs the graph again to the parameters (the activation gradients it needs
-        are computed a second time: exact, at the cost of that repetition).
+        Autograd runs the paths from the outputs to the inputs only, capturing the
+        gradients where the parameters' paths leave them (see
+        :mod:`gpipe_core._split_backward`); the weight gradient starts there. A partition
+        whose backward cannot be split (compiled whole, or with a reentrant checkpoint)
+        runs it whole here, traced as a backward task, and its weight gradient is empty.
         """
         entry = self.in_flight.pop(i)
         if entry.chk is not None:
             self._recompute(i, entry)
             entry.chk = None
-        roots, seeds = _roots(entry, grads, skip_grads)
+        roots, seeds = self._roots(i, entry, grads, skip_grads)
         inputs = entry.inputs.tensors
         # The first partition's inputs are views of the step's leaves: their gradients are
         # passed on to those leaves.
         wanted = [tensor for tensor in inputs if tensor.requires_grad]
-        views = [tensor for tensor in wanted if not tensor.is_leaf]
 
-        def compute() -> None:
-            if not roots or not wanted:
-                return
-            torch.autograd.backward(roots, seeds, inputs=wanted, retain_graph=True)
-            pairs = [(view, view.grad) for view in views if view.grad is not None]
-            for view in views:
-                view.grad = None
-            if pairs:
-                torch.autograd.backward([v for v, _ in pairs], [g for _, g in pairs])
+        split = SplitBackward(roots, seeds, wanted)
+        if split.whole:
+            # Nothing can wait (a compiled partition, a reentrant checkpoint): the whole
+            # backward pass now.
+            self.record(Phase.BACKWARD, i, True, lambda: run_backward(roots, seeds))
+            self.deferred[i] = WeightGradient([])
+        else:
 
-        self.record(Phase.INPUT_GRADIENT, i, True, compute)
-        self.deferred[i] = (roots, seeds)
-        call = entry.call
+            def compute() -> WeightGradient:
+                found, weight = split.input_gradient()
+                views = [(view, grad) for view, grad in zip(wanted, found, strict=True)
+                         if grad is not None and not view.is_leaf]  # fmt: skip
+                for tensor, grad in zip(wanted, found, strict=True):
+                    if grad is not None and tensor.is_leaf:
+                        tensor.grad = grad if tensor.grad is None else tensor.grad + grad
+                if views:
+                    torch.autograd.backward([v for v, _ in views], [g for _, g in views])
+                return weight
+
+            self.deferred[i] = self.record(Phase.INPUT_GRADIENT, i, True, compute)
+        entry.outputs = entry.loss = None
+        return self._input_gradients(entry)
+
+    def backward_weight(self, i: int) -> None:
+        """The weight gradient of micro-batch ``i``, after its :meth:`backward_input`:
+        accumulated into the parameters' ``.grad``; the graph is freed."""
+        weight = self.deferred.pop(i)
+        self.record(Phase.WEIGHT_GRADIENT, i, True, weight)
+
+    def _roots(
+        self,
+        i: int,
+        entry: _InFlight,
+        grads: Sequence[Tensor | None],
+        skip_grads: dict[SkipKey, Tensor | None],
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """What micro-batch ``i``'s backward pass differentiates, and with which gradients:
+        the loss (seeded with its scale, :meth:`LossSpec.seed`) and the outputs (the skips
+        stashed included) that received a gradient."""
+        gradients = list(grads)
+        if entry.call is not None:
+            assert entry.call.structure is not None
+            gradients.extend(skip_grads.get(key) for key in entry.call.structure[2])
+        roots: list[Tensor] = []
+        seeds: list[Tensor] = []
+        if entry.loss is not None and entry.loss.requires_grad:
+            assert self.loss is not None
+            roots.append(entry.loss)
+            seeds.append(self.loss.seed(i, entry.loss))
+        for tensor, gradient in zip(entry.outputs or (), gradients, strict=False):
+            if gradient is not None and tensor.requires_grad:
+                roots.append(tensor)
+                seeds.append(gradient)
+        return roots, seeds
+
+    def _input_gradients(
+        self, entry: _InFlight
+    ) -> tuple[list[Tensor | None], dict[SkipKey, Tensor | None]]:
+        """After a backward pass: the gradients of the partition's input, and of the skips
+        it popped (by key)."""
+        inputs, call = entry.inputs.tensors, entry.call
         count = call.inputs if call is not None else len(inputs)
         input_grads = [_grad(tensor) for tensor in inputs[:count]]
         popped: dict[SkipKey, Tensor | None] = {}
@@ -554,18 +582,6 @@ class PartitionRun:
             for keys in self.pops.values():
                 popped.update((key, _grad(by_key[key]) if key in by_key else None) for key in keys)
         return input_grads, popped
-
-    def backward_weight(self, i: int) -> None:
-        """The weight gradient of micro-batch ``i``, after its :meth:`backward_input`:
-        accumulated into the parameters' ``.grad``; the graph is freed."""
-        roots, seeds = self.deferred.pop(i)
-        parameters = list(self.parameters)
-
-        def compute() -> None:
-            if roots and parameters:
-                torch.autograd.backward(roots, seeds, inputs=parameters)
-
-        self.record(Phase.WEIGHT_GRADIENT, i, True, compute)
 
     def _recompute(self, i: int, entry: _InFlight) -> None:
         chk = entry.chk
@@ -599,27 +615,6 @@ class _Replayed:
     def __exit__(self, *exc_info: object) -> None:
         _held.depth -= 1
         self.replay.__exit__(None, None, None)
-
-
-def _roots(
-    entry: _InFlight, grads: Sequence[Tensor | None], skip_grads: dict[SkipKey, Tensor | None]
-) -> tuple[list[Tensor], list[Tensor]]:
-    """What a split backward pass differentiates: the loss and the outputs (the skips
-    stashed included) that received a gradient, and those gradients."""
-    gradients = list(grads)
-    if entry.call is not None:
-        assert entry.call.structure is not None
-        gradients.extend(skip_grads.get(key) for key in entry.call.structure[2])
-    roots: list[Tensor] = []
-    seeds: list[Tensor] = []
-    if entry.loss is not None and entry.loss.requires_grad:
-        roots.append(entry.loss)
-        seeds.append(torch.ones_like(entry.loss))
-    for tensor, gradient in zip(entry.outputs or (), gradients, strict=False):
-        if gradient is not None and tensor.requires_grad:
-            roots.append(tensor)
-            seeds.append(gradient)
-    return roots, seeds
 
 
 def _grad(tensor: Tensor) -> Tensor | None:

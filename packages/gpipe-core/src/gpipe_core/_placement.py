@@ -121,7 +121,9 @@ class Placement:
     Raises:
         ValueError: the number of partitions is not a multiple of the group's size,
             ``devices`` does not fit (see :func:`~gpipe_core._partition.resolve_devices`),
-            or ``placement`` does not fit the partitions and workers.
+            ``placement`` does not fit the partitions and workers, or puts partitions on
+            two devices on one rank (they share its worker, with no device copy between
+            them).
         TypeError: ``placement`` is not a placement.
     """
 
@@ -161,6 +163,8 @@ class Placement:
         #: The device of each partition (``meta`` for another rank's).
         if group is not None:
             self.devices = _rank_devices(devices, self.local)
+            if placement is not None:
+                _check_one_device(self.local_devices(), self.rank, placement)
         elif placement is not None:
             # One device per worker: its partitions share it.
             own = resolve_devices(devices, max(self.workers, default=-1) + 1)
@@ -269,6 +273,17 @@ def _workers(
     else:
         workers = None
     return place_partitions(placement, partitions, workers)
+
+
+def _check_one_device(devices: Sequence[torch.device], rank: int, placement: object) -> None:
+    """A rank's partitions under ``placement`` share its worker thread, and the messages
+    between them stay in that thread without a device copy: one device for all."""
+    if len(set(devices)) > 1:
+        raise ValueError(
+            "with placement, the partitions of a rank run on its one worker and must share "
+            f"one device (placement: {placement!r}, rank: {rank}, devices of its partitions: "
+            f"{[str(device) for device in devices]})"
+        )
 
 
 def _rank_devices(devices: Iterable[Device] | None, local: Sequence[bool]) -> list[torch.device]:

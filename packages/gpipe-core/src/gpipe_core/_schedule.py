@@ -375,6 +375,22 @@ def _loop_chunks(name: str, partitions: int, placement: Sequence[int] | None) ->
     return partitions // count
 
 
+def _check_rounds(name: str, microbatches: int, partitions: int, chunks: int) -> None:
+    """Interleaved 1F1B runs the micro-batches in rounds of one per worker: with several
+    partitions per worker, a last round shorter than the others (``m`` more than the
+    workers and not a multiple of them) would make it slower than 1F1B on the same
+    placement, or deadlock (from four workers), so it is refused."""
+    workers = partitions // chunks
+    if chunks > 1 and microbatches > workers and microbatches % workers:
+        raise ScheduleError(
+            f"schedule {name!r} with several partitions per worker needs a number of "
+            "micro-batches that is a multiple of the workers, or at most the workers "
+            f"(micro-batches: {microbatches}, workers: {workers}, partitions: {partitions}, "
+            f"placement: {[j % workers for j in range(partitions)]}); choose the batch "
+            "size and chunks to give such a number, or use schedule '1f1b'"
+        )
+
+
 def _interleaved(
     microbatches: int, partitions: int, chunks: int, split: bool
 ) -> list[list[Action]]:
@@ -414,7 +430,9 @@ class Interleaved1F1BSchedule(Schedule):
     forward passes before its first backward pass, then alternates one forward and one
     backward pass. The bubble shrinks about ``v`` times from 1F1B's; each worker holds the
     activations of up to ``W`` micro-batches on each of its partitions (partitions ``v``
-    times smaller than 1F1B's). With one partition per worker it is 1F1B.
+    times smaller than 1F1B's). With one partition per worker it is 1F1B. With several, the
+    number of micro-batches ``m`` must be a multiple of ``W`` or at most ``W`` (a shorter
+    last round is slower than 1F1B): other numbers raise :class:`ScheduleError`.
 
     Example:
         >>> lists = Interleaved1F1BSchedule().worker_actions(2, 4, placement=[0, 1, 0, 1])
@@ -434,6 +452,7 @@ class Interleaved1F1BSchedule(Schedule):
         chunks = _loop_chunks(self.name, partitions, placement)
         if chunks == 1:
             return self.actions(microbatches, partitions)
+        _check_rounds(self.name, microbatches, partitions, chunks)
         return _interleaved(microbatches, partitions, chunks, split=False)
 
 
@@ -446,7 +465,9 @@ class ZeroBubbleH1Schedule(Schedule):
     (1F1B's, with one partition per worker), and a weight gradient whenever its next action
     is not ready yet, or before a forward pass that would hold more micro-batches than
     1F1B's (so its memory is 1F1B's). With forward, input and weight gradients of equal
-    times, the bubble is about a third of 1F1B's.
+    times, the bubble is about a third of 1F1B's. With several partitions per worker, the
+    number of micro-batches must be a multiple of the workers or at most them, as
+    interleaved 1F1B's.
 
     Example:
         >>> print(ZeroBubbleH1Schedule().grid(4, 2))
@@ -465,6 +486,7 @@ class ZeroBubbleH1Schedule(Schedule):
     ) -> list[list[Action]]:
         _check_sizes(microbatches=microbatches, partitions=partitions)
         chunks = _loop_chunks(self.name, partitions, placement)
+        _check_rounds(self.name, microbatches, partitions, chunks)
         base = _interleaved(microbatches, partitions, chunks, split=True)
         return _fill_weights(base, place_partitions(placement, partitions))
 
