@@ -598,12 +598,19 @@ def per_microbatch_bytes(case: Case, loss: bool = False) -> list[int]:
 
 
 class _Holder:
-    """What autograd keeps instead of a counted tensor; its end is the tensor's release."""
+    """What autograd keeps instead of a counted tensor; its end is the tensor's release.
+
+    It holds the tensor detached (the same storage, no ``grad_fn``): a saved output held
+    with its ``grad_fn`` would make a cycle through autograd (node, saved variable, this
+    holder, the tensor, its ``grad_fn``) that only running the node without
+    ``retain_graph`` breaks, so a graph kept with ``retain_graph=True`` (a split backward's
+    input gradient) would count as saved for good.
+    """
 
     __slots__ = ("__weakref__", "tensor")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+        self.tensor = tensor.detach()
 
 
 # --------------------------------------------------------------------------------------------
