@@ -864,6 +864,25 @@ def print_targets(checks: Sequence[Check]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def finish(checks: Sequence[Check], problems: dict[str, str], ways: Any, elapsed: str = "") -> int:
+    """The end of a benchmark across processes: the load, the targets, and the exit status
+    (1 when a way failed to run: ``problems`` that say "failed", ranks that exited badly)."""
+    load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
+    print(
+        f"At the end, load average {load}; two threads run {parallel_speedup():.2f}x as fast as "
+        f"one on independent matmuls{elapsed}"
+    )
+    print()
+    print_targets(checks)
+    failures = [name for name, value in problems.items() if value.startswith("failed")]
+    failures += [f"{name}: ranks exited with codes {codes}" for name, codes in ways.bad_exits]
+    if failures:
+        print()
+        print(f"{len(failures)} failure(s): {'; '.join(failures)}")
+        return 1
+    return 0
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

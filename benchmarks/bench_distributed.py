@@ -63,6 +63,7 @@ from _step_models import (
     bench_parser,
     calibrated_sleep,
     describe_sleep,
+    finish,
     ideal_checks,
     measure,
     mlp_case,
@@ -71,7 +72,6 @@ from _step_models import (
     parse_bench,
     print_fixed_time,
     print_table,
-    print_targets,
     print_unrun,
     sleep_case,
     tiny_case,
@@ -327,21 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 5.0,
             )
         )
-    load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
-    print(
-        f"At the end, load average {load}; two threads run {parallel_speedup():.2f}x as fast as "
-        "one on independent matmuls"
-    )
-    print()
-    print_targets(checks)
-
-    failures = [name for name, value in problems.items() if value.startswith("failed")]
-    failures += [f"{name}: ranks exited with codes {codes}" for name, codes in ways.bad_exits]
-    if failures:
-        print()
-        print(f"{len(failures)} failure(s): {'; '.join(failures)}")
-        return 1
-    return 0
+    return finish(checks, problems, ways)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,7 @@ from _step_models import (
     bench_parser,
     calibrated_sleep,
     describe_sleep,
+    finish,
     measure,
     ms,
     parallel_speedup,
@@ -99,7 +100,6 @@ from _step_models import (
     per_microbatch_bytes,
     placed_balance,
     print_table,
-    print_targets,
     print_unrun,
     split_sleep_case,
     step_models,
@@ -503,21 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     print_unrun(problems)
 
-    load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
-    print(
-        f"At the end, load average {load}; two threads run {parallel_speedup():.2f}x as fast as "
-        f"one on independent matmuls; {time.perf_counter() - began:.0f} s in all"
-    )
-    print()
-    print_targets(checks)
-
-    failures = [name for name, value in problems.items() if value.startswith("failed")]
-    failures += [f"{name}: ranks exited with codes {codes}" for name, codes in ways.bad_exits]
-    if failures:
-        print()
-        print(f"{len(failures)} failure(s): {'; '.join(failures)}")
-        return 1
-    return 0
+    return finish(checks, problems, ways, f"; {time.perf_counter() - began:.0f} s in all")
 
 
 if __name__ == "__main__":
