@@ -268,7 +268,10 @@ class _Executor:
         with self.share.computing(partition.device):
             output, stashed, needs_grad = partition.forward(i, batch, skips)
         if j == self.last:
-            self.outputs[i] = output
+            # A step's output is not returned (its loss is kept, detached): holding it would
+            # keep the graph, and with it what the split backward's W does not need.
+            if partition.autograd_backward:
+                self.outputs[i] = output
         else:
             self.send(
                 MessageKey("activations", i, j, j + 1),

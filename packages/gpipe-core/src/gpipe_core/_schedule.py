@@ -461,13 +461,17 @@ class ZeroBubbleH1Schedule(Schedule):
     backward pass split into its input gradient, sent upstream at once, and its weight
     gradient, run later where the worker would otherwise wait.
 
-    Each worker runs its forward passes and input gradients in interleaved 1F1B's order
-    (1F1B's, with one partition per worker), and a weight gradient whenever its next action
-    is not ready yet, or before a forward pass that would hold more micro-batches than
-    1F1B's (so its memory is 1F1B's). With forward, input and weight gradients of equal
-    times, the bubble is about a third of 1F1B's. With several partitions per worker, the
-    number of micro-batches must be a multiple of the workers or at most them, as
-    interleaved 1F1B's.
+    With one partition per worker, each worker runs its forward passes and input
+    gradients in 1F1B's order, and a weight gradient whenever its next action is not ready
+    yet, or before a forward pass that would hold more micro-batches than 1F1B's first
+    partition; with forward, input and weight gradients of equal times, the bubble is a
+    third of 1F1B's. With several partitions per worker, the lists are built in unit time:
+    each worker runs a ready input gradient first (the later partition's), else a ready
+    forward pass (the later partition's) unless it would then hold more partition
+    micro-batches than there are partitions (1F1B's memory), else its oldest ready weight
+    gradient; with equal times they reach the lower bound ``6 m + W - 1`` on two
+    partitions per worker. The number of micro-batches must then be a multiple of the
+    workers or at most them, as interleaved 1F1B's.
 
     Example:
         >>> print(ZeroBubbleH1Schedule().grid(4, 2))
@@ -487,8 +491,12 @@ class ZeroBubbleH1Schedule(Schedule):
         _check_sizes(microbatches=microbatches, partitions=partitions)
         chunks = _loop_chunks(self.name, partitions, placement)
         _check_rounds(self.name, microbatches, partitions, chunks)
-        base = _interleaved(microbatches, partitions, chunks, split=True)
-        return _fill_weights(base, place_partitions(placement, partitions))
+        workers = place_partitions(placement, partitions)
+        if chunks == 1:
+            return _fill_weights(_interleaved(microbatches, partitions, 1, split=True), workers)
+        # The later partition's input gradient first: the gradient then reaches the
+        # worker's earlier partitions, whose own wait on the other workers.
+        return _greedy(microbatches, partitions, workers, lambda a: (-a.partition, a.microbatch))
 
 
 class ZeroBubbleVSchedule(Schedule):
@@ -496,12 +504,13 @@ class ZeroBubbleVSchedule(Schedule):
     and ``2W - 1 - j`` on worker ``j``), backward passes split into input and weight
     gradients.
 
-    Built in unit time: each worker runs a ready input gradient first (the later partition
-    first), else a ready forward pass (the later partition first) unless it would hold more
-    than ``2W`` partition micro-batches (1F1B's memory: ``W`` micro-batches of partitions
-    half as large), else a weight gradient, oldest first. The last partition is on the
-    first worker, so the loss is where the input is, and with forward, input and weight
-    gradients of equal times the bubble is about zero once ``m >= 2W``.
+    Built in unit time: each worker runs a ready input gradient first (the oldest
+    micro-batch's, the later partition's of two), else a ready forward pass (the later
+    partition's) unless it would hold more than ``2W`` partition micro-batches (1F1B's
+    memory: ``W`` micro-batches of partitions half as large), else its oldest ready weight
+    gradient. The last partition is on the first worker, so the loss is where the input
+    is; with forward, input and weight gradients of equal times the lists take the lower
+    bound, ``6 m + W - 1`` units (the last worker starts after ``W - 1``).
 
     Example:
         >>> print(ZeroBubbleVSchedule().grid(2, 2, placement="v", workers=1))
@@ -527,7 +536,8 @@ class ZeroBubbleVSchedule(Schedule):
                 f"(partitions j and 2 * workers - 1 - j on worker j) (placement: {workers}, "
                 f"partitions: {partitions}, workers: {count})"
             )
-        return _greedy_zbv(microbatches, partitions, workers)
+        # The oldest micro-batch's input gradient first (the later partition's of two).
+        return _greedy(microbatches, partitions, workers, lambda a: (a.microbatch, -a.partition))
 
 
 def _check_sizes(**sizes: object) -> None:
@@ -971,8 +981,18 @@ def _fill_weights(base: Sequence[Sequence[Action]], workers: Sequence[int]) -> l
     return _generate(len(workers), workers, pending, choose)
 
 
-def _greedy_zbv(microbatches: int, partitions: int, workers: Sequence[int]) -> list[list[Action]]:
-    """Zero bubble V's lists (see :class:`ZeroBubbleVSchedule`)."""
+def _greedy(
+    microbatches: int,
+    partitions: int,
+    workers: Sequence[int],
+    input_order: Callable[[Action], tuple[int, int]],
+) -> list[list[Action]]:
+    """Split-backward lists of several partitions per worker, built in unit time: each
+    worker runs a ready input gradient first (the least by ``input_order``), else a ready
+    forward pass (the later partition first) unless it would hold more partition
+    micro-batches than there are partitions (forward pass run, weight gradient not yet:
+    1F1B's memory, ``W`` micro-batches of the worker's share of the layers), else its
+    oldest weight gradient that is ready, else it waits."""
     cap = partitions
     held = [0] * (max(workers) + 1)
     waiting: list[list[Action]] = [[] for _ in held]
@@ -980,7 +1000,7 @@ def _greedy_zbv(microbatches: int, partitions: int, workers: Sequence[int]) -> l
     def choose(w: int, ready: list[Action]) -> Action | None:
         inputs = [a for a in ready if a.kind == "input"]
         if inputs:
-            pick = min(inputs, key=lambda a: (-(a.partition or 0), a.microbatch))
+            pick = min(inputs, key=input_order)
             waiting[w].append(Action("weight", pick.microbatch, pick.partition))
             return pick
         forwards = [a for a in ready if a.kind == "forward"]
