@@ -78,3 +78,37 @@ def test_recompute_without_autograd_forks_a_phony_without_edge() -> None:
     output = chk.checkpoint()
     phony = chk.recompute_in_backward(output)
     assert phony.numel() == 0 and not phony.requires_grad
+
+
+def test_engine_calls_match_torch_autograd_with_edges_inputs_and_kept_graphs() -> None:
+    """``run_backward`` and ``gradients`` give what torch.autograd.backward and
+    torch.autograd.grad give: from tensors and from gradient edges, to chosen inputs,
+    keeping the graph when asked (a second call then runs), and through torch's own
+    checks for a gradient of another shape."""
+    from torch.autograd.graph import get_gradient_edge
+
+    from gpipe_checkpoint import gradients, run_backward
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+    x = torch.randn(2, 3, requires_grad=True)
+    h = x @ w + b
+    y = h.tanh()
+    seed = torch.randn(2, 3)
+    # To the input only, keeping the graph; the edge into h's node as another input.
+    got = gradients([y], [seed], [x, get_gradient_edge(h)], retain_graph=True)
+    want = torch.autograd.grad([y], [x, h], [seed], retain_graph=True)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e)
+    # From the edge with the gradient captured there, to the parameters only.
+    run_backward([get_gradient_edge(h)], [want[1]], inputs=[w, b], retain_graph=True)
+    assert x.grad is None
+    torch.testing.assert_close(w.grad, x.t() @ want[1])
+    torch.testing.assert_close(b.grad, want[1].sum(0))
+    # The graph was kept: a whole backward pass still runs.
+    run_backward([y], [seed])
+    assert x.grad is not None
+    # A gradient of another shape goes through torch's checks, and its error.
+    with pytest.raises(RuntimeError, match="[Mm]ismatch in shape"):
+        run_backward([(x * 2).sum()], [torch.ones(2)])

@@ -16,6 +16,7 @@ NAMES = [
     "device_rng_lock",
     "enable_checkpointing",
     "enable_recomputing",
+    "gradients",
     "is_checkpointing",
     "is_differentiable",
     "is_recomputing",

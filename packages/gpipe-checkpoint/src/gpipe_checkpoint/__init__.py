@@ -21,7 +21,14 @@ Example:
 """
 
 from .__about__ import __version__
-from ._checkpoint import Checkpoint, Checkpointing, checkpoint, is_differentiable, run_backward
+from ._checkpoint import (
+    Checkpoint,
+    Checkpointing,
+    checkpoint,
+    gradients,
+    is_differentiable,
+    run_backward,
+)
 from ._phase import enable_checkpointing, enable_recomputing, is_checkpointing, is_recomputing
 from ._rng import (
     RNGStates,
@@ -41,6 +48,7 @@ __all__ = [
     "device_rng_lock",
     "enable_checkpointing",
     "enable_recomputing",
+    "gradients",
     "is_checkpointing",
     "is_differentiable",
     "is_recomputing",

@@ -35,13 +35,21 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import GradientEdge
 
 from gpipe_microbatch import Batch, TensorOrTensors, ThreadState, check, check_output, get_phony
 
 from ._phase import enable_checkpointing, enable_recomputing
 from ._rng import RNGStates, replay_rng_states, save_rng_states
 
-__all__ = ["Checkpoint", "Checkpointing", "checkpoint", "is_differentiable", "run_backward"]
+__all__ = [
+    "Checkpoint",
+    "Checkpointing",
+    "checkpoint",
+    "gradients",
+    "is_differentiable",
+    "run_backward",
+]
 
 #: What :class:`Checkpointing` checkpoints: it takes what a batch holds (its value) and
 #: returns a value :func:`~gpipe_microbatch.check_output` accepts.
@@ -274,14 +282,23 @@ class Checkpointing:
 _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
-def run_backward(tensors: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
-    """``torch.autograd.backward(tensors, grads)``, minus its argument checks when needless.
+def run_backward(
+    tensors: Sequence[Tensor | GradientEdge],
+    grads: Sequence[Tensor],
+    *,
+    inputs: Sequence[Tensor] = (),
+    retain_graph: bool = False,
+) -> None:
+    """``torch.autograd.backward(tensors, grads, inputs=inputs or None, retain_graph=...)``,
+    minus its argument checks when needless.
 
     :func:`torch.autograd.backward` checks and converts its arguments in Python on every
     call, which costs about as much as a small layer's backward pass. Where each gradient
-    is a plain tensor of its tensor's shape and dtype (as autograd itself produces them),
-    the engine is called directly; otherwise through :func:`torch.autograd.backward`, with
-    its checks and errors. Gradients accumulate into the leaves' ``.grad``.
+    is a plain tensor (of its tensor's shape and dtype; the engine checks an edge's
+    gradient against its node), as autograd itself produces them, the engine is called
+    directly; otherwise through :func:`torch.autograd.backward`, with its checks and
+    errors. Gradients accumulate into the leaves' ``.grad`` (only those of ``inputs``, if
+    given).
 
     Example:
         >>> x = torch.ones(2, requires_grad=True)
@@ -290,21 +307,61 @@ def run_backward(tensors: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
         tensor([3., 3.])
     """
     if _engine_run_backward is None or not _plain(tensors, grads):
-        torch.autograd.backward(list(tensors), list(grads))
+        torch.autograd.backward(
+            cast(list[Tensor], list(tensors)),
+            list(grads),
+            retain_graph=retain_graph,
+            inputs=list(inputs) or None,
+        )
         return
     _engine_run_backward(
-        tuple(tensors), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True
-    )
+        tuple(tensors), tuple(grads), retain_graph, False, tuple(inputs),
+        allow_unreachable=True, accumulate_grad=True,
+    )  # fmt: skip
 
 
-def _plain(tensors: Sequence[Tensor], grads: Sequence[Tensor]) -> bool:
+def gradients(
+    tensors: Sequence[Tensor | GradientEdge],
+    grads: Sequence[Tensor],
+    inputs: Sequence[Tensor | GradientEdge],
+    *,
+    retain_graph: bool = False,
+) -> tuple[Tensor | None, ...]:
+    """``torch.autograd.grad(tensors, inputs, grads, retain_graph=..., allow_unused=True)``,
+    minus its argument checks when needless (see :func:`run_backward`).
+
+    Example:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> gradients([x * 3], [torch.ones(2)], [x])
+        (tensor([3., 3.]),)
+    """
+    if _engine_run_backward is None or not _plain(tensors, grads):
+        return torch.autograd.grad(
+            cast(list[Tensor], list(tensors)),
+            cast(list[Tensor], list(inputs)),
+            list(grads),
+            retain_graph=retain_graph,
+            allow_unused=True,
+        )
+    result: tuple[Tensor | None, ...] = _engine_run_backward(
+        tuple(tensors), tuple(grads), retain_graph, False, tuple(inputs),
+        allow_unreachable=True, accumulate_grad=False,
+    )  # fmt: skip
+    return result
+
+
+def _plain(tensors: Sequence[Tensor | GradientEdge], grads: Sequence[Tensor]) -> bool:
     """Whether each gradient is a plain tensor of its tensor's shape and dtype (so the
-    engine may be called without torch.autograd's checks and conversions)."""
+    engine may be called without torch.autograd's checks and conversions); an edge's
+    gradient need only be a plain tensor (the engine checks it against the edge's node)."""
     return all(
-        type(tensor) is Tensor
-        and type(grad) is Tensor
-        and tensor.shape == grad.shape
-        and tensor.dtype == grad.dtype
+        type(grad) is Tensor
+        and (
+            isinstance(tensor, GradientEdge)
+            or (
+                type(tensor) is Tensor and tensor.shape == grad.shape and tensor.dtype == grad.dtype
+            )
+        )
         for tensor, grad in zip(tensors, grads, strict=True)
     )
 
@@ -388,24 +445,10 @@ class Checkpoint(torch.autograd.Function):
             grad_input.extend(None for _ in parameters or ())  # accumulated already
             return tuple(grad_input)
         wanted = [t for t in (*input_leaf, *parameters) if t.requires_grad]
-        found = iter(_gradients(roots, seeds, wanted) if pairs and wanted else [None] * len(wanted))
+        found = iter(gradients(roots, seeds, wanted) if pairs and wanted else [None] * len(wanted))
         grad_input.extend(next(found) if t.requires_grad else None for t in input_leaf)
         grad_input.extend(next(found) if t.requires_grad else None for t in parameters)
         return tuple(grad_input)
-
-
-def _gradients(
-    tensors: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor]
-) -> tuple[Tensor | None, ...]:
-    """``torch.autograd.grad(tensors, inputs, grads, allow_unused=True)``, minus its checks
-    when needless (see :func:`run_backward`)."""
-    if _engine_run_backward is None or not _plain(tensors, grads):
-        return torch.autograd.grad(list(tensors), list(inputs), list(grads), allow_unused=True)
-    result: tuple[Tensor | None, ...] = _engine_run_backward(
-        tuple(tensors), tuple(grads), False, False, tuple(inputs), allow_unreachable=True,
-        accumulate_grad=False,
-    )  # fmt: skip
-    return result
 
 
 def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:

@@ -44,12 +44,14 @@ with one runs its whole backward pass at ``I`` as well.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
+
+from gpipe_checkpoint import gradients, run_backward
 
 __all__ = ["SplitBackward", "WeightGradient"]
 
@@ -80,8 +82,7 @@ class _Group:
             # Tensors and edges mixed, as autograd takes them. The graph is kept: another
             # group's call may run this group's frontier node on its way (the graph is
             # freed with the weight gradient).
-            seeds = cast(list[GradientEdge], self.seeds)
-            torch.autograd.backward(seeds, self.grads, inputs=self.leaves, retain_graph=True)
+            run_backward(self.seeds, self.grads, inputs=self.leaves, retain_graph=True)
         finally:
             for handle in handles:
                 handle.remove()
@@ -176,12 +177,11 @@ class SplitBackward:
         if self.on_path and (wanted or captures):
             hooks = [node.register_prehook(_capture(captured, node)) for node, _ in self.frontier]
             try:
-                found = torch.autograd.grad(
+                found = gradients(
                     [roots[k] for k in self.on_path],
-                    cast(list[GradientEdge], [*wanted, *captures]),
                     [seeds[k] for k in self.on_path],
+                    [*wanted, *captures],
                     retain_graph=True,
-                    allow_unused=True,
                 )
             finally:
                 for hook in hooks:
