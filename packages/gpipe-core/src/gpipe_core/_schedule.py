@@ -470,8 +470,8 @@ class ZeroBubbleH1Schedule(Schedule):
     forward pass (the later partition's) unless it would then hold more partition
     micro-batches than there are partitions (1F1B's memory), else its oldest ready weight
     gradient; with equal times they reach the lower bound ``6 m + W - 1`` on two
-    partitions per worker. The number of micro-batches must then be a multiple of the
-    workers or at most them, as interleaved 1F1B's.
+    partitions per worker. Any number of micro-batches runs (interleaved 1F1B's rounds
+    need a multiple of the workers).
 
     Example:
         >>> print(ZeroBubbleH1Schedule().grid(4, 2))
@@ -490,7 +490,6 @@ class ZeroBubbleH1Schedule(Schedule):
     ) -> list[list[Action]]:
         _check_sizes(microbatches=microbatches, partitions=partitions)
         chunks = _loop_chunks(self.name, partitions, placement)
-        _check_rounds(self.name, microbatches, partitions, chunks)
         workers = place_partitions(placement, partitions)
         if chunks == 1:
             return _fill_weights(_interleaved(microbatches, partitions, 1, split=True), workers)
