@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import socket
 import statistics
@@ -651,6 +652,37 @@ def plain_microbatched_runner(case: Case) -> Runner:
     def step() -> None:
         for xs, ys in pairs:
             (loss_fn(model(xs), ys) * (len(xs) / len(x))).backward()
+
+    return timed(model, step)
+
+
+def plain_cut_runner(case: Case) -> Runner:
+    """The ``nn.Sequential`` on the micro-batches, one after the other, in this process, cut
+    where the pipeline cuts it: each partition's output is detached into the next one's
+    input, and each micro-batch's backward pass is one autograd call per partition, last
+    first (the loss seeded with its share of the batch). No threads, messages or schedule:
+    what any pipeline that runs each partition's micro-batch as its own autograd call pays
+    at least."""
+    model = case.model()
+    x, y = case.data()
+    loss_fn = case.loss_fn()
+    bounds = [0, *itertools.accumulate(case.balance)]
+    parts = [model[a:b] for a, b in itertools.pairwise(bounds)]
+    pairs = list(zip(x.tensor_split(case.chunks), y.tensor_split(case.chunks), strict=True))
+
+    def step() -> None:
+        for xs, ys in pairs:
+            inputs, outputs, value = [], [], xs
+            for k, part in enumerate(parts):
+                if k:
+                    value = value.detach().requires_grad_()
+                inputs.append(value)
+                value = part(value)
+                outputs.append(value)
+            loss = loss_fn(value, ys)
+            torch.autograd.backward(loss, torch.full_like(loss, len(xs) / len(x)))
+            for k in range(len(parts) - 2, -1, -1):
+                torch.autograd.backward(outputs[k], inputs[k + 1].grad)
 
     return timed(model, step)
 

@@ -411,6 +411,8 @@ def print_memory(sizes: Sequence[int], width: int) -> list[Check]:
         more_rows, more_checks = memory(workers, width)
         rows += more_rows
         checks += more_checks
+    case = memory_case(sizes[0], width)
+    losses = per_microbatch_bytes(case, loss=True)[-1] - per_microbatch_bytes(case)[-1]
     print(
         f"Saved-activation bytes per worker (KiB), in one process: MLP of (ReLU, Linear({width}, "
         f"{width})) x 2 per partition, 2 partitions per worker, 8 rows per micro-batch, M8: "
@@ -421,6 +423,11 @@ def print_memory(sizes: Sequence[int], width: int) -> list[Check]:
     )
     print_table(
         ["case", "peak", "list bound", "1F1B peak", "other", "/ list", "/ 1F1B"], rows, first=26
+    )
+    print(
+        f"  the loss saves {losses / 1024:.0f} KiB of one micro-batch on the last partition's "
+        "worker (in the list bound from F to W; freed at I): 1F1B holds it on a worker with "
+        "fewer micro-batches, zb-h1 and zbv beside 1F1B's first worker's count"
     )
     print()
     return checks

@@ -45,7 +45,10 @@ A way that cannot run says why in a row of its own. Cases:
   ``(time - plain) / (n * m)`` in microseconds, with ``checkpoint='never'`` and
   ``'except_last'``. gpipe's ways and torchgpipe are timed with no other process running;
   the ``pipe`` ways after them, with a ``plain`` of their own, since their processes keep the
-  cores awake (which hides what waking a sleeping worker thread costs);
+  cores awake (which hides what waking a sleeping worker thread costs); beside them, the floor
+  of any step: the model on each micro-batch in turn in one thread (``plain mb``), and the
+  same cut at the partitions, one backward call per partition and micro-batch
+  (``plain mb cut``);
 - one partition, one micro-batch, no checkpointing: ``fwd+bwd`` relative to ``plain``;
 - activation memory: the bytes of the tensors saved for backward (counted by saved-tensor
   hooks, each storage once, parameters excluded), after the forward and at the peak, for
@@ -91,6 +94,7 @@ from _step_models import (
     parse_bench,
     per_microbatch_bytes,
     pipelining_check,
+    plain_cut_runner,
     plain_microbatched_runner,
     plain_runner,
     print_fixed_time,
@@ -430,6 +434,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         plains: list[float] = []
         for group in (WAYS[2:6], WAYS[6:]):
             runners: dict[str, Runner | str] = {"plain": plain_runner(tiny)}
+            if group == WAYS[2:6]:
+                # The floor of any step, beside gpipe's ways: the micro-batches one after
+                # the other in this thread, with and without the partitions' cuts.
+                runners["plain mb"] = plain_microbatched_runner(replace(tiny, checkpoint="never"))
+                runners["plain mb cut"] = plain_cut_runner(tiny)
             for mode in ("never", "except_last"):
                 case = replace(tiny, checkpoint=mode)
                 built = group if mode == "never" else [w for w in group if w in CHECKPOINTING]
@@ -458,6 +467,19 @@ def main(argv: Sequence[str] | None = None) -> None:
                 row.append(f"{value / trip:.2f}" if isinstance(value, float) else "-")
             rows.append(row)
         print_table(["way", "never us", "never RT", "except_last us", "except_last RT"], rows)
+        floors = [
+            f"{name} {value:.0f} us = {value / trip:.2f} RT"
+            for name in ("plain mb", "plain mb cut")
+            if isinstance(value := overhead.get(name), float)
+        ]
+        if floors:
+            print(
+                "  without a pipeline, in one thread, per task over plain: "
+                + ", ".join(floors)
+                + " (plain mb: the model on each micro-batch in turn, one backward call "
+                "each; plain mb cut: cut at the partitions, one backward call per partition "
+                "and micro-batch, as every step makes)"
+            )
         print()
 
         # One partition, one micro-batch ------------------------------------------------------
