@@ -110,5 +110,5 @@ def test_engine_calls_match_torch_autograd_with_edges_inputs_and_kept_graphs() -
     run_backward([y], [seed])
     assert x.grad is not None
     # A gradient of another shape goes through torch's checks, and its error.
-    with pytest.raises(RuntimeError, match="[Mm]ismatch in shape"):
+    with pytest.raises(RuntimeError, match=r"[Mm]ismatch in shape"):
         run_backward([(x * 2).sum()], [torch.ones(2)])

@@ -495,7 +495,7 @@ class ZeroBubbleH1Schedule(Schedule):
             return _fill_weights(_interleaved(microbatches, partitions, 1, split=True), workers)
         # The later partition's input gradient first: the gradient then reaches the
         # worker's earlier partitions, whose own wait on the other workers.
-        return _greedy(microbatches, partitions, workers, lambda a: (-a.partition, a.microbatch))
+        return _greedy(microbatches, partitions, workers, lambda a: (-_index(a), a.microbatch))
 
 
 class ZeroBubbleVSchedule(Schedule):
@@ -536,7 +536,7 @@ class ZeroBubbleVSchedule(Schedule):
                 f"partitions: {partitions}, workers: {count})"
             )
         # The oldest micro-batch's input gradient first (the later partition's of two).
-        return _greedy(microbatches, partitions, workers, lambda a: (a.microbatch, -a.partition))
+        return _greedy(microbatches, partitions, workers, lambda a: (a.microbatch, -_index(a)))
 
 
 def _check_sizes(**sizes: object) -> None:
@@ -980,6 +980,12 @@ def _fill_weights(base: Sequence[Sequence[Action]], workers: Sequence[int]) -> l
     return _generate(len(workers), workers, pending, choose)
 
 
+def _index(action: Action) -> int:
+    """The partition of a resolved action (every action of a generated list names one)."""
+    assert action.partition is not None
+    return action.partition
+
+
 def _greedy(
     microbatches: int,
     partitions: int,
@@ -1005,7 +1011,7 @@ def _greedy(
         forwards = [a for a in ready if a.kind == "forward"]
         if forwards and held[w] < cap:
             held[w] += 1
-            return min(forwards, key=lambda a: (-(a.partition or 0), a.microbatch))
+            return min(forwards, key=lambda a: (-_index(a), a.microbatch))
         for weight in waiting[w]:
             if weight in ready:
                 waiting[w].remove(weight)
