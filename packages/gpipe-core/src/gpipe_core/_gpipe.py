@@ -9,15 +9,13 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Literal, NoReturn, cast
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from gpipe_bn import (
-    DeferredBatchNorm,
-    convert_deferred_batch_norm,
     convert_plain_batch_norm,
     mini_batch,
 )
@@ -26,91 +24,44 @@ from gpipe_microbatch import (
     Batch,
     Device,
     ThreadState,
-    check_chunks,
-    check_module,
     gather,
     scatter,
 )
-from gpipe_skip import SkipLayout, inspect_skip_layout, verify_skippables
+from gpipe_skip import SkipLayout
 
 from . import _agreement
-from ._agreement import Construction, Fields, RanksDisagree, layer_fields, run_fields
+from ._agreement import Construction, Fields, RanksDisagree, run_fields
+from ._arguments import CheckpointMode, check_input_device, check_step
+from ._build import build
 from ._clip import check_clip_arguments, combine, gradient_norms
-from ._data_parallel import Replicas
 from ._errors import add_note
 from ._inputs import (
     UNSET,
     Leaves,
     StepArguments,
     batch_sizes,
-    items,
     positional,
     step_arguments,
-    tensor_of,
     to_device,
 )
 from ._losses import Losses, LossFunction, Reduction, from_numbers, to_numbers
-from ._partition import (
-    balance_from_placement,
-    check_balance,
-    check_split,
-    layer_groups,
-    placed_layers,
-    split_module,
-)
 from ._partition_run import LossSpec, PartitionRun, nested
 from ._placement import (
     DEFAULT_TIMEOUT,
-    Placement,
-    check_timeout,
     warn_without_process_group,
 )
 from ._runner import run
-from ._schedule import Action, GPipeSchedule, Schedule, get_schedule, step_actions
+from ._schedule import Action, GPipeSchedule, Schedule, step_actions
 from ._sequential import PipeSequential
-from ._shared import SharedReplicas, Ties, find_shared, views
+from ._shared import views
 from ._state_dict import PartitionKeys, map_keys
 from ._stream import AbstractStream, current_stream, new_stream
-from ._threads import check_intra_op_threads
 from ._timeline import Timeline
 from ._tracing import record, tracer_for
 from ._transport import Cancelled
 from ._worker import WorkerPool
 
 __all__ = ["GPipe"]
-
-CheckpointMode = Literal["always", "except_last", "never"]
-_CHECKPOINT_MODES = ("always", "except_last", "never")
-
-
-def _check_checkpoint(checkpoint: object) -> CheckpointMode:
-    if checkpoint not in _CHECKPOINT_MODES:
-        raise ValueError(
-            "checkpoint must be one of 'always', 'except_last', 'never' "
-            f"(checkpoint: {checkpoint!r})"
-        )
-    return cast(CheckpointMode, checkpoint)
-
-
-def _check_reduction(loss_fn: object, reduction: object) -> Reduction:
-    if reduction is None:
-        reduction = getattr(loss_fn, "reduction", "mean")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(
-                "loss_fn must reduce each micro-batch's loss to a scalar by 'mean' or 'sum' "
-                f"(loss_fn.reduction: {reduction!r})"
-            )
-    elif reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum' (reduction: {reduction!r})")
-    else:
-        declared = getattr(loss_fn, "reduction", reduction)
-        if declared != reduction:
-            # The gradients would be scaled for one reduction and computed with the other.
-            raise ValueError(
-                "reduction must match loss_fn.reduction when loss_fn has one "
-                f"(reduction: {reduction!r}, loss_fn.reduction: {declared!r})"
-            )
-    return "sum" if reduction == "sum" else "mean"
 
 
 class GPipe(nn.Module):
@@ -249,143 +200,34 @@ class GPipe(nn.Module):
             check_group(group)
             construction = Construction(group, pipeline_tag(group))
         try:
-            self._build(
+            built = build(
                 module, balance, devices, chunks, checkpoint, deferred_batch_norm,
                 group, data_group, timeout, intra_op_threads, construction, placement,
             )  # fmt: skip
+            self.chunks = built.chunks
+            self.checkpoint = built.checkpoint
+            self.intra_op_threads = built.intra_op_threads
+            self._placement = built.placement
+            self._replicas = built.replicas
+            self._deferred_batch_norm = built.deferred_batch_norm
+            self._unpacks = built.unpacks
+            #: Keeping it is also how gpipe_skip knows that this module pairs its own skips:
+            #: the ``verify_skippables`` of a model this pipeline is nested in leaves them alone.
+            self.skip_layout = built.skip_layout
+            self.partitions = nn.ModuleList(built.partitions)
+            self._layer_names = built.layer_names
+            self._parameter_names = built.parameter_names
+            self._shared = built.shared
+            self._init_runtime()
+            # Checkpoints use the plain module's keys, whatever the balance.
+            map_keys(self, PartitionKeys(self._partition_list(), built.remote_layers))
+            if construction is not None:
+                construction.agree((), built.timeout)  # every rank has built its partitions
+                self._shared.connect()  # the replicas of shared tensors are made equal
         except BaseException as error:
             if construction is not None:
                 construction.failed(error)
             raise
-
-    def _build(
-        self,
-        module: nn.Sequential,
-        balance: Iterable[int] | None,
-        devices: Iterable[Device] | None,
-        chunks: int,
-        checkpoint: CheckpointMode,
-        deferred_batch_norm: bool,
-        group: dist.ProcessGroup | None,
-        data_group: dist.ProcessGroup | None,
-        timeout: float | datetime.timedelta | None,
-        intra_op_threads: int | None,
-        construction: Construction | None,
-        placement_spec: str | Sequence[int] | None = None,
-    ) -> None:
-        """The constructor's work: the checks, which change nothing; across processes the
-        ranks' agreement on what they build; then the partitions."""
-        check_module(module)
-        if not isinstance(deferred_batch_norm, bool):
-            raise TypeError(
-                f"deferred_batch_norm must be True or False (deferred_batch_norm: "
-                f"{deferred_batch_norm!r})"
-            )
-        # The skippable layers as the partitions will hold them: without WithDevice wrappers.
-        verify_skippables(placed_layers(module))
-        self.chunks = check_chunks(chunks)
-        self.checkpoint = _check_checkpoint(checkpoint)
-        seconds = check_timeout(timeout, group if group is not None else data_group)
-        #: The intra-op threads of each worker on the CPU (see ``intra_op_threads``).
-        self.intra_op_threads = check_intra_op_threads(intra_op_threads)
-        if data_group is not None:
-            from ._distributed import check_group
-
-            check_group(data_group, "data_group")
-        if group is not None and balance is None:
-            raise TypeError(
-                "balance must be given with group (balance: None): it says which layers "
-                "each rank runs"
-            )
-        if balance is None and placement_spec is not None:
-            raise TypeError(
-                f"balance must be given with placement (balance: None, placement: "
-                f"{placement_spec!r})"
-            )
-        if balance is None and devices is None:
-            balance, devices = balance_from_placement(module)
-        elif balance is None:
-            raise TypeError(
-                "balance must be given with devices (balance: None, devices: "
-                f"{devices!r}); without both, partitions follow where the layers are"
-            )
-        placement = Placement(
-            check_balance(module, balance), devices, group, seconds, placement_spec
-        )
-        self._placement = placement
-        local = placement.local
-        if data_group is not None and str(dist.get_backend(data_group)) == "nccl":
-            on_host = [str(d) for d in placement.local_devices()]
-            if any(not d.startswith("cuda") for d in on_host):
-                raise ValueError(
-                    "data_group uses NCCL, which averages CUDA tensors only, and this rank's "
-                    f"partitions are not all on CUDA devices (data_group backend: 'nccl', "
-                    f"devices of this rank: {on_host}); use a gloo group, or one of "
-                    "init_process_group('cpu:gloo,cuda:nccl')"
-                )
-        if deferred_batch_norm or construction is not None:
-            # Every check that could refuse the module first: a refused module is unchanged.
-            check_split(module, self.balance, self.devices)
-        # The tensors that layers of several partitions share (tied weights), found before
-        # a rank releases the other ranks' layers.
-        shared = find_shared(layer_groups(module, self.balance))
-        if construction is not None:
-            fields = (
-                ("the module's type", type(module).__qualname__),
-                *layer_fields(placed_layers(module)),
-                ("balance", self.balance),
-                ("chunks", self.chunks),
-                ("checkpoint", self.checkpoint),
-                ("deferred_batch_norm", deferred_batch_norm),
-                ("placement", placement.workers if placement_spec is not None else None),
-                ("the rank of each partition", placement.ranks),
-                ("the uses of each shared parameter or buffer", [s.uses for s in shared]),
-                (
-                    "the device types of each rank's partitions",
-                    sorted({device.type for device in placement.local_devices()}),
-                ),
-            )
-            construction.agree(fields, seconds)
-            # Every rank of the group makes them, here: constructing the pipeline is
-            # collective over the group, as its steps are.
-            placement.connect(construction.tag)
-        self._replicas = Replicas(data_group, seconds)
-        if deferred_batch_norm:
-            convert_deferred_batch_norm(module, self.chunks)  # in place: module is a container
-        # Deferred batch norms, converted here or by hand, see each forward call as one
-        # mini-batch; models without them skip the walk over their modules in forward.
-        self._deferred_batch_norm = any(isinstance(m, DeferredBatchNorm) for m in module.modules())
-        # A PipeSequential's partitions keep its calling convention (tuples unpacked).
-        self._unpacks = isinstance(module, PipeSequential)
-        # From every partition, before a rank releases the others'.
-        #: Which skip connections cross which partitions (see :mod:`gpipe_skip`). Keeping it
-        #: is also how gpipe_skip knows that this module pairs its own skips: the
-        #: ``verify_skippables`` of a model this pipeline is nested in leaves them alone.
-        self.skip_layout = inspect_skip_layout(layer_groups(module, self.balance))
-        #: The names of the layers other ranks run.
-        self._remote_layers = {
-            name
-            for j, layers in enumerate(layer_groups(module, self.balance))
-            if not local[j]
-            for name in layers._modules
-        }
-        partitions = split_module(module, self.balance, self.devices, local)
-        if self._unpacks:
-            partitions = [PipeSequential(OrderedDict(p._modules)) for p in partitions]
-        self.partitions = nn.ModuleList(partitions)
-        self._init_runtime()
-        # Checkpoints use the plain module's keys, whatever the balance.
-        map_keys(self, PartitionKeys(self._partition_list(), self._remote_layers))
-        #: The layers' names, in the plain module's order.
-        self._layer_names = list(module._modules)
-        #: The parameters' names, in the plain module's order (each shared one once).
-        self._parameter_names = [name for name, _ in placed_layers(module).named_parameters()]
-        self._shared = SharedReplicas(shared, placement.ranks, partitions, group, seconds)
-        # Partitions on other devices than a shared parameter's use a copy tied to it.
-        Ties(shared, partitions, self.devices)
-        if construction is not None:
-            construction.agree((), seconds)  # every rank has built its partitions
-            self._shared.connect()  # the replicas of shared tensors are made equal
 
     def _init_runtime(self) -> None:
         """The state that is not copied or pickled: copy streams and worker threads (the
@@ -652,19 +494,6 @@ class GPipe(nn.Module):
                 streams.append(new_stream(device))
         return self._copy_streams
 
-    def _check_input_device(self, value: object, what: str) -> None:
-        if not self.devices:
-            return  # an empty pipeline takes its input where it is
-        expected = self.devices[0]
-        for index, item in enumerate(items(value)):
-            tensor = tensor_of(item)
-            if tensor is not None and tensor.device != expected:
-                where = f"{what}[{index}]" if isinstance(value, tuple) else what
-                raise ValueError(
-                    f"{where} must be on the first partition's device "
-                    f"(devices[0]: {expected}, {where}: {tensor.device})"
-                )
-
     def forward(self, *inputs: Any) -> Any:
         """Run a mini-batch through the pipeline, as the wrapped module would run it.
 
@@ -734,7 +563,7 @@ class GPipe(nn.Module):
         fields = run_fields("forward", training=self.training)
         if self._placement.is_local(0):
             value, unpack, what = positional(inputs)
-            self._check_input_device(value, what)
+            check_input_device(value, what, self.devices)
             if not n:
                 scatter(value, self.chunks, what=what)  # the same checks
                 # An empty nn.Sequential is the identity (on what the first layer would see).
@@ -1025,23 +854,10 @@ class GPipe(nn.Module):
         None elsewhere."""
         n = len(self.partitions)
         first, last = self._placement.is_local(0), self._placement.is_local(-1)
-        input, target, loss_fn = arguments.input, arguments.target, arguments.loss_fn
-        if first and arguments.unpack and not isinstance(input, tuple):
-            raise TypeError(
-                "unpack_input=True takes a tuple of the first layer's positional arguments "
-                f"(input: {type(input).__name__})"
-            )
-        if first:
-            self._check_input_device(input, arguments.what)
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable (loss_fn: {type(loss_fn).__name__})")
-        reduction = _check_reduction(loss_fn, reduction)
-        plan = get_schedule(schedule)
-        if is_checkpointing() or is_recomputing():
-            raise RuntimeError(
-                "GPipe.step cannot run inside a checkpointed or recomputed function "
-                f"(checkpointing: {is_checkpointing()}, recomputing: {is_recomputing()})"
-            )
+        input, target = arguments.input, arguments.target
+        plan, reduction, loss_fn = check_step(
+            arguments, schedule, reduction, self.devices, first=first
+        )
         backward = self.training and torch.is_grad_enabled()
         fields = run_fields(
             "step",
