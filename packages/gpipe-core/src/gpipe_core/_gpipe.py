@@ -6,17 +6,15 @@ import datetime
 import functools
 import warnings
 import weakref
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, NoReturn, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from gpipe_bn import (
-    convert_plain_batch_norm,
     mini_batch,
 )
 from gpipe_checkpoint import is_checkpointing, is_recomputing
@@ -44,7 +42,9 @@ from ._inputs import (
     step_arguments,
     to_device,
 )
+from ._layers import PlainLayers, named_modules
 from ._losses import Losses, LossFunction, Reduction, from_numbers, to_numbers
+from ._moves import check_cpu, check_cuda, check_to
 from ._partition_run import LossSpec, PartitionRun, nested
 from ._placement import (
     DEFAULT_TIMEOUT,
@@ -52,8 +52,6 @@ from ._placement import (
 )
 from ._runner import run
 from ._schedule import Action, GPipeSchedule, Schedule, step_actions
-from ._sequential import PipeSequential
-from ._shared import views
 from ._state_dict import PartitionKeys, map_keys
 from ._stream import AbstractStream, current_stream, new_stream
 from ._timeline import Timeline
@@ -287,6 +285,9 @@ class GPipe(nn.Module):
     def _partition_list(self) -> list[nn.Sequential]:
         return cast(list[nn.Sequential], list(self.partitions))
 
+    def _layers(self) -> PlainLayers:
+        return PlainLayers(self.partitions, self.__dict__.get("_shared"))
+
     def unwrap(self) -> nn.Sequential:
         """The layers as one :class:`~torch.nn.Sequential`, in order, under their names.
 
@@ -310,26 +311,9 @@ class GPipe(nn.Module):
             >>> torch.equal(plain(x), pipe(x)), list(plain.state_dict()) == list(pipe.state_dict())
             (True, True)
         """
-        kind = PipeSequential if self._unpacks else nn.Sequential
-        return kind(
-            OrderedDict(
-                (name, convert_plain_batch_norm(layer))
-                for partition in self._partition_list()
-                for name, layer in partition._modules.items()
-                if layer is not None
-            )
-        )
+        return self._layers().unwrap(self._unpacks)
 
     # -- names: the plain module's ---------------------------------------------------
-
-    def _plain_children(self) -> dict[str, nn.Module]:
-        """This process's layers under their names in the plain module, in its order."""
-        return {
-            name: layer
-            for partition in self._partition_list()
-            for name, layer in partition._modules.items()
-            if layer is not None
-        }
 
     def named_children(self) -> Iterator[tuple[str, nn.Module]]:
         """The layers of this process's partitions under their names in the plain
@@ -344,35 +328,14 @@ class GPipe(nn.Module):
         in the plain module (``0.weight``): a module standing for that layer holds it
         alone, so that an optimizer's state for it has the plain module's key.
         """
-        children = {**self._plain_children(), **self._replica_views()}
-        for name in self._layer_names:
-            if name in children:
-                yield name, children[name]
-
-    def _replica_views(self) -> dict[str, nn.Module]:
-        """The replicas of shared tensors whose owner's layer another rank runs, under the
-        owner's name (see :meth:`named_children`)."""
-        shared = self.__dict__.get("_shared")
-        if shared is None or not shared.foreign:
-            return {}
-        return views(shared.replicas, set(self._plain_children()))
+        yield from self._layers().named_children(self._layer_names)
 
     def named_modules(
         self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Module]]:
         """The pipeline, then its layers and theirs under the plain module's names (see
         :meth:`named_children`)."""
-        if memo is None:
-            memo = set()
-        if self in memo:
-            return
-        if remove_duplicate:
-            memo.add(self)
-        yield prefix, self
-        for name, layer in self.named_children():
-            yield from layer.named_modules(
-                memo, f"{prefix}.{name}" if prefix else name, remove_duplicate
-            )
+        yield from named_modules(self, self.named_children(), memo, prefix, remove_duplicate)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -381,7 +344,7 @@ class GPipe(nn.Module):
             # A layer under its plain name, as on the plain module (``pipe.get_submodule('3')``).
             modules = self.__dict__.get("_modules", {})
             if "partitions" in modules and not name.startswith("_"):
-                layer = self._plain_children().get(name, self._replica_views().get(name))
+                layer = self._layers().get(name)
                 if layer is not None:
                     return layer
             raise error
@@ -397,43 +360,15 @@ class GPipe(nn.Module):
         return self
 
     def __len__(self) -> int:
-        return sum(len(partition) for partition in self._partition_list())
+        return len(self._layers())
 
     def __iter__(self) -> Iterator[nn.Module]:
-        for partition in self._partition_list():
-            yield from partition
+        return iter(self._layers())
 
     def __getitem__(self, index: int) -> nn.Module:
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(f"index must be an int (index: {index!r})")
-        size = len(self)
-        position = index + size if index < 0 else index
-        if not 0 <= position < size:
-            raise IndexError(f"layer index out of range (index: {index}, layers: {size})")
-        for partition in self._partition_list():
-            if position < len(partition):
-                return partition[position]
-            position -= len(partition)
-        raise AssertionError("unreachable")
+        return self._layers()[index]
 
     # -- placement is fixed by ``devices`` -------------------------------------------
-
-    def _refuse_move(self, how: str, device: object) -> NoReturn:
-        raise TypeError(
-            f"{how} would move every partition to one device; GPipe places partitions on "
-            f"the devices given at construction (devices: {[str(d) for d in self.devices]}, "
-            f"device: {device!r})"
-        )
-
-    def _stays(self, device: torch.device) -> bool:
-        """Whether every partition of this process is on ``device`` already (a CUDA device
-        without an index meaning the current one): then moving there moves nothing."""
-        if str(device) == "cuda":  # no index
-            if not torch.cuda.is_available():
-                return False
-            device = torch.device("cuda", torch.cuda.current_device())
-        mine = self._placement.local_devices()
-        return bool(mine) and all(d == device for d in mine)
 
     def cuda(self, device: Any = None) -> GPipe:
         """Nothing to do when every partition is on that CUDA device already; otherwise
@@ -442,14 +377,7 @@ class GPipe(nn.Module):
         Raises:
             TypeError: a partition is on another device.
         """
-        if device is None:
-            target = torch.device("cuda")
-        elif isinstance(device, int):
-            target = torch.device("cuda", device)
-        else:
-            target = torch.device(device)
-        if not self._stays(target):
-            self._refuse_move(".cuda()", device)
+        check_cuda(device, self._placement.local_devices(), self.devices)
         return self
 
     def cpu(self) -> GPipe:
@@ -459,8 +387,7 @@ class GPipe(nn.Module):
         Raises:
             TypeError: a partition is on another device.
         """
-        if not self._stays(torch.device("cpu")):
-            self._refuse_move(".cpu()", "cpu")
+        check_cpu(self._placement.local_devices(), self.devices)
         return self
 
     def to(self, *args: Any, **kwargs: Any) -> GPipe:
@@ -471,19 +398,8 @@ class GPipe(nn.Module):
             TypeError: the arguments name a device (or a tensor, which has one) that a
                 partition is not on.
         """
-        # A device index is a CUDA device, resolved here: without an accelerator torch
-        # would raise its own error for it.
-        index = kwargs.get("device", args[0] if args else None)
-        if isinstance(index, int) and not isinstance(index, bool):
-            if not self._stays(torch.device("cuda", index)):
-                self._refuse_move(".to(device)", index)
-            rest = args[1:] if args and args[0] is index else args
-            kwargs = {k: v for k, v in kwargs.items() if k != "device"}
-            return super().to(*rest, **kwargs) if rest or kwargs else self
-        device: torch.device | None = torch._C._nn._parse_to(*args, **kwargs)[0]
-        if device is not None and not self._stays(device):
-            self._refuse_move(".to(device)", device)
-        return super().to(*args, **kwargs)
+        rest = check_to(args, kwargs, self._placement.local_devices(), self.devices)
+        return super().to(*rest[0], **rest[1]) if rest is not None else self
 
     # -- forward ---------------------------------------------------------------------
 
