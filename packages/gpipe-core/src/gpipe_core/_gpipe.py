@@ -7,7 +7,7 @@ import functools
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
 import torch
@@ -27,12 +27,10 @@ from gpipe_microbatch import (
 )
 from gpipe_skip import SkipLayout
 
-from . import _agreement
-from ._agreement import Construction, Fields, RanksDisagree, run_fields
+from ._agreement import Construction, Fields, run_fields
 from ._arguments import CheckpointMode, check_input_device, check_step
 from ._build import build
 from ._clip import check_clip_arguments, combine, gradient_norms
-from ._errors import add_note
 from ._inputs import (
     UNSET,
     Leaves,
@@ -52,6 +50,7 @@ from ._placement import (
 )
 from ._runner import run
 from ._schedule import Action, GPipeSchedule, Schedule, step_actions
+from ._session import run_session, share_plan
 from ._state_dict import PartitionKeys, map_keys
 from ._stream import AbstractStream, current_stream, new_stream
 from ._timeline import Timeline
@@ -461,7 +460,7 @@ class GPipe(nn.Module):
             >>> model(x, NoChunk(mask), 0.5).shape  # the mask is not split, nor the scale
             torch.Size([4, 2])
         """
-        with self._session():
+        with run_session(self._placement, self._pool):
             # Inside the run, so that the other ranks learn of the refusal at once.
             if self._placement.spans_processes and self.training and torch.is_grad_enabled():
                 raise RuntimeError(
@@ -514,45 +513,12 @@ class GPipe(nn.Module):
     ) -> tuple[list[Batch], list[int]]:
         """The micro-batches of ``value`` (named ``what`` in errors) and their sizes, on
         the first partition's rank; on other ranks, no micro-batches, and their sizes from
-        that rank. Across processes, the run's ``fields`` go with the sizes, and the other
-        ranks check that theirs are the same (see :mod:`gpipe_core._agreement`)."""
-        transport = self._placement.transport()
-        if self._placement.is_local(0):
-            batches = scatter(value, self.chunks, what=what)
-            sizes = batch_sizes(value, batches)
-            transport.send_plan((sizes,), fields if _agreement.CHECK_RUNS else ())
-            return batches, sizes
-        (sizes,) = transport.receive_plan(fields if _agreement.CHECK_RUNS else ())
-        return [], list(sizes)
-
-    @contextmanager
-    def _session(self) -> Iterator[_Session]:
-        """A run, begun and ended on the transport (across processes: on every rank).
-
-        One run at a time (see :class:`~gpipe_core._transport.RunLock`). Across processes,
-        the ``with`` block's error is told to the other ranks, which raise a
-        :class:`RemoteStageError` naming this rank; if another rank fails, the block's
-        waits end and the ``with`` statement raises that error; ranks called with
-        different run fields all raise the same :class:`RanksDisagree`.
-        """
-        self._pool.refuse_reentry()
-        transport = self._placement.transport()
-        transport.begin()
-        session = _Session()
-        try:
-            yield session
-        except Cancelled:
-            transport.finish(None)  # raises the failing rank's error
-            raise RuntimeError("the run was cancelled on this rank") from None
-        except BaseException as error:
-            try:
-                transport.finish(error)
-            except RanksDisagree as disagreement:
-                raise disagreement from None  # the same error on every rank
-            except Exception as also:  # the local error stays the one raised
-                add_note(error, f"(ending the run on the other ranks failed too: {also})")
-            raise
-        session.payloads = transport.finish(None, session.payload)
+        that rank, which sends them with the run's ``fields`` (see :func:`share_plan`)."""
+        first = self._placement.is_local(0)
+        batches = scatter(value, self.chunks, what=what) if first else []
+        plan = (batch_sizes(value, batches),) if first else None
+        (sizes,) = share_plan(self._placement, plan, fields)
+        return batches, list(sizes)
 
     def _checkpoint_stop(self, m: int) -> int:
         """How many of ``m`` micro-batches are checkpointed in training."""
@@ -748,7 +714,7 @@ class GPipe(nn.Module):
         backward = self.training and torch.is_grad_enabled()
         before = self._shared.gradients() if backward else None
         with self._replicas.averaging(self.parameters):
-            with self._session() as session:
+            with run_session(self._placement, self._pool) as session:
                 arguments = step_arguments(inputs, target, loss_fn, unpack_input)
                 losses = self._step(arguments, schedule, reduction)
                 if losses is not None:
@@ -894,8 +860,8 @@ class GPipe(nn.Module):
         counted = (
             (name, p) for name, p in self.named_parameters() if name not in self._shared.foreign
         )
-        with self._session() as session:
-            self._agree(fields)
+        with run_session(self._placement, self._pool) as session:
+            share_plan(self._placement, (), fields)
             session.payload = norms = gradient_norms(counted, float(norm_type), foreach)
         for theirs in session.payloads.values():
             norms.update(theirs)
@@ -927,16 +893,6 @@ class GPipe(nn.Module):
         """
         return self._shared.drift()
 
-    def _agree(self, fields: Fields) -> None:
-        """Across processes, the first partition's rank gives every other rank its run
-        ``fields``, and each checks that its own are the same (see
-        :meth:`_microbatches`)."""
-        transport = self._placement.transport()
-        if self._placement.is_local(0):
-            transport.send_plan((), fields if _agreement.CHECK_RUNS else ())
-        else:
-            transport.receive_plan(fields if _agreement.CHECK_RUNS else ())
-
     def trace(self) -> AbstractContextManager[Timeline]:
         """Record the pipeline's tasks while the ``with`` block runs.
 
@@ -965,13 +921,3 @@ class GPipe(nn.Module):
             f"balance={self.balance}, devices={devices}, chunks={self.chunks}, "
             f"checkpoint={self.checkpoint!r}"
         )
-
-
-class _Session:
-    """What a run across processes gives every rank: each rank's payload."""
-
-    def __init__(self) -> None:
-        #: What this rank gives the others when the run ends.
-        self.payload: object = None
-        #: What each other rank gave.
-        self.payloads: dict[int, Any] = {}
