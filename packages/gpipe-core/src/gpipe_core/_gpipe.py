@@ -33,12 +33,10 @@ from ._build import build
 from ._clip import check_clip_arguments, combine, gradient_norms
 from ._inputs import (
     UNSET,
-    Leaves,
     StepArguments,
     batch_sizes,
     positional,
     step_arguments,
-    to_device,
 )
 from ._layers import PlainLayers, named_modules
 from ._losses import Losses, LossFunction, Reduction, from_numbers, to_numbers
@@ -52,6 +50,7 @@ from ._runner import run
 from ._schedule import Action, GPipeSchedule, Schedule, step_actions
 from ._session import run_session, share_plan
 from ._state_dict import PartitionKeys, map_keys
+from ._step import StepLeaves
 from ._stream import AbstractStream, current_stream, new_stream
 from ._timeline import Timeline
 from ._tracing import record, tracer_for
@@ -736,7 +735,6 @@ class GPipe(nn.Module):
         None elsewhere."""
         n = len(self.partitions)
         first, last = self._placement.is_local(0), self._placement.is_local(-1)
-        input, target = arguments.input, arguments.target
         plan, reduction, loss_fn = check_step(
             arguments, schedule, reduction, self.devices, first=first
         )
@@ -748,39 +746,15 @@ class GPipe(nn.Module):
             unpack_input=arguments.unpack_input,
             training=self.training,
         )
-        input_leaves = Leaves(input, backward) if first else None
-        batches, sizes = self._microbatches(
-            input_leaves.value if input_leaves else None, arguments.what, fields
-        )
-        losses: LossSpec | None = None
-        target_leaves: Leaves | None = None
+        leaves = StepLeaves(arguments, backward, first=first)
+        batches, sizes = self._microbatches(leaves.input, arguments.what, fields)
+        losses = None
         if last:
-            target_leaves = Leaves(target, backward)
-            targets = scatter(target_leaves.value, self.chunks, what="target")
-            target_sizes = batch_sizes(target_leaves.value, targets)
-            if sizes != target_sizes:
-                raise ValueError(
-                    "target must have the input's batch size "
-                    f"(input: {sum(sizes)}, target: {sum(target_sizes)})"
-                )
-            if self.devices:
-                device = self.devices[-1]
-                targets = [
-                    batch if all(t.device == device for t in batch) else to_device(batch, device)
-                    for batch in targets
-                ]
-            total = sum(sizes)
-            scales = [size / total if reduction == "mean" and total else 1.0 for size in sizes]
-            losses = LossSpec(loss_fn, targets, scales, backward)
+            device = self.devices[-1] if self.devices else None
+            losses = leaves.losses(arguments.target, sizes, self.chunks, device, loss_fn, reduction)
         m = len(sizes)
         if n == 0:
-            # An empty nn.Sequential is the identity: the losses of the input itself.
-            assert losses is not None and input_leaves is not None and target_leaves is not None
-            with torch.set_grad_enabled(backward):
-                for i, batch in enumerate(batches):
-                    loss = losses(i, batch)
-                    if backward:
-                        torch.autograd.backward(loss, losses.seed(i, loss))
+            leaves.identity(batches)
         else:
             actions = step_actions(plan, m, n, backward, self._placement.workers)
             with torch.set_grad_enabled(backward):
@@ -790,13 +764,7 @@ class GPipe(nn.Module):
                 batches, actions, backward, checkpoint_stop,
                 autograd_backward=False, loss=losses, state=state, unpack_input=arguments.unpack,
             )  # fmt: skip
-        if input_leaves is not None:
-            input_leaves.backward()
-        if target_leaves is not None:
-            target_leaves.backward()
-        if losses is None:
-            return None
-        return Losses(cast(list[torch.Tensor], losses.losses), sizes, reduction)
+        return leaves.end(sizes, reduction)
 
     def clip_grad_norm_(
         self,
