@@ -30,7 +30,7 @@ from gpipe_skip import SkipLayout
 from ._agreement import Construction, Fields, run_fields
 from ._arguments import CheckpointMode, check_input_device, check_step
 from ._build import build
-from ._clip import check_clip_arguments, combine, gradient_norms
+from ._clip import check_clip_arguments, clip_by_norms, gradient_norms
 from ._inputs import (
     UNSET,
     StepArguments,
@@ -475,14 +475,15 @@ class GPipe(nn.Module):
         value: object = None
         unpack, what = False, "input"
         fields = run_fields("forward", training=self.training)
-        if self._placement.is_local(0):
+        first, last = self._placement.is_local(0), self._placement.is_local(-1)
+        if first:
             value, unpack, what = positional(inputs)
             check_input_device(value, what, self.devices)
             if not n:
                 scatter(value, self.chunks, what=what)  # the same checks
                 # An empty nn.Sequential is the identity (on what the first layer would see).
                 return scatter(value, 1, what=what)[0].value
-        batches, sizes = self._microbatches(value, what, fields)
+        batches, sizes = self._microbatches(value, what, fields, first=first)
         m = len(sizes)
         actions = step_actions(GPipeSchedule(), m, n, False, self._placement.workers)
         # In eval mode the output still has a graph (when grad mode is on); nothing is
@@ -496,7 +497,7 @@ class GPipe(nn.Module):
                 unpack_input=unpack,
             ),
         )  # fmt: skip
-        if not self._placement.is_local(-1):
+        if not last:
             return None  # the output is on the last partition's rank
         for i, output in enumerate(outputs):
             for tensor in output:
@@ -508,12 +509,12 @@ class GPipe(nn.Module):
         return gather(outputs)
 
     def _microbatches(
-        self, value: object, what: str, fields: Fields
+        self, value: object, what: str, fields: Fields, *, first: bool
     ) -> tuple[list[Batch], list[int]]:
         """The micro-batches of ``value`` (named ``what`` in errors) and their sizes, on
-        the first partition's rank; on other ranks, no micro-batches, and their sizes from
-        that rank, which sends them with the run's ``fields`` (see :func:`share_plan`)."""
-        first = self._placement.is_local(0)
+        the first partition's rank (``first``); on other ranks, no micro-batches, and their
+        sizes from that rank, which sends them with the run's ``fields`` (see
+        :func:`~gpipe_core._session.share_plan`)."""
         batches = scatter(value, self.chunks, what=what) if first else []
         plan = (batch_sizes(value, batches),) if first else None
         (sizes,) = share_plan(self._placement, plan, fields)
@@ -747,7 +748,7 @@ class GPipe(nn.Module):
             training=self.training,
         )
         leaves = StepLeaves(arguments, backward, first=first)
-        batches, sizes = self._microbatches(leaves.input, arguments.what, fields)
+        batches, sizes = self._microbatches(leaves.input, arguments.what, fields, first=first)
         losses = None
         if last:
             device = self.devices[-1] if self.devices else None
@@ -833,12 +834,10 @@ class GPipe(nn.Module):
             session.payload = norms = gradient_norms(counted, float(norm_type), foreach)
         for theirs in session.payloads.values():
             norms.update(theirs)
-        total = combine(norms, self._parameter_names, float(norm_type), error_if_nonfinite)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads:
-            total = total.to(grads[0].device)
-        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, total, foreach)
-        return total
+        return clip_by_norms(
+            self.parameters(), norms, self._parameter_names,
+            max_norm, float(norm_type), error_if_nonfinite, foreach,
+        )  # fmt: skip
 
     def shared_drift(self) -> dict[str, float]:
         """How far the replicas of each shared (tied) parameter or buffer that this process
