@@ -617,10 +617,8 @@ class GPipe(nn.Module):
         In eval mode, or under :func:`torch.no_grad`, the step runs the forward passes and
         losses only, without autograd history.
 
-        Each micro-batch has its own backward pass, so hooks that fire once per backward
-        pass of the plain model (``register_post_accumulate_grad_hook``, and with it the
-        "optimizer step in backward" recipe) fire once per micro-batch: step the optimizer
-        after the step returns.
+        Hooks that fire once per backward pass of the plain model fire once per
+        micro-batch: step the optimizer after the step returns (see :doc:`/guide`).
 
         If any action raises, every worker stops after its current action and the step
         raises that first exception, with its traceback. Gradients of the micro-batches
@@ -635,13 +633,10 @@ class GPipe(nn.Module):
         others raise :class:`~gpipe_core.RemoteStageError`). With ``data_group``, the
         gradients are then averaged over the replicas (see :doc:`/distributed`).
 
-        The step takes its input as :meth:`forward` does: ``model.step(a, b,
-        target=y, loss_fn=f)`` calls the first layer as ``layer(a, b)``, like
-        ``model(a, b)``, and a tuple passed alone is one value. For one input,
-        ``model.step(x, y, f)`` is the same as ``model.step(x, target=y, loss_fn=f)``.
-        The input's tensors are split into micro-batches, and a
-        :class:`~gpipe_microbatch.NoChunk` tensor or a value that is not a tensor is passed
-        whole to every micro-batch, as in :meth:`forward`; ``target`` is split alike.
+        The step takes its input as :meth:`forward` does (``model.step(a, b, target=y,
+        loss_fn=f)`` calls the first layer as ``layer(a, b)``), and splits ``target``
+        alike; for one input, ``model.step(x, y, f)`` is short for ``model.step(x,
+        target=y, loss_fn=f)``.
 
         Args:
             inputs: the first layer's positional arguments, at least one of them holding a
