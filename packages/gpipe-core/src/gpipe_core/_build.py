@@ -1,6 +1,6 @@
 """Building a :class:`~gpipe_core.GPipe`: from its arguments to its partitions.
 
-This module owns the constructor's order of work: the checks, which change nothing; across
+This module owns the constructor's order of work once the arguments are checked: across
 processes, the ranks' agreement on what they build; then the module's deferred batch norms,
 its split into partitions, the skip layout, the shared tensors' ties and replicas. What it
 builds it returns (:class:`Built`); the module holds it. It must not know how a run goes.
@@ -8,20 +8,18 @@ builds it returns (:class:`Built`); the module holds it. It must not know how a 
 
 from __future__ import annotations
 
-import datetime
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch import nn
 
 from gpipe_bn import DeferredBatchNorm, convert_deferred_batch_norm
-from gpipe_microbatch import Device
 from gpipe_skip import SkipLayout, inspect_skip_layout
 
 from ._agreement import Construction, layer_fields
-from ._arguments import CheckpointMode, check_construction, check_data_group_devices
+from ._arguments import Checked, CheckpointMode, check_data_group_devices
 from ._data_parallel import Replicas
 from ._partition import check_balance, check_split, layer_groups, placed_layers, split_module
 from ._placement import Placement
@@ -60,24 +58,17 @@ class Built:
 
 def build(
     module: nn.Sequential,
-    balance: Iterable[int] | None,
-    devices: Iterable[Device] | None,
-    chunks: int,
-    checkpoint: CheckpointMode,
+    checked: Checked,
     deferred_batch_norm: bool,
     group: dist.ProcessGroup | None,
     data_group: dist.ProcessGroup | None,
-    timeout: float | datetime.timedelta | None,
-    intra_op_threads: int | None,
     construction: Construction | None,
     placement_spec: str | Sequence[int] | None,
 ) -> Built:
-    """The constructor's work, up to the ranks' agreement that each has built its
-    partitions (``construction``, across processes), which is the module's to ask for."""
-    checked = check_construction(
-        module, balance, devices, chunks, checkpoint, deferred_batch_norm,
-        group, data_group, timeout, intra_op_threads, placement_spec,
-    )  # fmt: skip
+    """The constructor's work once its arguments are ``checked``
+    (:func:`~gpipe_core._arguments.check_construction`), up to the ranks' agreement that
+    each has built its partitions (``construction``, across processes), which is the
+    module's to ask for."""
     seconds = checked.timeout
     placement = Placement(
         check_balance(module, checked.balance), checked.devices, group, seconds, placement_spec

@@ -28,7 +28,7 @@ from gpipe_microbatch import (
 from gpipe_skip import SkipLayout
 
 from ._agreement import Construction, Fields, run_fields
-from ._arguments import CheckpointMode, check_input_device, check_step
+from ._arguments import CheckpointMode, check_construction, check_input_device, check_step
 from ._build import build
 from ._clip import check_clip_arguments, clip_by_norms, gradient_norms
 from ._inputs import (
@@ -196,10 +196,13 @@ class GPipe(nn.Module):
             check_group(group)
             construction = Construction(group, pipeline_tag(group))
         try:
-            built = build(
+            checked = check_construction(
                 module, balance, devices, chunks, checkpoint, deferred_batch_norm,
-                group, data_group, timeout, intra_op_threads, construction, placement,
+                group, data_group, timeout, intra_op_threads, placement,
             )  # fmt: skip
+            built = build(
+                module, checked, deferred_batch_norm, group, data_group, construction, placement
+            )
             self.chunks = built.chunks
             self.checkpoint = built.checkpoint
             self.intra_op_threads = built.intra_op_threads
