@@ -287,7 +287,7 @@ class GPipe(nn.Module):
         return cast(list[nn.Sequential], list(self.partitions))
 
     def _layers(self) -> PlainLayers:
-        return PlainLayers(self.partitions, self.__dict__.get("_shared"))
+        return PlainLayers(self._partition_list(), self.__dict__.get("_shared"))
 
     def unwrap(self) -> nn.Sequential:
         """The layers as one :class:`~torch.nn.Sequential`, in order, under their names.

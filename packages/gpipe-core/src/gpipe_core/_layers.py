@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from typing import cast
 
 from torch import nn
 
@@ -29,8 +28,8 @@ class PlainLayers:
     ``shared`` (None while the pipeline is built) gives the replicas of shared tensors
     whose owner's layer another rank runs."""
 
-    def __init__(self, partitions: Iterable[nn.Module], shared: SharedReplicas | None) -> None:
-        self.partitions = cast(list[nn.Sequential], list(partitions))
+    def __init__(self, partitions: Sequence[nn.Sequential], shared: SharedReplicas | None) -> None:
+        self.partitions = partitions
         self.shared = shared
 
     def children(self) -> dict[str, nn.Module]:
