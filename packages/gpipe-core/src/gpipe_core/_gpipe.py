@@ -1,4 +1,14 @@
-"""The GPipe module: a pipelined, checkpointed wrapper around an ``nn.Sequential``."""
+"""The GPipe module: a pipelined, checkpointed wrapper around an ``nn.Sequential``.
+
+This module owns the API (the constructor, :meth:`~GPipe.forward`, :meth:`~GPipe.step`,
+the :class:`~torch.nn.Module` protocol) and the orchestration of a run: its session, its
+micro-batches and action lists, the partition runs handed to the runner. Every other job is
+a module's, called from here: the argument checks (``_arguments``), the construction
+(``_build``), the run's session on the transport (``_session``), a step's leaves and losses
+(``_step``), the layers under the plain module's names (``_layers``), device moves
+(``_moves``), the gradient norm (``_clip``). Whether the pipeline spans processes it does
+not know beyond what its placement (``_placement.Placement``) answers.
+"""
 
 from __future__ import annotations
 
