@@ -13,8 +13,9 @@ from gpipe_microbatch import BalanceError, NoChunk
 
 from .__about__ import __version__
 from ._agreement import RanksDisagree
+from ._arguments import CheckpointMode
 from ._distributed import RemoteStageError
-from ._gpipe import CheckpointMode, GPipe
+from ._gpipe import GPipe
 from ._losses import Losses
 from ._partition import WithDevice
 from ._schedule import (

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-__all__ = ["check_clip_arguments", "combine", "gradient_norms"]
+__all__ = ["check_clip_arguments", "clip_by_norms", "combine", "gradient_norms"]
 
 
 def check_clip_arguments(max_norm: object, norm_type: object, error_if_nonfinite: object) -> None:
@@ -82,4 +82,26 @@ def combine(
             f"norm: {total.item()}), so they cannot be clipped; pass error_if_nonfinite=False "
             "to scale them by it anyway"
         )
+    return total
+
+
+def clip_by_norms(
+    parameters: Iterable[nn.Parameter],
+    norms: Mapping[str, tuple[float, str]],
+    order: Sequence[str],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+) -> torch.Tensor:
+    """Clip the gradients of ``parameters`` by the total norm of every gradient whose
+    ``norms`` are given (see :func:`combine`), as
+    :func:`torch.nn.utils.clip_grads_with_norm_` does; the total norm, on the gradients'
+    device."""
+    parameters = list(parameters)
+    total = combine(norms, order, norm_type, error_if_nonfinite)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if grads:
+        total = total.to(grads[0].device)
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach)
     return total

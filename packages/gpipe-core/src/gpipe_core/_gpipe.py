@@ -1,4 +1,14 @@
-"""The GPipe module: a pipelined, checkpointed wrapper around an ``nn.Sequential``."""
+"""The GPipe module: a pipelined, checkpointed wrapper around an ``nn.Sequential``.
+
+This module owns the API (the constructor, :meth:`~GPipe.forward`, :meth:`~GPipe.step`,
+the :class:`~torch.nn.Module` protocol) and the orchestration of a run: its session, its
+micro-batches and action lists, the partition runs handed to the runner. Every other job is
+a module's, called from here: the argument checks (``_arguments``), the construction
+(``_build``), the run's session on the transport (``_session``), a step's leaves and losses
+(``_step``), the layers under the plain module's names (``_layers``), device moves
+(``_moves``), the gradient norm (``_clip``). Whether the pipeline spans processes it does
+not know beyond what its placement (``_placement.Placement``) answers.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +16,15 @@ import datetime
 import functools
 import warnings
 import weakref
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Literal, NoReturn, cast
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from gpipe_bn import (
-    DeferredBatchNorm,
-    convert_deferred_batch_norm,
-    convert_plain_batch_norm,
     mini_batch,
 )
 from gpipe_checkpoint import is_checkpointing, is_recomputing
@@ -26,91 +32,42 @@ from gpipe_microbatch import (
     Batch,
     Device,
     ThreadState,
-    check_chunks,
-    check_module,
     gather,
     scatter,
 )
-from gpipe_skip import SkipLayout, inspect_skip_layout, verify_skippables
+from gpipe_skip import SkipLayout
 
-from . import _agreement
-from ._agreement import Construction, Fields, RanksDisagree, layer_fields, run_fields
-from ._clip import check_clip_arguments, combine, gradient_norms
-from ._data_parallel import Replicas
-from ._errors import add_note
+from ._agreement import Construction, Fields, run_fields
+from ._arguments import CheckpointMode, check_construction, check_input_device, check_step
+from ._build import build
+from ._clip import check_clip_arguments, clip_by_norms, gradient_norms
 from ._inputs import (
     UNSET,
-    Leaves,
     StepArguments,
     batch_sizes,
-    items,
     positional,
     step_arguments,
-    tensor_of,
-    to_device,
 )
+from ._layers import PlainLayers, named_modules
 from ._losses import Losses, LossFunction, Reduction, from_numbers, to_numbers
-from ._partition import (
-    balance_from_placement,
-    check_balance,
-    check_split,
-    layer_groups,
-    placed_layers,
-    split_module,
-)
+from ._moves import check_cpu, check_cuda, check_to
 from ._partition_run import LossSpec, PartitionRun, nested
 from ._placement import (
     DEFAULT_TIMEOUT,
-    Placement,
-    check_timeout,
     warn_without_process_group,
 )
 from ._runner import run
-from ._schedule import Action, GPipeSchedule, Schedule, get_schedule, step_actions
-from ._sequential import PipeSequential
-from ._shared import SharedReplicas, Ties, find_shared, views
+from ._schedule import Action, GPipeSchedule, Schedule, step_actions
+from ._session import run_session, share_plan
 from ._state_dict import PartitionKeys, map_keys
+from ._step import StepLeaves
 from ._stream import AbstractStream, current_stream, new_stream
-from ._threads import check_intra_op_threads
 from ._timeline import Timeline
 from ._tracing import record, tracer_for
 from ._transport import Cancelled
 from ._worker import WorkerPool
 
 __all__ = ["GPipe"]
-
-CheckpointMode = Literal["always", "except_last", "never"]
-_CHECKPOINT_MODES = ("always", "except_last", "never")
-
-
-def _check_checkpoint(checkpoint: object) -> CheckpointMode:
-    if checkpoint not in _CHECKPOINT_MODES:
-        raise ValueError(
-            "checkpoint must be one of 'always', 'except_last', 'never' "
-            f"(checkpoint: {checkpoint!r})"
-        )
-    return cast(CheckpointMode, checkpoint)
-
-
-def _check_reduction(loss_fn: object, reduction: object) -> Reduction:
-    if reduction is None:
-        reduction = getattr(loss_fn, "reduction", "mean")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(
-                "loss_fn must reduce each micro-batch's loss to a scalar by 'mean' or 'sum' "
-                f"(loss_fn.reduction: {reduction!r})"
-            )
-    elif reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum' (reduction: {reduction!r})")
-    else:
-        declared = getattr(loss_fn, "reduction", reduction)
-        if declared != reduction:
-            # The gradients would be scaled for one reduction and computed with the other.
-            raise ValueError(
-                "reduction must match loss_fn.reduction when loss_fn has one "
-                f"(reduction: {reduction!r}, loss_fn.reduction: {declared!r})"
-            )
-    return "sum" if reduction == "sum" else "mean"
 
 
 class GPipe(nn.Module):
@@ -249,143 +206,37 @@ class GPipe(nn.Module):
             check_group(group)
             construction = Construction(group, pipeline_tag(group))
         try:
-            self._build(
+            checked = check_construction(
                 module, balance, devices, chunks, checkpoint, deferred_batch_norm,
-                group, data_group, timeout, intra_op_threads, construction, placement,
+                group, data_group, timeout, intra_op_threads, placement,
             )  # fmt: skip
+            built = build(
+                module, checked, deferred_batch_norm, group, data_group, construction, placement
+            )
+            self.chunks = built.chunks
+            self.checkpoint = built.checkpoint
+            self.intra_op_threads = built.intra_op_threads
+            self._placement = built.placement
+            self._replicas = built.replicas
+            self._deferred_batch_norm = built.deferred_batch_norm
+            self._unpacks = built.unpacks
+            #: Keeping it is also how gpipe_skip knows that this module pairs its own skips:
+            #: the ``verify_skippables`` of a model this pipeline is nested in leaves them alone.
+            self.skip_layout = built.skip_layout
+            self.partitions = nn.ModuleList(built.partitions)
+            self._layer_names = built.layer_names
+            self._parameter_names = built.parameter_names
+            self._shared = built.shared
+            self._init_runtime()
+            # Checkpoints use the plain module's keys, whatever the balance.
+            map_keys(self, PartitionKeys(self._partition_list(), built.remote_layers))
+            if construction is not None:
+                construction.agree((), built.timeout)  # every rank has built its partitions
+                self._shared.connect()  # the replicas of shared tensors are made equal
         except BaseException as error:
             if construction is not None:
                 construction.failed(error)
             raise
-
-    def _build(
-        self,
-        module: nn.Sequential,
-        balance: Iterable[int] | None,
-        devices: Iterable[Device] | None,
-        chunks: int,
-        checkpoint: CheckpointMode,
-        deferred_batch_norm: bool,
-        group: dist.ProcessGroup | None,
-        data_group: dist.ProcessGroup | None,
-        timeout: float | datetime.timedelta | None,
-        intra_op_threads: int | None,
-        construction: Construction | None,
-        placement_spec: str | Sequence[int] | None = None,
-    ) -> None:
-        """The constructor's work: the checks, which change nothing; across processes the
-        ranks' agreement on what they build; then the partitions."""
-        check_module(module)
-        if not isinstance(deferred_batch_norm, bool):
-            raise TypeError(
-                f"deferred_batch_norm must be True or False (deferred_batch_norm: "
-                f"{deferred_batch_norm!r})"
-            )
-        # The skippable layers as the partitions will hold them: without WithDevice wrappers.
-        verify_skippables(placed_layers(module))
-        self.chunks = check_chunks(chunks)
-        self.checkpoint = _check_checkpoint(checkpoint)
-        seconds = check_timeout(timeout, group if group is not None else data_group)
-        #: The intra-op threads of each worker on the CPU (see ``intra_op_threads``).
-        self.intra_op_threads = check_intra_op_threads(intra_op_threads)
-        if data_group is not None:
-            from ._distributed import check_group
-
-            check_group(data_group, "data_group")
-        if group is not None and balance is None:
-            raise TypeError(
-                "balance must be given with group (balance: None): it says which layers "
-                "each rank runs"
-            )
-        if balance is None and placement_spec is not None:
-            raise TypeError(
-                f"balance must be given with placement (balance: None, placement: "
-                f"{placement_spec!r})"
-            )
-        if balance is None and devices is None:
-            balance, devices = balance_from_placement(module)
-        elif balance is None:
-            raise TypeError(
-                "balance must be given with devices (balance: None, devices: "
-                f"{devices!r}); without both, partitions follow where the layers are"
-            )
-        placement = Placement(
-            check_balance(module, balance), devices, group, seconds, placement_spec
-        )
-        self._placement = placement
-        local = placement.local
-        if data_group is not None and str(dist.get_backend(data_group)) == "nccl":
-            on_host = [str(d) for d in placement.local_devices()]
-            if any(not d.startswith("cuda") for d in on_host):
-                raise ValueError(
-                    "data_group uses NCCL, which averages CUDA tensors only, and this rank's "
-                    f"partitions are not all on CUDA devices (data_group backend: 'nccl', "
-                    f"devices of this rank: {on_host}); use a gloo group, or one of "
-                    "init_process_group('cpu:gloo,cuda:nccl')"
-                )
-        if deferred_batch_norm or construction is not None:
-            # Every check that could refuse the module first: a refused module is unchanged.
-            check_split(module, self.balance, self.devices)
-        # The tensors that layers of several partitions share (tied weights), found before
-        # a rank releases the other ranks' layers.
-        shared = find_shared(layer_groups(module, self.balance))
-        if construction is not None:
-            fields = (
-                ("the module's type", type(module).__qualname__),
-                *layer_fields(placed_layers(module)),
-                ("balance", self.balance),
-                ("chunks", self.chunks),
-                ("checkpoint", self.checkpoint),
-                ("deferred_batch_norm", deferred_batch_norm),
-                ("placement", placement.workers if placement_spec is not None else None),
-                ("the rank of each partition", placement.ranks),
-                ("the uses of each shared parameter or buffer", [s.uses for s in shared]),
-                (
-                    "the device types of each rank's partitions",
-                    sorted({device.type for device in placement.local_devices()}),
-                ),
-            )
-            construction.agree(fields, seconds)
-            # Every rank of the group makes them, here: constructing the pipeline is
-            # collective over the group, as its steps are.
-            placement.connect(construction.tag)
-        self._replicas = Replicas(data_group, seconds)
-        if deferred_batch_norm:
-            convert_deferred_batch_norm(module, self.chunks)  # in place: module is a container
-        # Deferred batch norms, converted here or by hand, see each forward call as one
-        # mini-batch; models without them skip the walk over their modules in forward.
-        self._deferred_batch_norm = any(isinstance(m, DeferredBatchNorm) for m in module.modules())
-        # A PipeSequential's partitions keep its calling convention (tuples unpacked).
-        self._unpacks = isinstance(module, PipeSequential)
-        # From every partition, before a rank releases the others'.
-        #: Which skip connections cross which partitions (see :mod:`gpipe_skip`). Keeping it
-        #: is also how gpipe_skip knows that this module pairs its own skips: the
-        #: ``verify_skippables`` of a model this pipeline is nested in leaves them alone.
-        self.skip_layout = inspect_skip_layout(layer_groups(module, self.balance))
-        #: The names of the layers other ranks run.
-        self._remote_layers = {
-            name
-            for j, layers in enumerate(layer_groups(module, self.balance))
-            if not local[j]
-            for name in layers._modules
-        }
-        partitions = split_module(module, self.balance, self.devices, local)
-        if self._unpacks:
-            partitions = [PipeSequential(OrderedDict(p._modules)) for p in partitions]
-        self.partitions = nn.ModuleList(partitions)
-        self._init_runtime()
-        # Checkpoints use the plain module's keys, whatever the balance.
-        map_keys(self, PartitionKeys(self._partition_list(), self._remote_layers))
-        #: The layers' names, in the plain module's order.
-        self._layer_names = list(module._modules)
-        #: The parameters' names, in the plain module's order (each shared one once).
-        self._parameter_names = [name for name, _ in placed_layers(module).named_parameters()]
-        self._shared = SharedReplicas(shared, placement.ranks, partitions, group, seconds)
-        # Partitions on other devices than a shared parameter's use a copy tied to it.
-        Ties(shared, partitions, self.devices)
-        if construction is not None:
-            construction.agree((), seconds)  # every rank has built its partitions
-            self._shared.connect()  # the replicas of shared tensors are made equal
 
     def _init_runtime(self) -> None:
         """The state that is not copied or pickled: copy streams and worker threads (the
@@ -445,6 +296,9 @@ class GPipe(nn.Module):
     def _partition_list(self) -> list[nn.Sequential]:
         return cast(list[nn.Sequential], list(self.partitions))
 
+    def _layers(self) -> PlainLayers:
+        return PlainLayers(self._partition_list(), self.__dict__.get("_shared"))
+
     def unwrap(self) -> nn.Sequential:
         """The layers as one :class:`~torch.nn.Sequential`, in order, under their names.
 
@@ -468,26 +322,9 @@ class GPipe(nn.Module):
             >>> torch.equal(plain(x), pipe(x)), list(plain.state_dict()) == list(pipe.state_dict())
             (True, True)
         """
-        kind = PipeSequential if self._unpacks else nn.Sequential
-        return kind(
-            OrderedDict(
-                (name, convert_plain_batch_norm(layer))
-                for partition in self._partition_list()
-                for name, layer in partition._modules.items()
-                if layer is not None
-            )
-        )
+        return self._layers().unwrap(self._unpacks)
 
     # -- names: the plain module's ---------------------------------------------------
-
-    def _plain_children(self) -> dict[str, nn.Module]:
-        """This process's layers under their names in the plain module, in its order."""
-        return {
-            name: layer
-            for partition in self._partition_list()
-            for name, layer in partition._modules.items()
-            if layer is not None
-        }
 
     def named_children(self) -> Iterator[tuple[str, nn.Module]]:
         """The layers of this process's partitions under their names in the plain
@@ -502,35 +339,14 @@ class GPipe(nn.Module):
         in the plain module (``0.weight``): a module standing for that layer holds it
         alone, so that an optimizer's state for it has the plain module's key.
         """
-        children = {**self._plain_children(), **self._replica_views()}
-        for name in self._layer_names:
-            if name in children:
-                yield name, children[name]
-
-    def _replica_views(self) -> dict[str, nn.Module]:
-        """The replicas of shared tensors whose owner's layer another rank runs, under the
-        owner's name (see :meth:`named_children`)."""
-        shared = self.__dict__.get("_shared")
-        if shared is None or not shared.foreign:
-            return {}
-        return views(shared.replicas, set(self._plain_children()))
+        yield from self._layers().named_children(self._layer_names)
 
     def named_modules(
         self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Module]]:
         """The pipeline, then its layers and theirs under the plain module's names (see
         :meth:`named_children`)."""
-        if memo is None:
-            memo = set()
-        if self in memo:
-            return
-        if remove_duplicate:
-            memo.add(self)
-        yield prefix, self
-        for name, layer in self.named_children():
-            yield from layer.named_modules(
-                memo, f"{prefix}.{name}" if prefix else name, remove_duplicate
-            )
+        yield from named_modules(self, self.named_children(), memo, prefix, remove_duplicate)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -539,7 +355,7 @@ class GPipe(nn.Module):
             # A layer under its plain name, as on the plain module (``pipe.get_submodule('3')``).
             modules = self.__dict__.get("_modules", {})
             if "partitions" in modules and not name.startswith("_"):
-                layer = self._plain_children().get(name, self._replica_views().get(name))
+                layer = self._layers().get(name)
                 if layer is not None:
                     return layer
             raise error
@@ -555,43 +371,15 @@ class GPipe(nn.Module):
         return self
 
     def __len__(self) -> int:
-        return sum(len(partition) for partition in self._partition_list())
+        return len(self._layers())
 
     def __iter__(self) -> Iterator[nn.Module]:
-        for partition in self._partition_list():
-            yield from partition
+        return iter(self._layers())
 
     def __getitem__(self, index: int) -> nn.Module:
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(f"index must be an int (index: {index!r})")
-        size = len(self)
-        position = index + size if index < 0 else index
-        if not 0 <= position < size:
-            raise IndexError(f"layer index out of range (index: {index}, layers: {size})")
-        for partition in self._partition_list():
-            if position < len(partition):
-                return partition[position]
-            position -= len(partition)
-        raise AssertionError("unreachable")
+        return self._layers()[index]
 
     # -- placement is fixed by ``devices`` -------------------------------------------
-
-    def _refuse_move(self, how: str, device: object) -> NoReturn:
-        raise TypeError(
-            f"{how} would move every partition to one device; GPipe places partitions on "
-            f"the devices given at construction (devices: {[str(d) for d in self.devices]}, "
-            f"device: {device!r})"
-        )
-
-    def _stays(self, device: torch.device) -> bool:
-        """Whether every partition of this process is on ``device`` already (a CUDA device
-        without an index meaning the current one): then moving there moves nothing."""
-        if str(device) == "cuda":  # no index
-            if not torch.cuda.is_available():
-                return False
-            device = torch.device("cuda", torch.cuda.current_device())
-        mine = self._placement.local_devices()
-        return bool(mine) and all(d == device for d in mine)
 
     def cuda(self, device: Any = None) -> GPipe:
         """Nothing to do when every partition is on that CUDA device already; otherwise
@@ -600,14 +388,7 @@ class GPipe(nn.Module):
         Raises:
             TypeError: a partition is on another device.
         """
-        if device is None:
-            target = torch.device("cuda")
-        elif isinstance(device, int):
-            target = torch.device("cuda", device)
-        else:
-            target = torch.device(device)
-        if not self._stays(target):
-            self._refuse_move(".cuda()", device)
+        check_cuda(device, self._placement.local_devices(), self.devices)
         return self
 
     def cpu(self) -> GPipe:
@@ -617,8 +398,7 @@ class GPipe(nn.Module):
         Raises:
             TypeError: a partition is on another device.
         """
-        if not self._stays(torch.device("cpu")):
-            self._refuse_move(".cpu()", "cpu")
+        check_cpu(self._placement.local_devices(), self.devices)
         return self
 
     def to(self, *args: Any, **kwargs: Any) -> GPipe:
@@ -629,19 +409,8 @@ class GPipe(nn.Module):
             TypeError: the arguments name a device (or a tensor, which has one) that a
                 partition is not on.
         """
-        # A device index is a CUDA device, resolved here: without an accelerator torch
-        # would raise its own error for it.
-        index = kwargs.get("device", args[0] if args else None)
-        if isinstance(index, int) and not isinstance(index, bool):
-            if not self._stays(torch.device("cuda", index)):
-                self._refuse_move(".to(device)", index)
-            rest = args[1:] if args and args[0] is index else args
-            kwargs = {k: v for k, v in kwargs.items() if k != "device"}
-            return super().to(*rest, **kwargs) if rest or kwargs else self
-        device: torch.device | None = torch._C._nn._parse_to(*args, **kwargs)[0]
-        if device is not None and not self._stays(device):
-            self._refuse_move(".to(device)", device)
-        return super().to(*args, **kwargs)
+        rest = check_to(args, kwargs, self._placement.local_devices(), self.devices)
+        return super().to(*rest[0], **rest[1]) if rest is not None else self
 
     # -- forward ---------------------------------------------------------------------
 
@@ -651,19 +420,6 @@ class GPipe(nn.Module):
             while len(streams) < chunks:
                 streams.append(new_stream(device))
         return self._copy_streams
-
-    def _check_input_device(self, value: object, what: str) -> None:
-        if not self.devices:
-            return  # an empty pipeline takes its input where it is
-        expected = self.devices[0]
-        for index, item in enumerate(items(value)):
-            tensor = tensor_of(item)
-            if tensor is not None and tensor.device != expected:
-                where = f"{what}[{index}]" if isinstance(value, tuple) else what
-                raise ValueError(
-                    f"{where} must be on the first partition's device "
-                    f"(devices[0]: {expected}, {where}: {tensor.device})"
-                )
 
     def forward(self, *inputs: Any) -> Any:
         """Run a mini-batch through the pipeline, as the wrapped module would run it.
@@ -716,7 +472,7 @@ class GPipe(nn.Module):
             >>> model(x, NoChunk(mask), 0.5).shape  # the mask is not split, nor the scale
             torch.Size([4, 2])
         """
-        with self._session():
+        with run_session(self._placement, self._pool):
             # Inside the run, so that the other ranks learn of the refusal at once.
             if self._placement.spans_processes and self.training and torch.is_grad_enabled():
                 raise RuntimeError(
@@ -732,14 +488,15 @@ class GPipe(nn.Module):
         value: object = None
         unpack, what = False, "input"
         fields = run_fields("forward", training=self.training)
-        if self._placement.is_local(0):
+        first, last = self._placement.is_local(0), self._placement.is_local(-1)
+        if first:
             value, unpack, what = positional(inputs)
-            self._check_input_device(value, what)
+            check_input_device(value, what, self.devices)
             if not n:
                 scatter(value, self.chunks, what=what)  # the same checks
                 # An empty nn.Sequential is the identity (on what the first layer would see).
                 return scatter(value, 1, what=what)[0].value
-        batches, sizes = self._microbatches(value, what, fields)
+        batches, sizes = self._microbatches(value, what, fields, first=first)
         m = len(sizes)
         actions = step_actions(GPipeSchedule(), m, n, False, self._placement.workers)
         # In eval mode the output still has a graph (when grad mode is on); nothing is
@@ -753,7 +510,7 @@ class GPipe(nn.Module):
                 unpack_input=unpack,
             ),
         )  # fmt: skip
-        if not self._placement.is_local(-1):
+        if not last:
             return None  # the output is on the last partition's rank
         for i, output in enumerate(outputs):
             for tensor in output:
@@ -765,49 +522,16 @@ class GPipe(nn.Module):
         return gather(outputs)
 
     def _microbatches(
-        self, value: object, what: str, fields: Fields
+        self, value: object, what: str, fields: Fields, *, first: bool
     ) -> tuple[list[Batch], list[int]]:
         """The micro-batches of ``value`` (named ``what`` in errors) and their sizes, on
-        the first partition's rank; on other ranks, no micro-batches, and their sizes from
-        that rank. Across processes, the run's ``fields`` go with the sizes, and the other
-        ranks check that theirs are the same (see :mod:`gpipe_core._agreement`)."""
-        transport = self._placement.transport()
-        if self._placement.is_local(0):
-            batches = scatter(value, self.chunks, what=what)
-            sizes = batch_sizes(value, batches)
-            transport.send_plan((sizes,), fields if _agreement.CHECK_RUNS else ())
-            return batches, sizes
-        (sizes,) = transport.receive_plan(fields if _agreement.CHECK_RUNS else ())
-        return [], list(sizes)
-
-    @contextmanager
-    def _session(self) -> Iterator[_Session]:
-        """A run, begun and ended on the transport (across processes: on every rank).
-
-        One run at a time (see :class:`~gpipe_core._transport.RunLock`). Across processes,
-        the ``with`` block's error is told to the other ranks, which raise a
-        :class:`RemoteStageError` naming this rank; if another rank fails, the block's
-        waits end and the ``with`` statement raises that error; ranks called with
-        different run fields all raise the same :class:`RanksDisagree`.
-        """
-        self._pool.refuse_reentry()
-        transport = self._placement.transport()
-        transport.begin()
-        session = _Session()
-        try:
-            yield session
-        except Cancelled:
-            transport.finish(None)  # raises the failing rank's error
-            raise RuntimeError("the run was cancelled on this rank") from None
-        except BaseException as error:
-            try:
-                transport.finish(error)
-            except RanksDisagree as disagreement:
-                raise disagreement from None  # the same error on every rank
-            except Exception as also:  # the local error stays the one raised
-                add_note(error, f"(ending the run on the other ranks failed too: {also})")
-            raise
-        session.payloads = transport.finish(None, session.payload)
+        the first partition's rank (``first``); on other ranks, no micro-batches, and their
+        sizes from that rank, which sends them with the run's ``fields`` (see
+        :func:`~gpipe_core._session.share_plan`)."""
+        batches = scatter(value, self.chunks, what=what) if first else []
+        plan = (batch_sizes(value, batches),) if first else None
+        (sizes,) = share_plan(self._placement, plan, fields)
+        return batches, list(sizes)
 
     def _checkpoint_stop(self, m: int) -> int:
         """How many of ``m`` micro-batches are checkpointed in training."""
@@ -906,10 +630,8 @@ class GPipe(nn.Module):
         In eval mode, or under :func:`torch.no_grad`, the step runs the forward passes and
         losses only, without autograd history.
 
-        Each micro-batch has its own backward pass, so hooks that fire once per backward
-        pass of the plain model (``register_post_accumulate_grad_hook``, and with it the
-        "optimizer step in backward" recipe) fire once per micro-batch: step the optimizer
-        after the step returns.
+        Hooks that fire once per backward pass of the plain model fire once per
+        micro-batch: step the optimizer after the step returns (see :doc:`/guide`).
 
         If any action raises, every worker stops after its current action and the step
         raises that first exception, with its traceback. Gradients of the micro-batches
@@ -924,13 +646,10 @@ class GPipe(nn.Module):
         others raise :class:`~gpipe_core.RemoteStageError`). With ``data_group``, the
         gradients are then averaged over the replicas (see :doc:`/distributed`).
 
-        The step takes its input as :meth:`forward` does: ``model.step(a, b,
-        target=y, loss_fn=f)`` calls the first layer as ``layer(a, b)``, like
-        ``model(a, b)``, and a tuple passed alone is one value. For one input,
-        ``model.step(x, y, f)`` is the same as ``model.step(x, target=y, loss_fn=f)``.
-        The input's tensors are split into micro-batches, and a
-        :class:`~gpipe_microbatch.NoChunk` tensor or a value that is not a tensor is passed
-        whole to every micro-batch, as in :meth:`forward`; ``target`` is split alike.
+        The step takes its input as :meth:`forward` does (``model.step(a, b, target=y,
+        loss_fn=f)`` calls the first layer as ``layer(a, b)``), and splits ``target``
+        alike; for one input, ``model.step(x, y, f)`` is short for ``model.step(x,
+        target=y, loss_fn=f)``.
 
         Args:
             inputs: the first layer's positional arguments, at least one of them holding a
@@ -1003,7 +722,7 @@ class GPipe(nn.Module):
         backward = self.training and torch.is_grad_enabled()
         before = self._shared.gradients() if backward else None
         with self._replicas.averaging(self.parameters):
-            with self._session() as session:
+            with run_session(self._placement, self._pool) as session:
                 arguments = step_arguments(inputs, target, loss_fn, unpack_input)
                 losses = self._step(arguments, schedule, reduction)
                 if losses is not None:
@@ -1025,23 +744,9 @@ class GPipe(nn.Module):
         None elsewhere."""
         n = len(self.partitions)
         first, last = self._placement.is_local(0), self._placement.is_local(-1)
-        input, target, loss_fn = arguments.input, arguments.target, arguments.loss_fn
-        if first and arguments.unpack and not isinstance(input, tuple):
-            raise TypeError(
-                "unpack_input=True takes a tuple of the first layer's positional arguments "
-                f"(input: {type(input).__name__})"
-            )
-        if first:
-            self._check_input_device(input, arguments.what)
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable (loss_fn: {type(loss_fn).__name__})")
-        reduction = _check_reduction(loss_fn, reduction)
-        plan = get_schedule(schedule)
-        if is_checkpointing() or is_recomputing():
-            raise RuntimeError(
-                "GPipe.step cannot run inside a checkpointed or recomputed function "
-                f"(checkpointing: {is_checkpointing()}, recomputing: {is_recomputing()})"
-            )
+        plan, reduction, loss_fn = check_step(
+            arguments, schedule, reduction, self.devices, first=first
+        )
         backward = self.training and torch.is_grad_enabled()
         fields = run_fields(
             "step",
@@ -1050,39 +755,15 @@ class GPipe(nn.Module):
             unpack_input=arguments.unpack_input,
             training=self.training,
         )
-        input_leaves = Leaves(input, backward) if first else None
-        batches, sizes = self._microbatches(
-            input_leaves.value if input_leaves else None, arguments.what, fields
-        )
-        losses: LossSpec | None = None
-        target_leaves: Leaves | None = None
+        leaves = StepLeaves(arguments, backward, first=first)
+        batches, sizes = self._microbatches(leaves.input, arguments.what, fields, first=first)
+        losses = None
         if last:
-            target_leaves = Leaves(target, backward)
-            targets = scatter(target_leaves.value, self.chunks, what="target")
-            target_sizes = batch_sizes(target_leaves.value, targets)
-            if sizes != target_sizes:
-                raise ValueError(
-                    "target must have the input's batch size "
-                    f"(input: {sum(sizes)}, target: {sum(target_sizes)})"
-                )
-            if self.devices:
-                device = self.devices[-1]
-                targets = [
-                    batch if all(t.device == device for t in batch) else to_device(batch, device)
-                    for batch in targets
-                ]
-            total = sum(sizes)
-            scales = [size / total if reduction == "mean" and total else 1.0 for size in sizes]
-            losses = LossSpec(loss_fn, targets, scales, backward)
+            device = self.devices[-1] if self.devices else None
+            losses = leaves.losses(arguments.target, sizes, self.chunks, device, loss_fn, reduction)
         m = len(sizes)
         if n == 0:
-            # An empty nn.Sequential is the identity: the losses of the input itself.
-            assert losses is not None and input_leaves is not None and target_leaves is not None
-            with torch.set_grad_enabled(backward):
-                for i, batch in enumerate(batches):
-                    loss = losses(i, batch)
-                    if backward:
-                        torch.autograd.backward(loss, losses.seed(i, loss))
+            leaves.identity(batches)
         else:
             actions = step_actions(plan, m, n, backward, self._placement.workers)
             with torch.set_grad_enabled(backward):
@@ -1092,13 +773,7 @@ class GPipe(nn.Module):
                 batches, actions, backward, checkpoint_stop,
                 autograd_backward=False, loss=losses, state=state, unpack_input=arguments.unpack,
             )  # fmt: skip
-        if input_leaves is not None:
-            input_leaves.backward()
-        if target_leaves is not None:
-            target_leaves.backward()
-        if losses is None:
-            return None
-        return Losses(cast(list[torch.Tensor], losses.losses), sizes, reduction)
+        return leaves.end(sizes, reduction)
 
     def clip_grad_norm_(
         self,
@@ -1162,17 +837,15 @@ class GPipe(nn.Module):
         counted = (
             (name, p) for name, p in self.named_parameters() if name not in self._shared.foreign
         )
-        with self._session() as session:
-            self._agree(fields)
+        with run_session(self._placement, self._pool) as session:
+            share_plan(self._placement, (), fields)
             session.payload = norms = gradient_norms(counted, float(norm_type), foreach)
         for theirs in session.payloads.values():
             norms.update(theirs)
-        total = combine(norms, self._parameter_names, float(norm_type), error_if_nonfinite)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads:
-            total = total.to(grads[0].device)
-        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, total, foreach)
-        return total
+        return clip_by_norms(
+            self.parameters(), norms, self._parameter_names,
+            max_norm, float(norm_type), error_if_nonfinite, foreach,
+        )  # fmt: skip
 
     def shared_drift(self) -> dict[str, float]:
         """How far the replicas of each shared (tied) parameter or buffer that this process
@@ -1194,16 +867,6 @@ class GPipe(nn.Module):
             {}
         """
         return self._shared.drift()
-
-    def _agree(self, fields: Fields) -> None:
-        """Across processes, the first partition's rank gives every other rank its run
-        ``fields``, and each checks that its own are the same (see
-        :meth:`_microbatches`)."""
-        transport = self._placement.transport()
-        if self._placement.is_local(0):
-            transport.send_plan((), fields if _agreement.CHECK_RUNS else ())
-        else:
-            transport.receive_plan(fields if _agreement.CHECK_RUNS else ())
 
     def trace(self) -> AbstractContextManager[Timeline]:
         """Record the pipeline's tasks while the ``with`` block runs.
@@ -1233,13 +896,3 @@ class GPipe(nn.Module):
             f"balance={self.balance}, devices={devices}, chunks={self.chunks}, "
             f"checkpoint={self.checkpoint!r}"
         )
-
-
-class _Session:
-    """What a run across processes gives every rank: each rank's payload."""
-
-    def __init__(self) -> None:
-        #: What this rank gives the others when the run ends.
-        self.payload: object = None
-        #: What each other rank gave.
-        self.payloads: dict[int, Any] = {}
