@@ -24,38 +24,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpipe_bn import (
-    mini_batch,
-)
+from gpipe_bn import mini_batch
 from gpipe_checkpoint import is_checkpointing, is_recomputing
-from gpipe_microbatch import (
-    Batch,
-    Device,
-    ThreadState,
-    gather,
-    scatter,
-)
+from gpipe_microbatch import Batch, Device, ThreadState, gather, scatter
 from gpipe_skip import SkipLayout
 
 from ._agreement import Construction, Fields, run_fields
 from ._arguments import CheckpointMode, check_construction, check_input_device, check_step
 from ._build import build
 from ._clip import check_clip_arguments, clip_by_norms, gradient_norms
-from ._inputs import (
-    UNSET,
-    StepArguments,
-    batch_sizes,
-    positional,
-    step_arguments,
-)
+from ._inputs import UNSET, StepArguments, batch_sizes, positional, step_arguments
 from ._layers import PlainLayers, named_modules
 from ._losses import Losses, LossFunction, Reduction, from_numbers, to_numbers
 from ._moves import check_cpu, check_cuda, check_to
 from ._partition_run import LossSpec, PartitionRun, nested
-from ._placement import (
-    DEFAULT_TIMEOUT,
-    warn_without_process_group,
-)
+from ._placement import DEFAULT_TIMEOUT, warn_without_process_group
 from ._runner import run
 from ._schedule import Action, GPipeSchedule, Schedule, step_actions
 from ._session import run_session, share_plan
