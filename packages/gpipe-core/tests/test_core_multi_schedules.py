@@ -53,7 +53,7 @@ def peak_held(actions: list[Action]) -> int:
 def refused(name: str, m: int, n: int, workers: int) -> bool:
     """Whether ``name`` refuses ``m`` micro-batches on ``n`` partitions in a loop over
     ``workers``: interleaved rounds with a shorter last one."""
-    return name == "interleaved-1f1b" and n > workers and m > workers and m % workers > 0
+    return name in ("interleaved-1f1b", "zb-h1") and n > workers and m > workers and m % workers > 0
 
 
 # -- the action lists ----------------------------------------------------------------------
@@ -87,10 +87,16 @@ def test_every_schedule_gives_valid_lists_on_its_placements(
         split = {a.kind for a in actions} & {"input", "weight"}
         assert bool(split) == name.startswith("zb")
     if name.startswith("zb"):
-        # 1F1B's memory: no worker holds more partition micro-batches than there are
-        # partitions (1F1B's first worker: its share of the layers for each worker's
-        # micro-batch).
-        assert max(peak_held(actions) for actions in lists) <= n
+        # zbv: 1F1B's memory, no worker holding more partition micro-batches than there
+        # are partitions (1F1B's first worker: its share of the layers for each worker's
+        # micro-batch); zb-h1: what its interleaved order holds (1F1B's on one partition
+        # per worker).
+        bound = n if name == "zbv" else peak_held(
+            [Action("backward" if a.kind == "input" else a.kind, a.microbatch)
+             for a in get_schedule("interleaved-1f1b").worker_actions(m, n, placement)[0]
+             if a.kind != "weight"]
+        )  # fmt: skip
+        assert max(peak_held(actions) for actions in lists) <= bound
 
 
 @pytest.mark.parametrize(("name", "kind"), [("zb-h1", "loop"), ("zbv", "v")])
@@ -108,7 +114,39 @@ def test_zero_bubble_lists_reach_the_lower_bound(
     lists = get_schedule(name).worker_actions(m, n, placement)
     rows = simulate(lists, UNIT, placement=placement)
     assert len(rows[0]) == 6 * m + workers - 1
-    assert max(peak_held(actions) for actions in lists) <= n
+
+
+#: Forward pass, input gradient and weight gradient times other than equal ones.
+TIMES = [
+    {"forward": 2, "input": 3, "weight": 2},
+    {"forward": 2, "input": 2, "weight": 1},
+    {"forward": 3, "input": 4, "weight": 2},
+    {"forward": 2, "input": 3, "weight": 3},
+    {"forward": 1, "input": 1, "weight": 2},
+]
+
+
+@pytest.mark.parametrize("durations", TIMES, ids=lambda d: "-".join(map(str, d.values())))
+@pytest.mark.parametrize("workers", [2, 3, 4])
+@pytest.mark.parametrize("rounds", [1, 2, 4])
+def test_split_schedules_stay_ahead_when_times_differ(
+    durations: dict[str, int], workers: int, rounds: int
+) -> None:
+    """The lists are made in unit time; where F, I and W take other times, zb-h1 and zbv
+    still finish no later than interleaved 1F1B on the same workers (their weight
+    gradients fill what the order leaves, rather than taking turns in it: lists built
+    greedily in unit time were up to 25% slower than interleaved 1F1B here)."""
+    m, n = rounds * workers, 2 * workers
+    units = {**durations, "backward": durations["input"] + durations["weight"]}
+    loop, v = place_partitions("loop", n, workers), place_partitions("v", n, workers)
+
+    def makespan(name: str, placement: list[int]) -> int:
+        lists = get_schedule(name).worker_actions(m, n, placement)
+        return len(simulate(lists, units, placement=placement)[0])
+
+    interleaved = makespan("interleaved-1f1b", loop)
+    assert makespan("zb-h1", loop) <= interleaved
+    assert makespan("zbv", v) <= interleaved
 
 
 def test_bubbles_are_ordered_as_the_analysis_says() -> None:
@@ -207,22 +245,7 @@ def test_schedules_refuse_placements_they_cannot_run(
 LOOP4 = [0, 1, 2, 3, 0, 1, 2, 3]
 
 
-def test_zb_h1_takes_any_number_of_micro_batches() -> None:
-    """Its lists are built in unit time, not in interleaved rounds: a shorter last round
-    is no deadlock, and the step is no longer than interleaved 1F1B's of the next
-    multiple of the workers."""
-    schedule = get_schedule("zb-h1")
-    for m in (5, 6, 7, 9):
-        lists = schedule.worker_actions(m, 8, LOOP4)
-        check_actions(lists, m, placement=LOOP4)
-        assert max(peak_held(actions) for actions in lists) <= 8
-        longer = get_schedule("interleaved-1f1b").worker_actions(4 * (m // 4 + 1), 8, LOOP4)
-        assert len(simulate(lists, UNIT, placement=LOOP4)[0]) < len(
-            simulate(longer, UNIT, placement=LOOP4)[0]
-        )
-
-
-@pytest.mark.parametrize("name", ["interleaved-1f1b"])
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "zb-h1"])
 def test_interleaved_rounds_refuse_a_shorter_last_round(name: str) -> None:
     """Several partitions per worker: m a multiple of the workers or at most them; one
     partition per worker (1F1B's order) takes any m."""
@@ -246,9 +269,9 @@ def test_step_refuses_a_shorter_last_round_before_anything_runs() -> None:
     # A batch of 6 in 4 chunks: 3 micro-batches of 2, on 2 workers.
     x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
     with pytest.raises(ScheduleError, match=r"\(micro-batches: 3, workers: 2, partitions: 4"):
-        pipe.step(x, y, nn.MSELoss(), schedule="interleaved-1f1b")
+        pipe.step(x, y, nn.MSELoss(), schedule="zb-h1")
     assert all(p.grad is None for p in pipe.parameters())
-    pipe.step(x, y, nn.MSELoss(), schedule="zb-h1")  # runs
+    pipe.step(x, y, nn.MSELoss(), schedule="1f1b")  # runs
 
 
 def test_every_built_in_schedule_takes_fewer_micro_batches_than_partitions() -> None:

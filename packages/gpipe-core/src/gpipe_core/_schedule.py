@@ -461,17 +461,16 @@ class ZeroBubbleH1Schedule(Schedule):
     backward pass split into its input gradient, sent upstream at once, and its weight
     gradient, run later where the worker would otherwise wait.
 
-    With one partition per worker, each worker runs its forward passes and input
-    gradients in 1F1B's order, and a weight gradient whenever its next action is not ready
-    yet, or before a forward pass that would hold more micro-batches than 1F1B's first
-    partition; with forward, input and weight gradients of equal times, the bubble is a
-    third of 1F1B's. With several partitions per worker, the lists are built in unit time:
-    each worker runs a ready input gradient first (the later partition's), else a ready
-    forward pass (the later partition's) unless it would then hold more partition
-    micro-batches than there are partitions (1F1B's memory), else its oldest ready weight
-    gradient; with equal times they reach the lower bound ``6 m + W - 1`` on two
-    partitions per worker. Any number of micro-batches runs (interleaved 1F1B's rounds
-    need a multiple of the workers).
+    Each worker runs its forward passes and input gradients in interleaved 1F1B's order
+    (1F1B's, with one partition per worker), and a weight gradient whenever its next action
+    is not ready yet (in unit time), or before a forward pass that would hold more
+    partition micro-batches than that order does at most. With one partition per worker
+    that is 1F1B's memory, and with forward, input and weight gradients of equal times the
+    bubble is a third of 1F1B's; with several, it is interleaved 1F1B's memory (its warm-up
+    holds more than 1F1B's: the V placement of :class:`ZeroBubbleVSchedule` keeps to
+    1F1B's), and the number of micro-batches must be a multiple of the workers or at most
+    them, as interleaved 1F1B's. The weight gradients only fill what the order leaves, so
+    the lists stay good when the three kinds of action take different times.
 
     Example:
         >>> print(ZeroBubbleH1Schedule().grid(4, 2))
@@ -490,12 +489,9 @@ class ZeroBubbleH1Schedule(Schedule):
     ) -> list[list[Action]]:
         _check_sizes(microbatches=microbatches, partitions=partitions)
         chunks = _loop_chunks(self.name, partitions, placement)
-        workers = place_partitions(placement, partitions)
-        if chunks == 1:
-            return _fill_weights(_interleaved(microbatches, partitions, 1, split=True), workers)
-        # The later partition's input gradient first: the gradient then reaches the
-        # worker's earlier partitions, whose own wait on the other workers.
-        return _greedy(microbatches, partitions, workers, lambda a: (-_index(a), a.microbatch))
+        _check_rounds(self.name, microbatches, partitions, chunks)
+        base = _interleaved(microbatches, partitions, chunks, split=True)
+        return _fill_weights(base, place_partitions(placement, partitions))
 
 
 class ZeroBubbleVSchedule(Schedule):
@@ -503,17 +499,20 @@ class ZeroBubbleVSchedule(Schedule):
     and ``2W - 1 - j`` on worker ``j``), backward passes split into input and weight
     gradients.
 
-    Built in unit time: each worker runs a ready input gradient first (the oldest
-    micro-batch's, the later partition's of two), else a ready forward pass (the later
-    partition's) unless it would hold more than ``2W`` partition micro-batches (1F1B's
-    memory: ``W`` micro-batches of partitions half as large), else its oldest ready weight
-    gradient. The last partition is on the first worker, so the loss is where the input
-    is; with forward, input and weight gradients of equal times the lists take the lower
-    bound, ``6 m + W - 1`` units (the last worker starts after ``W - 1``).
+    Each worker runs its forward passes and input gradients in 1F1B's order over the V:
+    forward passes of its first partition to fill the way down and up (``2 (W - w) - 1``
+    on worker ``w``), then of both partitions in turn, then in the steady state a forward
+    pass and an input gradient of each partition in turn; the weight gradients fill what
+    that order leaves idle (in unit time), and run before a forward pass that would hold
+    more than ``2W`` partition micro-batches (1F1B's memory: ``W`` micro-batches of
+    partitions half as large). The last partition is on the first worker, so the loss is
+    where the input is; with forward, input and weight gradients of equal times the lists
+    take the lower bound, ``6 m + W - 1`` units (the last worker starts after ``W - 1``),
+    and they stay good when the three kinds of action take different times.
 
     Example:
         >>> print(ZeroBubbleVSchedule().grid(2, 2, placement="v", workers=1))
-        w0: 0F0 1F0 1I0 0I0 1W0 0F1 0W0 1F1 1I1 0I1 1W1 0W1
+        w0: 0F0 1F0 1I0 1W0 0F1 0I0 0W0 1F1 1I1 0I1 1W1 0W1
         >>> round(ZeroBubbleVSchedule().bubble(16, 4, placement="v", workers=2), 2)
         0.01
     """
@@ -535,8 +534,7 @@ class ZeroBubbleVSchedule(Schedule):
                 f"(partitions j and 2 * workers - 1 - j on worker j) (placement: {workers}, "
                 f"partitions: {partitions}, workers: {count})"
             )
-        # The oldest micro-batch's input gradient first (the later partition's of two).
-        return _greedy(microbatches, partitions, workers, lambda a: (a.microbatch, -_index(a)))
+        return _fill_weights(_v_order(microbatches, count), workers, cap=partitions)
 
 
 def _check_sizes(**sizes: object) -> None:
@@ -939,17 +937,21 @@ def _merge(per_partition: Sequence[Sequence[Action]], workers: Sequence[int]) ->
     return _generate(len(workers), workers, pending, choose)
 
 
-def _fill_weights(base: Sequence[Sequence[Action]], workers: Sequence[int]) -> list[list[Action]]:
+def _fill_weights(
+    base: Sequence[Sequence[Action]], workers: Sequence[int], cap: int | None = None
+) -> list[list[Action]]:
     """``base`` (per worker: forward passes and input gradients) with the weight gradients
     placed: each worker runs its next base action when ready, unless it is a forward pass
-    that would hold more micro-batches than the base list does at most (forward pass run,
-    input gradient not yet); else its oldest pending weight gradient; else it waits."""
-    cap = 0
-    for actions in base:
-        live = 0
-        for action in actions:
-            live += 1 if action.kind == "forward" else -1
-            cap = max(cap, live)
+    that would hold more than ``cap`` micro-batches (forward pass run, weight gradient
+    not yet; default: the most the base list holds, forward pass run, input gradient
+    not yet); else its oldest pending weight gradient; else it waits."""
+    if cap is None:
+        cap = 0
+        for actions in base:
+            live = 0
+            for action in actions:
+                live += 1 if action.kind == "forward" else -1
+                cap = max(cap, live)
     heads = [0] * len(base)
     held = [0] * len(base)  # forward passes run whose weight gradient has not
     weights: list[list[Action]] = [[] for _ in base]
@@ -980,56 +982,47 @@ def _fill_weights(base: Sequence[Sequence[Action]], workers: Sequence[int]) -> l
     return _generate(len(workers), workers, pending, choose)
 
 
-def _index(action: Action) -> int:
-    """The partition of a resolved action (every action of a generated list names one)."""
-    assert action.partition is not None
-    return action.partition
+def _v_order(microbatches: int, workers: int) -> list[list[Action]]:
+    """ZB-V's forward passes and input gradients, per worker of a V placement (partitions
+    ``w`` and ``2W - 1 - w`` on worker ``w``), in the order :class:`ZeroBubbleVSchedule`
+    describes; its weight gradients are left to :func:`_fill_weights`."""
+    return [_v_worker(microbatches, workers, w) for w in range(workers)]
 
 
-def _greedy(
-    microbatches: int,
-    partitions: int,
-    workers: Sequence[int],
-    input_order: Callable[[Action], tuple[int, int]],
-) -> list[list[Action]]:
-    """Split-backward lists of several partitions per worker, built in unit time: each
-    worker runs a ready input gradient first (the least by ``input_order``), else a ready
-    forward pass (the later partition first) unless it would hold more partition
-    micro-batches than there are partitions (forward pass run, weight gradient not yet:
-    1F1B's memory, ``W`` micro-batches of the worker's share of the layers), else its
-    oldest weight gradient that is ready, else it waits."""
-    cap = partitions
-    held = [0] * (max(workers) + 1)
-    waiting: list[list[Action]] = [[] for _ in held]
+def _v_worker(m: int, workers: int, w: int) -> list[Action]:
+    """Worker ``w``'s forward passes and input gradients (see :func:`_v_order`)."""
+    partitions = (w, 2 * workers - 1 - w)  # on the way down, on the way up
+    forwards, inputs = [0, 0], [0, 0]  # how many have run, down and up
+    actions: list[Action] = []
 
-    def choose(w: int, ready: list[Action]) -> Action | None:
-        inputs = [a for a in ready if a.kind == "input"]
-        if inputs:
-            pick = min(inputs, key=input_order)
-            waiting[w].append(Action("weight", pick.microbatch, pick.partition))
-            return pick
-        forwards = [a for a in ready if a.kind == "forward"]
-        if forwards and held[w] < cap:
-            held[w] += 1
-            return min(forwards, key=lambda a: (-_index(a), a.microbatch))
-        for weight in waiting[w]:
-            if weight in ready:
-                waiting[w].remove(weight)
-                held[w] -= 1
-                return weight
-        return None
+    def run(kind: ActionKind, side: int) -> None:
+        done = forwards if kind == "forward" else inputs
+        actions.append(Action(kind, done[side], partitions[side]))
+        done[side] += 1
 
-    pending = [
-        {
-            Action(kind, i, j)
-            for j in range(partitions)
-            if workers[j] == w
-            for i in range(microbatches)
-            for kind in ("forward", "input", "weight")
-        }
-        for w in range(len(held))
-    ]
-    return _generate(partitions, workers, pending, choose)
+    for _ in range(min(2 * (workers - w) - 1, m)):
+        run("forward", 0)
+    for _ in range(w):
+        if forwards[1] < m:
+            run("forward", 1)
+        if forwards[0] < m:
+            run("forward", 0)
+    for _ in range(workers - w):
+        if forwards[1] < min(forwards[0], m):
+            run("forward", 1)
+            run("input", 1)
+    while inputs[0] < m or inputs[1] < m:
+        if forwards[0] < m:
+            run("forward", 0)
+        if inputs[0] < inputs[1]:
+            run("input", 0)
+        if forwards[1] < forwards[0]:
+            run("forward", 1)
+        if inputs[1] < forwards[1]:
+            run("input", 1)
+        elif inputs[0] < inputs[1]:
+            run("input", 0)
+    return actions
 
 
 def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
