@@ -116,7 +116,9 @@ def run(
     intra_op_threads: int | None = None,
     workers: Sequence[int] | None = None,
 ) -> list[Batch | None]:
-    """Run each worker's ``actions`` and return the last partition's output per micro-batch.
+    """Run each worker's ``actions`` and return the last partition's output per micro-batch
+    (with its graph) where autograd drives the backward pass (``forward()``); a step keeps
+    none (None each), since holding them would keep every micro-batch's graph there.
 
     Args:
         partitions: the partitions, in pipeline order; None for a partition of another
