@@ -6,6 +6,9 @@ queue or the GIL) over many runs of the tiny P2 M32 model, and prints them per t
 (``n * m`` tasks per run) for ``step()`` with each schedule and ``forward()`` +
 ``backward()``. A wake costs about half a thread round trip, so these counts are what
 ``bench_step.py``'s overhead lines in round trips come from, without its timing noise.
+Beside them, how many of those blocks were a worker waiting for a message (``message
+waits``): the rest are the workers handing each other the interpreter lock, which every
+PyTorch operator releases and takes again.
 
 Run: ``python benchmarks/diag_wakes.py [--checkpoint never|except_last|always] [--runs N]``
 (Linux only; not run by ``nox -s bench``, which runs ``bench_*.py``).
@@ -26,6 +29,20 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpipe_core import GPipe
+from gpipe_core._transport import LocalTransport, Message, MessageKey
+
+#: Receives that found no message yet (so waited), since the last reset.
+message_waits = {"waits": 0}
+_receive = LocalTransport.receive
+
+
+def _counting_receive(self: LocalTransport, key: MessageKey) -> Message:
+    if key not in self.messages:  # read without the lock: a count, not a decision
+        message_waits["waits"] += 1
+    return _receive(self, key)
+
+
+LocalTransport.receive = _counting_receive  # type: ignore[method-assign]
 
 
 def switches() -> dict[int, int]:
@@ -49,6 +66,7 @@ def names() -> dict[int, str]:
 def count(fn: Callable[[], object], runs: int, tasks: int) -> tuple[dict[str, float], float, float]:
     for _ in range(3):
         fn()
+    message_waits["waits"] = 0
     before = switches()
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(runs):
@@ -62,6 +80,7 @@ def count(fn: Callable[[], object], runs: int, tasks: int) -> tuple[dict[str, fl
         if delta:
             name = named.get(tid, str(tid))
             result[name] = result.get(name, 0.0) + delta / (runs * tasks)
+    result["(message waits)"] = message_waits["waits"] / (runs * tasks)
     return result, wall / (runs * tasks), cpu / (runs * tasks)
 
 
@@ -102,10 +121,15 @@ def main() -> None:
     print(f"voluntary context switches per task, tiny P2 M{args.chunks} {args.checkpoint}")
     for way, fn in ways.items():
         counted, wall, cpu = count(fn, args.runs, tasks)
+        waits = counted.pop("(message waits)")
         total = sum(counted.values())
-        detail = ", ".join(f"{name} {value:.2f}" for name, value in sorted(counted.items()))
+        detail = ", ".join(
+            [f"{name} {value:.2f}" for name, value in sorted(counted.items())]
+            + [f"message waits {waits:.2f}"]
+        )
         print(
-            f"  {way:11} {total:5.2f}  ({detail})  [rough, noisy: wall {wall * 1e6:.0f} us, "
+            f"  {way:11} {total:5.2f}  ({detail})"
+            f"  [rough, noisy: wall {wall * 1e6:.0f} us, "
             f"cpu {cpu * 1e6:.0f} us per task]"
         )
 

@@ -23,6 +23,7 @@ from gpipe_core import (
     ScheduleError,
     check_actions,
     get_schedule,
+    place_partitions,
     schedules,
     simulate,
 )
@@ -317,3 +318,30 @@ def test_any_valid_action_lists_run_through_step(
     torch.testing.assert_close(losses.reduced(), expected.detach())
     for p, q in zip(pipe.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize(
+    ("name", "placement"),
+    [("gpipe", None), ("1f1b", None), ("interleaved-1f1b", "loop"), ("zbv", "v")],
+)
+def test_serial_order_runs_simulate_column_by_column(name: str, placement: str | None) -> None:
+    """A run in one thread takes the actions column by column of the simulation, the
+    workers in order; the order is cached for the built-in (tuple) lists and computed
+    alike for lists."""
+    from gpipe_core._schedule import serial_order, step_actions
+
+    m, n, workers = 4, 4, 2
+    where = place_partitions(placement, n, workers) if placement else list(range(n))
+    lists = step_actions(get_schedule(name), m, n, True, where)
+    rows = simulate(lists, placement=where)
+    expected = [
+        row[column]
+        for column in range(max(len(row) for row in rows))
+        for row in rows
+        if column < len(row) and row[column] is not None
+    ]
+    assert list(serial_order(lists, where)) == expected
+    assert serial_order(lists, where) is serial_order(lists, tuple(where))  # cached
+    as_lists = [list(row) for row in lists]
+    assert list(serial_order(as_lists, where)) == expected
+    assert len(expected) == sum(len(row) for row in lists)

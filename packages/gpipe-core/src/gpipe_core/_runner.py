@@ -40,7 +40,7 @@ from gpipe_skip import SkipKey
 
 from ._errors import add_note
 from ._partition_run import PartitionRun
-from ._schedule import Action, simulate
+from ._schedule import Action, serial_order, simulate
 from ._stream import is_cuda, use_stream
 from ._threads import NO_SHARE, ThreadShare
 from ._transport import Cancelled, Message, MessageKey, Transport, outgoing
@@ -226,15 +226,11 @@ class _Executor:
                     return
 
     def run_serially(self, actions: Sequence[Sequence[Action]]) -> None:
-        """Run every action in the calling thread, column by column of :func:`simulate`."""
-        rows = simulate(actions, placement=self.workers)
-        for column in range(max((len(row) for row in rows), default=0)):
-            for row in rows:
-                action = row[column] if column < len(row) else None
-                if action is not None:
-                    j = cast(int, action.partition)
-                    with _on_device(self.partition(j)):
-                        self.act(j, action)
+        """Run every action in the calling thread, in :func:`serial_order`."""
+        for action in serial_order(actions, self.workers):
+            j = cast(int, action.partition)
+            with _on_device(self.partition(j)):
+                self.act(j, action)
 
     def act(self, j: int, action: Action) -> None:
         try:

@@ -675,6 +675,37 @@ def simulate(
     return rows
 
 
+def serial_order(
+    lists: Sequence[Sequence[Action]], placement: Sequence[int] | None = None
+) -> Sequence[Action]:
+    """Every action of ``lists`` in the order one thread runs them: unit-time column by
+    column of :func:`simulate`, the workers in order within a column. Computed once per
+    lists and placement where both are tuples (the built-in schedules' lists are, cached
+    by :func:`step_actions`): a serial run needs it every run.
+
+    Example:
+        >>> [str(a) for a in serial_order(GPipeSchedule().actions(2, 2))]
+        ['F0', 'F1', 'F0', 'F1', 'B1', 'B1', 'B0', 'B0']
+    """
+    where = None if placement is None else tuple(placement)
+    if isinstance(lists, tuple) and all(isinstance(row, tuple) for row in lists):
+        return _serial_order(lists, where)
+    return _serial_order.__wrapped__(lists, where)
+
+
+@functools.lru_cache(maxsize=64)
+def _serial_order(
+    lists: Sequence[Sequence[Action]], placement: tuple[int, ...] | None
+) -> tuple[Action, ...]:
+    rows = simulate(lists, placement=placement)
+    return tuple(
+        action
+        for column in range(max((len(row) for row in rows), default=0))
+        for row in rows
+        if column < len(row) and (action := row[column]) is not None
+    )
+
+
 def _clock(
     lists: Sequence[Sequence[Action]], partitions: int, units: Mapping[str, int], identity: bool
 ) -> list[list[tuple[int, int]]]:
