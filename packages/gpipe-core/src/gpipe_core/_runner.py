@@ -13,6 +13,13 @@ back; a weight gradient sends nothing.
 Messages between two partitions of one worker stay in that worker's thread: a mailbox of the
 run, never the transport.
 
+**Turns.** Before each action a worker asks the transport for its turn
+(:meth:`Transport.take_turn`), and tells it how long the action computed
+(:meth:`Transport.took`): on the CPU, short actions of the workers run one at a time, so
+that threads do not hand each other the interpreter lock at every operator (see
+:class:`~gpipe_core._transport.LocalTransport`). A worker gives its turn up when its list
+ends, however it ends (:meth:`Transport.end_turn`).
+
 **Failures.** The first error of a run is kept (:class:`Failure`); it cancels the
 transport, so that every wait for a message ends, and every worker stops after its
 current action. The caller gets the error with its traceback; among errors raised at
@@ -27,8 +34,9 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from functools import partial
 from typing import Any, cast
 
@@ -209,21 +217,25 @@ class _Executor:
         failure = self.failure
         partition = self.partition(self.workers.index(w))
         with _on_device(partition), state.apply(), self.share.worker(partition.device):
-            for position, action in enumerate(actions):
-                if failure.cancelled:
-                    return
-                try:
-                    j = cast(int, action.partition)
-                    if self.partition(j).device == partition.device:
-                        self.act(j, action)
-                    else:
-                        with _on_device(self.partition(j)):
+            try:
+                for position, action in enumerate(actions):
+                    if failure.cancelled:
+                        return
+                    try:
+                        j = cast(int, action.partition)
+                        self.transport.take_turn(j, action.kind)
+                        if self.partition(j).device == partition.device:
                             self.act(j, action)
-                except Cancelled:
-                    return
-                except BaseException:
-                    failure.fail(w, position, cast(ExcInfo, sys.exc_info()))
-                    return
+                        else:
+                            with _on_device(self.partition(j)):
+                                self.act(j, action)
+                    except Cancelled:
+                        return
+                    except BaseException:
+                        failure.fail(w, position, cast(ExcInfo, sys.exc_info()))
+                        return
+            finally:
+                self.transport.end_turn()
 
     def run_serially(self, actions: Sequence[Sequence[Action]]) -> None:
         """Run every action in the calling thread, in :func:`serial_order`."""
@@ -237,9 +249,8 @@ class _Executor:
             if action.kind == "forward":
                 self.forward(j, action.microbatch)
             elif action.kind == "weight":
-                partition = self.partition(j)
-                with self.share.computing(partition.device):
-                    partition.backward_weight(action.microbatch)
+                with self.computing(j, "weight"):
+                    self.partition(j).backward_weight(action.microbatch)
             else:
                 self.backward(j, action.microbatch, split=action.kind == "input")
         except Cancelled:
@@ -249,6 +260,16 @@ class _Executor:
             where = f"(in {action.kind} of micro-batch {action.microbatch} on partition {j})"
             add_note(error, where)
             raise
+
+    @contextmanager
+    def computing(self, j: int, kind: str) -> Iterator[None]:
+        """Around partition ``j``'s computation of an action of ``kind`` (its messages
+        received, none sent yet): its share of the cores, and its time told to the
+        transport, which decides from it whether the action takes turns."""
+        start = time.perf_counter()
+        with self.share.computing(self.partition(j).device):
+            yield
+        self.transport.took(j, kind, time.perf_counter() - start)
 
     def forward(self, j: int, i: int) -> None:
         partition = self.partition(j)
@@ -263,7 +284,7 @@ class _Executor:
             message = self.receive(MessageKey("skips", i, source, j))
             values = partition.accept(message.values(), message.requires_grad)
             skips.update(zip(keys, cast(list[Tensor | None], values), strict=True))
-        with self.share.computing(partition.device):
+        with self.computing(j, "forward"):
             output, stashed, needs_grad = partition.forward(i, batch, skips)
         if j == self.last:
             # A step's output is not returned (its loss is kept, detached): holding it would
@@ -294,7 +315,7 @@ class _Executor:
         for target, keys in partition.stashes.items():
             message = self.receive(MessageKey("skip-gradients", i, target, j))
             skip_grads.update(zip(keys, cast(list[Tensor | None], message.values()), strict=True))
-        with self.share.computing(partition.device):
+        with self.computing(j, "input" if split else "backward"):
             if split:
                 input_grads, popped = partition.backward_input(i, grads, skip_grads)
             else:

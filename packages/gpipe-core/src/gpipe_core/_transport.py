@@ -26,12 +26,16 @@ first partition's process to the others), :meth:`~Transport.prepare` (the run's 
 and whether messages keep their graph), the messages, then :meth:`~Transport.finish`
 (every process ends the run, and learns the others' payloads and errors). Cancellation
 state lives here: :attr:`Transport.cancelled`. Between worker threads of one process the
-plan and the end need nothing.
+plan and the end need nothing. The workers' turns are the transport's too
+(:meth:`~Transport.take_turn`, :meth:`~Transport.took`, :meth:`~Transport.end_turn`):
+between worker threads on the CPU short actions take turns, since the threads share one
+interpreter lock; across processes there are no turns.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
@@ -283,6 +287,23 @@ class Transport(ABC):
             Cancelled: the run was cancelled while waiting.
         """
 
+    def take_turn(self, partition: int, kind: str) -> None:  # noqa: B027
+        """Before an action of ``kind`` on ``partition``: wait for this worker's turn if
+        the transport makes short actions take turns (see :class:`LocalTransport`); the
+        default has no turns.
+
+        Raises:
+            Cancelled: the run was cancelled while waiting.
+        """
+
+    def took(self, partition: int, kind: str, seconds: float) -> None:  # noqa: B027
+        """An action of ``kind`` on ``partition`` computed for ``seconds`` (its messages'
+        waits excluded): what decides whether it takes turns next time."""
+
+    def end_turn(self) -> None:  # noqa: B027
+        """This worker stops taking turns (its list ended, it failed, or its next action
+        is long): another may go on."""
+
     def fail(self, partition: int, action: Action | None, error: BaseException) -> None:
         """PartitionRun ``partition``'s ``action`` raised ``error`` (``action`` is None outside any
         action): end the run. The default cancels it; a transport across processes tells
@@ -301,6 +322,24 @@ class Transport(ABC):
         """Release what the transport holds beyond a run (threads); idempotent."""
 
 
+#: An action that computes for less than this (seconds) is short: on the CPU, short
+#: actions of the workers take turns (see :class:`LocalTransport`).
+SHORT_ACTION = 2e-4
+#: How many times in a row an action (a partition's forward pass, say) must take at least
+#: :data:`SHORT_ACTION` to count as long: one late time, the machine busy elsewhere, does
+#: not make it long.
+LONG_AFTER = 2
+#: A long action takes a turn anyway every this many times, to be measured alone: measured
+#: among running workers, a short action can look long (they hand each other the
+#: interpreter lock at every operator), and this lets it come back.
+PROBE_EVERY = 16
+#: A worker whose action has kept the turn this long (seconds) keeps it no longer: a
+#: worker waiting for a turn takes it. The action is long, or blocked until another
+#: worker moves (a layer waiting for another partition's layer): turns never make a
+#: worker wait for longer than this on an action of another.
+TAKE_OVER_AFTER = 10 * SHORT_ACTION
+
+
 class LocalTransport(Transport):
     """Messages between worker threads of one process.
 
@@ -308,6 +347,27 @@ class LocalTransport(Transport):
     from :meth:`prepare`: with ``keep_graph``, messages keep their tensors' autograd
     history and device copies are differentiable (``GPipe.forward``); otherwise tensors
     are detached when sent (``GPipe.step``: each partition starts its own graph).
+
+    **Short actions take turns on the CPU.** Python threads share one interpreter lock,
+    which every PyTorch operator releases and takes again: two workers running small
+    operators at the same time hand it to each other at almost every operator, and each
+    hand-over wakes a thread (on a 2-core machine, two threads each running a tiny
+    ``Linear``'s forward and backward passes took 2 x as long as one thread running both
+    in turn). So where every partition is on the CPU, a short action runs only in its
+    worker's turn: one worker at a time runs short actions, keeps its turn while its next
+    action is ready, and gives it up when it waits for a message (or its list ends, or its
+    next action is long), waking one worker whose action is ready. Long actions (and
+    every action off the CPU) never wait for a turn, so partitions that compute for longer
+    still overlap.
+
+    An action (a partition and a kind: the forward pass of partition 1, say) is long once
+    it computed for at least :data:`SHORT_ACTION` :data:`LONG_AFTER` times in a row, and
+    short again after one shorter time; never measured, it is short. A long action takes
+    a turn every :data:`PROBE_EVERY` times, so that it is measured alone. The measurements
+    are the transport's, kept from run to run. An action that has kept the turn for
+    :data:`TAKE_OVER_AFTER` loses it to a waiting worker, so a turn never waits on an
+    action that waits for another worker. Whatever the turns, every worker runs its own
+    list in order, so the results are those of any other interleaving.
 
     Args:
         devices: the device of each partition.
@@ -322,11 +382,22 @@ class LocalTransport(Transport):
         # Whether messages need stream waits or device copies: not between partitions on
         # one device without CUDA streams (the CPU), where tensors are ready when sent.
         self.moves = True
+        self.turns = False
         self.lock = threading.Lock()
         self.arrived = [threading.Condition(self.lock) for _ in devices]
         self.messages: dict[MessageKey, Message] = {}
         self.cancelled = False
         self.run_lock = RunLock(wait=True)
+        #: The thread whose turn it is (None: nobody's), and when its current action
+        #: began (``time.perf_counter()``).
+        self.holder: int | None = None
+        self.since = 0.0
+        #: What the worker waiting on ``arrived[j]`` waits for: a message (None: only a
+        #: turn), and whether it needs a turn too.
+        self.waiting: dict[int, tuple[MessageKey | None, bool]] = {}
+        #: How many times in a row each action (partition, kind) computed for at least
+        #: :data:`SHORT_ACTION`.
+        self.slow: dict[tuple[int, str], int] = {}
 
     def begin(self) -> None:
         self.run_lock.acquire()
@@ -346,6 +417,65 @@ class LocalTransport(Transport):
         self.tracer = tracer
         streams = [*compute_streams, *(stream for row in copy_streams for stream in row)]
         self.moves = len(set(self.devices)) > 1 or any(is_cuda(stream) for stream in streams)
+        # Turns only where every partition is on the CPU (one device without streams).
+        self.turns = not self.moves and bool(self.devices) and self.devices[0].type == "cpu"
+
+    def take_turn(self, partition: int, kind: str) -> None:
+        if not self.turns:
+            return
+        me = threading.get_ident()
+        slow = self.slow.get((partition, kind), 0)
+        if slow >= LONG_AFTER and slow % PROBE_EVERY:  # long, and not probed this time
+            if self.holder == me:
+                self.end_turn()
+            return
+        if self.holder == me:
+            self.since = time.perf_counter()
+            return
+        with self.lock:
+            if not self._turn_free():
+                self.waiting[partition] = (None, True)
+                try:
+                    while not self._turn_free():
+                        if self.cancelled:
+                            raise Cancelled
+                        self.arrived[partition].wait(self._patience())
+                finally:
+                    del self.waiting[partition]
+            self.holder, self.since = me, time.perf_counter()
+
+    def _turn_free(self) -> bool:
+        """Whether a worker may take the turn now (the lock held): nobody's, or held by an
+        action for :data:`TAKE_OVER_AFTER` already."""
+        return self.holder is None or time.perf_counter() - self.since >= TAKE_OVER_AFTER
+
+    def _patience(self) -> float:
+        """How long a worker waiting for a turn sleeps before it looks again (the lock
+        held): until the holder's action has kept the turn for :data:`TAKE_OVER_AFTER`."""
+        if self.holder is None:
+            return TAKE_OVER_AFTER
+        return max(TAKE_OVER_AFTER - (time.perf_counter() - self.since), SHORT_ACTION / 10)
+
+    def took(self, partition: int, kind: str, seconds: float) -> None:
+        if not self.turns:
+            return
+        action = (partition, kind)  # only its worker's thread counts it
+        self.slow[action] = 0 if seconds < SHORT_ACTION else self.slow.get(action, 0) + 1
+
+    def end_turn(self) -> None:
+        if self.holder != threading.get_ident():
+            return
+        with self.lock:
+            self._pass_turn()
+
+    def _pass_turn(self) -> None:
+        """Give up the turn (the lock held): wake one worker that waits for a turn and can
+        go on with it (one that waits for a message only would not take it)."""
+        self.holder = None
+        for target, (key, turn) in self.waiting.items():
+            if turn and (key is None or key in self.messages):
+                self.arrived[target].notify()
+                return
 
     def finish(self, error: BaseException | None, payload: object = None) -> dict[int, Any]:
         self.tracer = None  # the run's tracer is not kept past it
@@ -368,20 +498,39 @@ class LocalTransport(Transport):
             wait(message.tensors, self.compute_streams[source], self.copy_streams[source][i])
         with self.lock:
             self.messages[key] = message
-            self.arrived[key.target].notify()
+            # Wake the receiver only if it waits for this message, and can go on with it.
+            waits = self.waiting.get(key.target)
+            if waits is not None and waits[0] == key and not (waits[1] and self.holder):
+                self.arrived[key.target].notify()
 
     def receive(self, key: MessageKey) -> Message:
         with self.lock:
             message = self.messages.pop(key, None)
-            while message is None:
-                if self.cancelled:
-                    raise Cancelled
-                self.arrived[key.target].wait()
-                message = self.messages.pop(key, None)
+            if message is None:
+                message = self._wait(key)
         tensors = message.tensors
         if self.moves and len(tensors):
             self._move(key, tensors)
         return message
+
+    def _wait(self, key: MessageKey) -> Message:
+        """Wait for ``key`` (the lock held), giving up this worker's turn meanwhile."""
+        me = threading.get_ident()
+        turn = self.holder == me
+        if turn:
+            self._pass_turn()
+        self.waiting[key.target] = (key, turn)
+        try:
+            while key not in self.messages or (turn and not self._turn_free()):
+                if self.cancelled:
+                    raise Cancelled
+                # Waiting for a turn too, it looks again in case the holder's action lasts.
+                self.arrived[key.target].wait(self._patience() if turn else None)
+        finally:
+            del self.waiting[key.target]
+        if turn:
+            self.holder, self.since = me, time.perf_counter()
+        return self.messages.pop(key)
 
     def _move(self, key: MessageKey, batch: Batch) -> None:
         """Bring ``batch`` to the target's device and compute stream (in place)."""
@@ -410,3 +559,5 @@ class LocalTransport(Transport):
         with self.lock:
             self.cancelled = False
             self.messages.clear()
+            self.holder = None
+            self.waiting.clear()
