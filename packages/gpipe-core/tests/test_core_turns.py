@@ -142,7 +142,8 @@ def test_long_actions_take_no_turn_except_to_be_measured(transport: LocalTranspo
     long = Worker(lambda: transport.take_turn(1, "backward"))
     long.join()  # while partition 0's worker holds the turn
     assert long.error is None and transport.holder == threading.get_ident()
-    # Every PROBE_EVERY times, a long action waits for a turn, to be measured alone.
+    # Every PROBE_EVERY times, a long action takes the turn if it is free, to be measured
+    # alone; it never waits for it.
     transport.slow[(1, "backward")] = PROBE_EVERY
 
     def probed() -> int | None:
@@ -151,9 +152,11 @@ def test_long_actions_take_no_turn_except_to_be_measured(transport: LocalTranspo
         transport.end_turn()
         return holder
 
-    probe = Worker(probed)
-    until(lambda: 1 in transport.waiting)
+    busy = Worker(probed)  # the turn is partition 0's worker's: no probe this time
+    busy.join()
+    assert busy.error is None and busy.result == threading.get_ident()
     transport.end_turn()
+    probe = Worker(probed)
     probe.join()
     assert probe.error is None and probe.result == probe.thread.ident
     # One short time makes it short again; one long time alone does not make it long.

@@ -329,9 +329,9 @@ SHORT_ACTION = 2e-4
 #: :data:`SHORT_ACTION` to count as long: one late time, the machine busy elsewhere, does
 #: not make it long.
 LONG_AFTER = 2
-#: A long action takes a turn anyway every this many times, to be measured alone: measured
-#: among running workers, a short action can look long (they hand each other the
-#: interpreter lock at every operator), and this lets it come back.
+#: A long action takes a turn every this many times, if nobody holds it, to be measured
+#: alone: measured among running workers, a short action can look long (they hand each
+#: other the interpreter lock at every operator), and this lets it come back.
 PROBE_EVERY = 16
 #: A worker whose action has kept the turn this long (seconds) keeps it no longer: a
 #: worker waiting for a turn takes it. The action is long, or blocked until another
@@ -363,7 +363,8 @@ class LocalTransport(Transport):
     An action (a partition and a kind: the forward pass of partition 1, say) is long once
     it computed for at least :data:`SHORT_ACTION` :data:`LONG_AFTER` times in a row, and
     short again after one shorter time; never measured, it is short. A long action takes
-    a turn every :data:`PROBE_EVERY` times, so that it is measured alone. The measurements
+    a turn every :data:`PROBE_EVERY` times if nobody holds it (it never waits for one),
+    so that it is measured alone. The measurements
     are the transport's, kept from run to run. An action that has kept the turn for
     :data:`TAKE_OVER_AFTER` loses it to a waiting worker, so a turn never waits on an
     action that waits for another worker. Whatever the turns, every worker runs its own
@@ -425,7 +426,10 @@ class LocalTransport(Transport):
             return
         me = threading.get_ident()
         slow = self.slow.get((partition, kind), 0)
-        if slow >= LONG_AFTER and slow % PROBE_EVERY:  # long, and not probed this time
+        # A long action takes no turn, but is measured alone every PROBE_EVERY times if the
+        # turn is free then: it never waits for one.
+        probe = slow >= LONG_AFTER and slow % PROBE_EVERY == 0
+        if slow >= LONG_AFTER and not probe:
             if self.holder == me:
                 self.end_turn()
             return
@@ -434,6 +438,8 @@ class LocalTransport(Transport):
             return
         with self.lock:
             if not self._turn_free():
+                if probe:
+                    return
                 self.waiting[partition] = (None, True)
                 try:
                     while not self._turn_free():
