@@ -62,6 +62,19 @@ class Worker:
         assert not self.thread.is_alive(), "the worker did not end"
 
 
+def turn_taker(transport: LocalTransport, partition: int, kind: str = "forward") -> Any:
+    """A worker's work: take a turn for an action of ``kind`` on ``partition``, note who
+    holds the turn then, and give it up."""
+
+    def work() -> int | None:
+        transport.take_turn(partition, kind)
+        holder = transport.holder
+        transport.end_turn()
+        return holder
+
+    return work
+
+
 def until(condition: Callable[[], bool]) -> None:
     """Wait (bounded) until ``condition()`` holds: a thread has reached its wait."""
     deadline = time.monotonic() + BOUND
@@ -91,13 +104,7 @@ def test_a_short_action_waits_for_the_turn(transport: LocalTransport) -> None:
     transport.take_turn(0, "forward")
     assert transport.holder == me
 
-    def second() -> int | None:
-        transport.take_turn(1, "forward")
-        holder = transport.holder
-        transport.end_turn()
-        return holder
-
-    worker = Worker(second)
+    worker = Worker(turn_taker(transport, 1))
     until(lambda: 1 in transport.waiting)  # it waits for the turn
     assert transport.holder == me and not worker.done.is_set()
     transport.take_turn(0, "backward")  # the holder keeps its turn
@@ -146,12 +153,7 @@ def test_long_actions_take_no_turn_except_to_be_measured(transport: LocalTranspo
     # alone; it never waits for it.
     transport.slow[(1, "backward")] = PROBE_EVERY
 
-    def probed() -> int | None:
-        transport.take_turn(1, "backward")
-        holder = transport.holder
-        transport.end_turn()
-        return holder
-
+    probed = turn_taker(transport, 1, "backward")
     busy = Worker(probed)  # the turn is partition 0's worker's: no probe this time
     busy.join()
     assert busy.error is None and busy.result == threading.get_ident()
@@ -273,13 +275,7 @@ def test_the_turn_goes_to_a_worker_that_waits_for_it() -> None:
         with transport.lock:  # partition 2's worker, about to wake for its message
             transport.waiting[2] = (key, False)
 
-        def turn() -> int | None:
-            transport.take_turn(1, "forward")
-            holder = transport.holder
-            transport.end_turn()
-            return holder
-
-        worker = Worker(turn)
+        worker = Worker(turn_taker(transport, 1))
         until(lambda: 1 in transport.waiting)
         transport.end_turn()
         worker.join()
