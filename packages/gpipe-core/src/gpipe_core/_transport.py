@@ -364,11 +364,11 @@ class LocalTransport(Transport):
     it computed for at least :data:`SHORT_ACTION` :data:`LONG_AFTER` times in a row, and
     short again after one shorter time; never measured, it is short. A long action takes
     a turn every :data:`PROBE_EVERY` times if nobody holds it (it never waits for one),
-    so that it is measured alone. The measurements
-    are the transport's, kept from run to run. An action that has kept the turn for
-    :data:`TAKE_OVER_AFTER` loses it to a waiting worker, so a turn never waits on an
-    action that waits for another worker. Whatever the turns, every worker runs its own
-    list in order, so the results are those of any other interleaving.
+    so that it is measured alone. The measurements are the transport's, kept from run to
+    run. An action that has kept the turn for :data:`TAKE_OVER_AFTER` loses it to a
+    waiting worker, so a turn never waits on an action that waits for another worker.
+    Whatever the turns, every worker runs its own list in order, so the results are those
+    of any other interleaving.
 
     Args:
         devices: the device of each partition.
@@ -506,7 +506,7 @@ class LocalTransport(Transport):
             self.messages[key] = message
             # Wake the receiver only if it waits for this message, and can go on with it.
             waits = self.waiting.get(key.target)
-            if waits is not None and waits[0] == key and not (waits[1] and self.holder):
+            if waits is not None and waits[0] == key and not (waits[1] and self.holder is not None):
                 self.arrived[key.target].notify()
 
     def receive(self, key: MessageKey) -> Message:
