@@ -698,12 +698,18 @@ def _serial_order(
     lists: Sequence[Sequence[Action]], placement: tuple[int, ...] | None
 ) -> tuple[Action, ...]:
     rows = simulate(lists, placement=placement)
-    return tuple(
-        action
-        for column in range(max((len(row) for row in rows), default=0))
-        for row in rows
-        if column < len(row) and (action := row[column]) is not None
-    )
+    return tuple(action for column in _columns(rows) for _, action in column)
+
+
+def _columns(rows: Sequence[Sequence[Action | None]]) -> Iterator[list[tuple[int, Action]]]:
+    """Each unit of time of :func:`simulate`'s ``rows``: its (worker, action) pairs, the
+    workers in order."""
+    for column in range(max((len(row) for row in rows), default=0)):
+        yield [
+            (w, action)
+            for w, row in enumerate(rows)
+            if column < len(row) and (action := row[column]) is not None
+        ]
 
 
 def _clock(
@@ -1043,6 +1049,7 @@ def _v_worker(m: int, workers: int, w: int) -> list[Action]:
             run("forward", 1)
             run("input", 1)
     while inputs[0] < m or inputs[1] < m:
+        before = len(actions)
         if forwards[0] < m:
             run("forward", 0)
         if inputs[0] < inputs[1]:
@@ -1053,6 +1060,8 @@ def _v_worker(m: int, workers: int, w: int) -> list[Action]:
             run("input", 1)
         elif inputs[0] < inputs[1]:
             run("input", 0)
+        if len(actions) == before:  # a bug, never a loop without end
+            raise AssertionError(f"ZB-V's order is stuck on worker {w} (m={m}, workers={workers})")
     return actions
 
 
@@ -1067,13 +1076,8 @@ def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
         >>> list(clock_cycles(3, 2))
         [[(0, 0)], [(1, 0), (0, 1)], [(2, 0), (1, 1)], [(2, 1)]]
     """
-    rows = simulate(GPipeSchedule().forward_only(m, n))
-    for column in range(max((len(row) for row in rows), default=0)):
-        yield [
-            (action.microbatch, j)
-            for j, row in enumerate(rows)
-            if column < len(row) and (action := row[column]) is not None
-        ]
+    for column in _columns(simulate(GPipeSchedule().forward_only(m, n))):
+        yield [(action.microbatch, j) for j, action in column]
 
 
 @functools.lru_cache(maxsize=64)
