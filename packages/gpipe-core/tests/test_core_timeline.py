@@ -8,6 +8,7 @@ import itertools
 import json
 import re
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from torch import nn
 
 from gpipe_core import GPipe, Phase, TaskEvent, Timeline, task_label, theoretical_bubble
 from gpipe_core import _tracing as tracing
+from gpipe_core._transport import LocalTransport
 from gpipe_skip import pop, skippable, stash
 
 MODES = ("always", "except_last", "never")
@@ -580,9 +582,27 @@ def test_profiler_of_all_threads_sees_every_task() -> None:
 
 def test_plain_profiler_sees_autograd_tasks_and_warns(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tracing, "_warned", False)
+    # The workers run the forward tasks (as where some action is long): not one turn.
+    monkeypatch.setattr(LocalTransport, "one_turn", lambda self, actions: False)
     with pytest.warns(UserWarning, match="profile_all_threads"):
         labels = profiled_labels(p3m4())
     assert labels == expected_labels((Phase.RECOMPUTE, Phase.BACKWARD), M - 1)
+
+
+def test_plain_profiler_sees_a_run_in_one_turn_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every action short (as measured by a run): the calling thread runs them all.
+    monkeypatch.setattr(tracing, "_warned", False)
+    model, x = p3m4(), torch.randn(8, 8)
+    model(x).sum().backward()
+    transport = model._placement.transport()
+    assert isinstance(transport, LocalTransport)
+    transport.slow = dict.fromkeys(transport.slow, 0)  # not a first-time cost's hiccup
+    with warnings.catch_warnings(), torch.profiler.profile() as prof:
+        warnings.simplefilter("error")
+        model(x).sum().backward()
+    labels = {e.name for e in prof.events() if e.name.startswith("gpipe/")}
+    phases = (Phase.FORWARD, Phase.RECOMPUTE, Phase.BACKWARD)
+    assert labels == expected_labels(phases, M - 1)
 
 
 def test_profiler_and_trace_together() -> None:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from gpipe_core import GPipe, _transport
+from gpipe_core._schedule import Action
 from gpipe_core._stream import CPUStream
 from gpipe_core._transport import (
     LONG_AFTER,
@@ -24,6 +25,7 @@ from gpipe_core._transport import (
     Cancelled,
     LocalTransport,
     MessageKey,
+    Transport,
 )
 
 CPU = torch.device("cpu")
@@ -204,6 +206,27 @@ def test_no_turns_but_on_the_cpu(devices: list[torch.device]) -> None:
         transport.finish(None)
 
 
+def test_a_run_is_one_turn_once_every_action_is_known_short(transport: LocalTransport) -> None:
+    actions = [
+        [Action(kind, i, j) for i in range(4) for kind in ("forward", "backward")] for j in range(2)
+    ]
+    assert not transport.one_turn(actions)  # never measured: a first run shows
+    kinds = {(j, kind) for j in range(2) for kind in ("forward", "backward")}
+    for j, kind in kinds:
+        transport.took(j, kind, SHORT_ACTION / 2)
+    assert transport.one_turn(actions)
+    transport.took(1, "backward", SHORT_ACTION)  # one long time: still short
+    assert transport.one_turn(actions)
+    transport.took(1, "backward", SHORT_ACTION)  # long now
+    assert not transport.one_turn(actions)
+    transport.took(1, "backward", 0.0)
+    assert transport.one_turn(actions)
+    transport.turns = False  # off the CPU, or partitions on several devices
+    assert not transport.one_turn(actions)
+    # Across processes (the default): never, the others' actions run there.
+    assert Transport.one_turn(transport, actions) is False
+
+
 class Sleep(nn.Module):
     """A layer that computes for ``seconds`` (a sleep) in its forward pass."""
 
@@ -303,3 +326,68 @@ def test_an_action_that_keeps_the_turn_too_long_loses_it(
     assert worker.error is None and worker.result == worker.thread.ident != me
     transport.end_turn()  # not the holder any more: nothing to give up
     assert transport.holder == worker.thread.ident
+
+
+class Where(nn.Module):
+    """Notes the thread of each forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.threads.append(threading.current_thread().name)
+        return x
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zbv"])
+def test_a_step_of_short_actions_runs_in_the_calling_thread(
+    schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Measured short, every action runs in the caller's thread, waking no worker: the same
+    gradients as the plain model; an error there leaves the model usable; once an action is
+    long, the workers run again."""
+    torch.manual_seed(0)
+    where, fail = Where(), Fail()
+    model = nn.Sequential(nn.Linear(4, 4), where, fail, nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    plain = nn.Sequential(*(layer for layer in model))
+    placement = {"interleaved-1f1b": "loop", "zbv": "v"}.get(schedule)
+    pipe = GPipe(
+        model,
+        [1, 2, 2, 1] if placement else [3, 3],
+        chunks=4,
+        checkpoint="never",
+        placement=placement,
+        devices=["cpu", "cpu"] if placement else None,
+    )
+    transport = pipe._placement.transport()
+    assert isinstance(transport, LocalTransport)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    loss_fn = nn.MSELoss()
+    pipe.step(x, y, loss_fn, schedule=schedule)  # measures every action, on the workers
+    assert all(name.startswith("gpipe-worker") for name in where.threads)
+    # Short, as they are alone (a first run's first-time costs can make one look long
+    # until a probe measures it alone: test_long_actions_take_no_turn_except_to_be_measured).
+    assert {j for j, _ in transport.slow} == set(range(len(pipe.partitions)))
+    transport.slow = dict.fromkeys(transport.slow, 0)
+    where.threads.clear()
+    pipe.zero_grad()
+    pipe.step(x, y, loss_fn, schedule=schedule)
+    assert where.threads == [threading.current_thread().name] * 4
+    grads = [p.grad.clone() for p in pipe.parameters()]  # type: ignore[union-attr]
+    plain.zero_grad()
+    loss_fn(plain(x), y).backward()
+    for grad, p in zip(grads, plain.parameters(), strict=True):
+        assert torch.allclose(grad, p.grad)  # type: ignore[arg-type]
+    fail.armed = True
+    with pytest.raises(RuntimeError, match="boom") as raised:
+        pipe.step(x, y, loss_fn, schedule=schedule)
+    assert any("in forward of micro-batch 0" in note for note in raised.value.__notes__)
+    assert transport.holder is None and not transport.messages and not transport.cancelled
+    fail.armed = False
+    # The partition of `where` computes for long now: the workers run the next steps.
+    monkeypatch.setattr(_transport, "SHORT_ACTION", 0.0)
+    where.threads.clear()
+    for _ in range(LONG_AFTER + 1):
+        pipe.step(x, y, loss_fn, schedule=schedule)
+    assert all(name.startswith("gpipe-worker") for name in where.threads[-4:])

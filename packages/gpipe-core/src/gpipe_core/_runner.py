@@ -26,8 +26,10 @@ current action. The caller gets the error with its traceback; among errors raise
 about the same time, the one of the earliest action in unit time (:func:`simulate`), then
 the first partition, so that the outcome does not depend on thread timing.
 
-**Serially.** With one partition, or inside a checkpointed partition (a nested pipeline), the
-actions run in the calling thread, in the order of :func:`simulate`: no wait ever blocks.
+**Serially.** With one partition, inside a checkpointed partition (a nested pipeline), or
+where the transport makes the whole run one turn (every action short,
+:meth:`Transport.one_turn`), the actions run in the calling thread, in the order of
+:func:`simulate`: no wait ever blocks.
 """
 
 from __future__ import annotations
@@ -145,6 +147,10 @@ def run(
         workers: the worker of each partition (default: partition ``j`` on worker ``j``).
     """
     outputs: list[Batch | None] = [None] * len({action.microbatch for action in actions[0]})
+    local_run = all(partition is not None for partition in partitions)
+    if threaded and local_run and transport.one_turn(actions):
+        # Every action is short: the run is one turn, in this thread (no worker to wake).
+        threaded = False
     failure = Failure(transport, actions, workers)
     # Workers divide the caller's intra-op threads; a run in the calling thread keeps them.
     share = ThreadShare(intra_op_threads, torch.get_num_threads()) if threaded else NO_SHARE
@@ -159,7 +165,7 @@ def run(
                 lambda k, exc_info: failure.fail(local[k], -1, exc_info),
                 failure.cancel,
             )
-        elif all(partition is not None for partition in partitions):
+        elif local_run:
             with state.apply():
                 executor.run_serially(actions)
         else:

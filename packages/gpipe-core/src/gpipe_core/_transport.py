@@ -38,7 +38,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -300,6 +300,12 @@ class Transport(ABC):
         """An action of ``kind`` on ``partition`` computed for ``seconds`` (its messages'
         waits excluded): what decides whether it takes turns next time."""
 
+    def one_turn(self, actions: Sequence[Sequence[Action]]) -> bool:
+        """Whether the whole run may be one turn: every worker's ``actions`` run in the
+        calling thread, in :func:`~gpipe_core._schedule.serial_order` (see
+        :class:`LocalTransport`); the default never."""
+        return False
+
     def end_turn(self) -> None:  # noqa: B027
         """This worker stops taking turns (its list ended, it failed, or its next action
         is long): another may go on."""
@@ -367,8 +373,10 @@ class LocalTransport(Transport):
     so that it is measured alone. The measurements are the transport's, kept from run to
     run. An action that has kept the turn for :data:`TAKE_OVER_AFTER` loses it to a
     waiting worker, so a turn never waits on an action that waits for another worker.
-    Whatever the turns, every worker runs its own list in order, so the results are those
-    of any other interleaving.
+    Once every action of a run is measured short (:meth:`one_turn`), the run is one turn:
+    the calling thread runs all of them, and no worker thread is woken (a first run, which
+    measures them, runs on the workers). Whatever the turns, every worker runs its own list
+    in order, so the results are those of any other interleaving.
 
     Args:
         devices: the device of each partition.
@@ -467,6 +475,17 @@ class LocalTransport(Transport):
             return
         action = (partition, kind)  # only its worker's thread counts it
         self.slow[action] = 0 if seconds < SHORT_ACTION else self.slow.get(action, 0) + 1
+
+    def one_turn(self, actions: Sequence[Sequence[Action]]) -> bool:
+        if not self.turns:
+            return False
+        slow = self.slow
+        # Never measured counts as long here: a first run shows what each action takes.
+        return all(
+            slow.get((cast(int, action.partition), action.kind), LONG_AFTER) < LONG_AFTER
+            for row in actions
+            for action in row
+        )
 
     def end_turn(self) -> None:
         if self.holder != threading.get_ident():
