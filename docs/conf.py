@@ -101,3 +101,21 @@ myst_heading_anchors = 2
 html_theme = "alabaster"
 html_title = f"gpipe {release}"
 html_static_path: list[str] = []
+
+
+# -- private bases --------------------------------------------------------------------------
+
+
+def _public_bases(app: object, name: str, obj: object, options: object, bases: list[type]) -> None:
+    """A base class from a private module of gpipe (GPipe's ``_layers.LayersModule``)
+    shows as what it derives from: its members are documented on the class itself."""
+    bases[:] = [
+        base.__bases__[0]
+        if base.__module__.startswith("gpipe") and base.__module__.rsplit(".", 1)[-1][0] == "_"
+        else base
+        for base in bases
+    ]
+
+
+def setup(app: object) -> None:
+    app.connect("autodoc-process-bases", _public_bases)  # type: ignore[attr-defined]

@@ -1,13 +1,14 @@
 """The GPipe module: a pipelined, checkpointed wrapper around an ``nn.Sequential``.
 
-This module owns the API (the constructor, :meth:`~GPipe.forward`, :meth:`~GPipe.step`,
-the :class:`~torch.nn.Module` protocol) and the orchestration of a run: its session, its
-micro-batches and action lists, the partition runs handed to the runner. Every other job is
-a module's, called from here: the argument checks (``_arguments``), the construction
-(``_build``), the run's session on the transport (``_session``), a step's leaves and losses
-(``_step``), the layers under the plain module's names (``_layers``), device moves
-(``_moves``), the gradient norm (``_clip``). Whether the pipeline spans processes it does
-not know beyond what its placement (``_placement.Placement``) answers.
+This module owns the API (the constructor, :meth:`~GPipe.forward`, :meth:`~GPipe.step`)
+and the orchestration of a run: its session, its micro-batches and action lists, the
+partition runs handed to the runner. Every other job is a module's, called from here: the
+argument checks (``_arguments``), the construction (``_build``), the run's session on the
+transport (``_session``), a step's leaves and losses (``_step``), the layers under the plain
+module's names with the :class:`~torch.nn.Module` protocol over them (``_layers``, whose
+``LayersModule`` is GPipe's base), device moves (``_moves``), the gradient norm (``_clip``).
+Whether the pipeline spans processes it does not know beyond what its placement
+(``_placement.Placement``) answers.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import datetime
 import functools
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
@@ -34,7 +35,7 @@ from ._arguments import CheckpointMode, check_construction, check_input_device, 
 from ._build import build
 from ._clip import check_clip_arguments, clip_by_norms, gradient_norms
 from ._inputs import UNSET, StepArguments, batch_sizes, positional, step_arguments
-from ._layers import PlainLayers, named_modules
+from ._layers import LayersModule
 from ._losses import Losses, LossFunction, Reduction, from_numbers, to_numbers
 from ._moves import check_cpu, check_cuda, check_to
 from ._partition_run import LossSpec, PartitionRun, nested
@@ -53,7 +54,7 @@ from ._worker import WorkerPool
 __all__ = ["GPipe"]
 
 
-class GPipe(nn.Module):
+class GPipe(LayersModule):
     """Pipeline parallelism with micro-batches and checkpointing, as in GPipe.
 
     The layers of ``module`` are split into partitions, ``balance[j]`` layers each, and
@@ -274,75 +275,6 @@ class GPipe(nn.Module):
         super().__setstate__(state)  # type: ignore[no-untyped-call]
         self._init_runtime()
 
-    # -- the original layers ---------------------------------------------------------
-
-    def _partition_list(self) -> list[nn.Sequential]:
-        return cast(list[nn.Sequential], list(self.partitions))
-
-    def _layers(self) -> PlainLayers:
-        return PlainLayers(self._partition_list(), self.__dict__.get("_shared"))
-
-    def unwrap(self) -> nn.Sequential:
-        """The layers as one :class:`~torch.nn.Sequential`, in order, under their names.
-
-        The same layer objects, trained, wherever they are (a
-        :class:`~gpipe_core.WithDevice` layer gives the layer it wraps): a copy
-        (``copy.deepcopy``) is the plain model without the pipeline, to move, save or
-        serve alone. Its :meth:`~torch.nn.Module.state_dict` has the same keys as this
-        module's. A wrapped :class:`~gpipe_core.PipeSequential` comes back as one.
-
-        A :class:`~gpipe_bn.DeferredBatchNorm` (``deferred_batch_norm=True``) comes back
-        as a plain ``nn.BatchNorm{d}d`` holding the same parameters and running
-        statistics (see :func:`~gpipe_bn.convert_plain_batch_norm`; a layer holding one
-        is a shallow copy), so that the model alone updates its statistics on every call;
-        the pipeline keeps its deferred layers.
-
-        Example:
-            >>> import copy
-            >>> pipe = GPipe(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), [2, 1])
-            >>> plain = copy.deepcopy(pipe.unwrap())
-            >>> x = torch.randn(3, 4)
-            >>> torch.equal(plain(x), pipe(x)), list(plain.state_dict()) == list(pipe.state_dict())
-            (True, True)
-        """
-        return self._layers().unwrap(self._unpacks)
-
-    # -- names: the plain module's ---------------------------------------------------
-
-    def named_children(self) -> Iterator[tuple[str, nn.Module]]:
-        """The layers of this process's partitions under their names in the plain
-        module, so that :meth:`~torch.nn.Module.named_parameters`,
-        :meth:`~torch.nn.Module.named_buffers` and :meth:`~torch.nn.Module.named_modules`
-        give the plain module's names (``0.weight``), as ``state_dict()`` does, and
-        every name resolves on the pipeline (``pipe.get_parameter('0.weight')``). The
-        partitions stay in :attr:`partitions`.
-
-        Across processes, a rank holds only its partitions' layers. A shared (tied)
-        parameter whose first use is in another rank's layer has a replica here, named as
-        in the plain module (``0.weight``): a module standing for that layer holds it
-        alone, so that an optimizer's state for it has the plain module's key.
-        """
-        yield from self._layers().named_children(self._layer_names)
-
-    def named_modules(
-        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Module]]:
-        """The pipeline, then its layers and theirs under the plain module's names (see
-        :meth:`named_children`)."""
-        yield from named_modules(self, self.named_children(), memo, prefix, remove_duplicate)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError as error:
-            # A layer under its plain name, as on the plain module (``pipe.get_submodule('3')``).
-            modules = self.__dict__.get("_modules", {})
-            if "partitions" in modules and not name.startswith("_"):
-                layer = self._layers().get(name)
-                if layer is not None:
-                    return layer
-            raise error
-
     def train(self, mode: bool = True) -> GPipe:
         """Set training mode (``mode=False``: eval mode) on the pipeline, its layers and
         its partitions, as :meth:`torch.nn.Module.train` does on a module."""
@@ -352,15 +284,6 @@ class GPipe(nn.Module):
         for partition in self.partitions:
             partition.training = mode
         return self
-
-    def __len__(self) -> int:
-        return len(self._layers())
-
-    def __iter__(self) -> Iterator[nn.Module]:
-        return iter(self._layers())
-
-    def __getitem__(self, index: int) -> nn.Module:
-        return self._layers()[index]
 
     # -- placement is fixed by ``devices`` -------------------------------------------
 

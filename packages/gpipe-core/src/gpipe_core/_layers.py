@@ -1,6 +1,7 @@
 """A pipeline's layers as the plain module holds them: the :class:`~torch.nn.Module`
-container protocol (names, indexing, ``len``, iteration) over the partitions' layers, and
-the plain module itself (``unwrap``).
+container protocol (names, indexing, ``len``, iteration) over the
+partitions' layers (:class:`LayersModule`, which :class:`~gpipe_core.GPipe` is), and the
+plain module itself (``unwrap``).
 
 This module owns how the layers look from outside the pipeline: under the plain module's
 names (``0.weight``), whichever partition holds them. It must not know runs, transports or
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, cast
 
 from torch import nn
 
@@ -20,7 +22,7 @@ from gpipe_bn import convert_plain_batch_norm
 from ._sequential import PipeSequential
 from ._shared import SharedReplicas, views
 
-__all__ = ["PlainLayers", "named_modules"]
+__all__ = ["LayersModule", "PlainLayers", "named_modules"]
 
 
 class PlainLayers:
@@ -114,3 +116,91 @@ def named_modules(
         yield from layer.named_modules(
             memo, f"{prefix}.{name}" if prefix else name, remove_duplicate
         )
+
+
+class LayersModule(nn.Module):
+    """A module whose layers are the plain module's, under its names, held by partitions.
+
+    The base of :class:`~gpipe_core.GPipe`, which sets the attributes below; what it adds
+    is how the layers run.
+    """
+
+    partitions: nn.ModuleList
+    _unpacks: bool
+    _layer_names: list[str]
+
+    def _partition_list(self) -> list[nn.Sequential]:
+        return cast(list[nn.Sequential], list(self.partitions))
+
+    def _layers(self) -> PlainLayers:
+        return PlainLayers(self._partition_list(), self.__dict__.get("_shared"))
+
+    def unwrap(self) -> nn.Sequential:
+        """The layers as one :class:`~torch.nn.Sequential`, in order, under their names.
+
+        The same layer objects, trained, wherever they are (a
+        :class:`~gpipe_core.WithDevice` layer gives the layer it wraps): a copy
+        (``copy.deepcopy``) is the plain model without the pipeline, to move, save or
+        serve alone. Its :meth:`~torch.nn.Module.state_dict` has the same keys as this
+        module's. A wrapped :class:`~gpipe_core.PipeSequential` comes back as one.
+
+        A :class:`~gpipe_bn.DeferredBatchNorm` (``deferred_batch_norm=True``) comes back
+        as a plain ``nn.BatchNorm{d}d`` holding the same parameters and running
+        statistics (see :func:`~gpipe_bn.convert_plain_batch_norm`; a layer holding one
+        is a shallow copy), so that the model alone updates its statistics on every call;
+        the pipeline keeps its deferred layers.
+
+        Example:
+            >>> import copy
+            >>> import torch
+            >>> from gpipe_core import GPipe
+            >>> pipe = GPipe(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), [2, 1])
+            >>> plain = copy.deepcopy(pipe.unwrap())
+            >>> x = torch.randn(3, 4)
+            >>> torch.equal(plain(x), pipe(x)), list(plain.state_dict()) == list(pipe.state_dict())
+            (True, True)
+        """
+        return self._layers().unwrap(self._unpacks)
+
+    def named_children(self) -> Iterator[tuple[str, nn.Module]]:
+        """The layers of this process's partitions under their names in the plain
+        module, so that :meth:`~torch.nn.Module.named_parameters`,
+        :meth:`~torch.nn.Module.named_buffers` and :meth:`~torch.nn.Module.named_modules`
+        give the plain module's names (``0.weight``), as ``state_dict()`` does, and
+        every name resolves on the pipeline (``pipe.get_parameter('0.weight')``). The
+        partitions stay in :attr:`partitions`.
+
+        Across processes, a rank holds only its partitions' layers. A shared (tied)
+        parameter whose first use is in another rank's layer has a replica here, named as
+        in the plain module (``0.weight``): a module standing for that layer holds it
+        alone, so that an optimizer's state for it has the plain module's key.
+        """
+        yield from self._layers().named_children(self._layer_names)
+
+    def named_modules(
+        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Module]]:
+        """The pipeline, then its layers and theirs under the plain module's names (see
+        :meth:`named_children`)."""
+        yield from named_modules(self, self.named_children(), memo, prefix, remove_duplicate)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError as error:
+            # A layer under its plain name, as on the plain module (``pipe.get_submodule('3')``).
+            modules = self.__dict__.get("_modules", {})
+            if "partitions" in modules and not name.startswith("_"):
+                layer = self._layers().get(name)
+                if layer is not None:
+                    return layer
+            raise error
+
+    def __len__(self) -> int:
+        return len(self._layers())
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._layers())
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return self._layers()[index]
