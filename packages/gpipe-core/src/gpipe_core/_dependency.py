@@ -5,6 +5,9 @@ In backward, the gradient reaches the forked tensor's producer only after the jo
 tensor's backward has run, which fixes the order of otherwise independent work. The phony
 itself is gpipe_microbatch's (:func:`~gpipe_microbatch.get_phony`, shared with
 gpipe-checkpoint); the partitions decide what to order.
+
+It must not know partitions, schedules or runs: it orders the backward passes of two tensors
+for whoever asks.
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ the failing rank and its action. A rank that dies closes its connections:
 the others fail at once with an error naming it, and refuse later runs. Between runs the
 header receives posted ahead stay posted, but nothing waits on them, so an idle pipeline
 never runs into the process group's timeout.
+
+It must not know the layers, the schedules or GPipe: it carries messages under their keys
+and the run's lifecycle across ranks, for the ranks and tags the placement gives it.
 """
 
 from __future__ import annotations

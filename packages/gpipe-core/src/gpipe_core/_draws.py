@@ -19,6 +19,9 @@ saved-tensor hooks.
 Dropout of every kind, RReLU, fractional max pooling and the attention and transformer
 layers (which hold dropout) are not listed. Neither is anything of gpipe's own (a
 skippable layer, a nested pipeline), nor any module of the user's.
+
+It must not know runs, devices or checkpoints: it reads modules and inputs, and answers
+whether they can draw.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The losses of a training step (:meth:`GPipe.step <gpipe_core.GPipe.step>`)."""
+"""The losses of a training step (:meth:`GPipe.step <gpipe_core.GPipe.step>`).
+
+It must not know how a step runs: it holds, reduces and converts the losses it is given.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Checking the wrapped module, placing its layers and splitting it into partitions on devices."""
+"""Checking the wrapped module, placing its layers and splitting it into partitions on devices.
+
+It must not know how partitions run (runs, schedules, transports, threads): it checks the
+module and splits it.
+"""
 
 from __future__ import annotations
 

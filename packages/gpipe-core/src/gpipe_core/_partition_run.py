@@ -22,6 +22,10 @@ differ in one parameter, who drives the backward pass:
 
 Checkpointing is :class:`gpipe_checkpoint.Checkpointing` in both cases, placed by autograd
 or by the partition run.
+
+It must not know where its inputs come from or where its outputs go (the runner and the
+transport decide), nor the schedule's order: it runs what it is asked, one micro-batch at a
+time.
 """
 
 from __future__ import annotations

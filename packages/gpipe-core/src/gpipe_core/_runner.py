@@ -30,6 +30,10 @@ the first partition, so that the outcome does not depend on thread timing.
 where the transport makes the whole run one turn (every action short,
 :meth:`Transport.one_turn`), the actions run in the calling thread, in the order of
 :func:`simulate`: no wait ever blocks.
+
+It must not know which transport carries the messages (threads or processes), nor what a
+partition computes: a partition of another process is None here, and a transport is its
+interface.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from functools import partial
+from types import TracebackType
 from typing import Any, cast
 
 import torch
@@ -178,14 +183,45 @@ def run(
     return outputs
 
 
-def _on_device(partition: PartitionRun) -> AbstractContextManager[object]:
-    """Make the partition's device and compute stream current (nothing to do on the CPU)."""
-    if partition.device.type != "cuda" and not is_cuda(partition.stream):
-        return nullcontext()
+def _on_device(partition: PartitionRun | None) -> AbstractContextManager[object]:
+    """Make the partition's device and compute stream current (nothing to do on the CPU,
+    or for a partition of another process)."""
+    if partition is None or (partition.device.type != "cuda" and not is_cuda(partition.stream)):
+        return _NOTHING
     stack = ExitStack()
     stack.enter_context(use_device(partition.device))
     stack.enter_context(use_stream(partition.stream))
     return stack
+
+
+_NOTHING = nullcontext()
+
+
+class _Computing:
+    """Around partition ``j``'s computation of an action of ``kind``: its share of the
+    cores, and its time told to the transport (see :meth:`_Executor.computing`)."""
+
+    __slots__ = ("j", "kind", "share", "start", "transport")
+
+    def __init__(
+        self, transport: Transport, j: int, kind: str, share: AbstractContextManager[object]
+    ) -> None:
+        self.transport, self.j, self.kind, self.share = transport, j, kind, share
+
+    def __enter__(self) -> None:
+        self.share.__enter__()
+        self.start = time.perf_counter()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        seconds = time.perf_counter() - self.start
+        self.share.__exit__(kind, error, traceback)
+        if kind is None:
+            self.transport.took(self.j, self.kind, seconds)
 
 
 class _Executor:
@@ -245,9 +281,14 @@ class _Executor:
 
     def run_serially(self, actions: Sequence[Sequence[Action]]) -> None:
         """Run every action in the calling thread, in :func:`serial_order`."""
+        # Where a partition needs its device and stream made current (not on the CPU).
+        current = [_on_device(partition) is not _NOTHING for partition in self.partitions]
         for action in serial_order(actions, self.workers):
             j = cast(int, action.partition)
-            with _on_device(self.partition(j)):
+            if current[j]:
+                with _on_device(self.partition(j)):
+                    self.act(j, action)
+            else:
                 self.act(j, action)
 
     def act(self, j: int, action: Action) -> None:
@@ -267,15 +308,11 @@ class _Executor:
             add_note(error, where)
             raise
 
-    @contextmanager
-    def computing(self, j: int, kind: str) -> Iterator[None]:
+    def computing(self, j: int, kind: str) -> _Computing:
         """Around partition ``j``'s computation of an action of ``kind`` (its messages
         received, none sent yet): its share of the cores, and its time told to the
         transport, which decides from it whether the action takes turns."""
-        start = time.perf_counter()
-        with self.share.computing(self.partition(j).device):
-            yield
-        self.transport.took(j, kind, time.perf_counter() - start)
+        return _Computing(self.transport, j, kind, self.share.computing(self.partition(j).device))
 
     def forward(self, j: int, i: int) -> None:
         partition = self.partition(j)

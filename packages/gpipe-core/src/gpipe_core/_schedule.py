@@ -30,6 +30,9 @@ Example:
     >>> print(get_schedule("interleaved-1f1b").grid(2, 4, placement="loop", workers=2))
     w0: 0F0 0F1 2F0 2F1 .   2B0 .   2B1 0B0 0B1
     w1: .   1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1 .
+
+It must not know tensors, devices, threads or transports: it is lists of actions, checked
+and simulated in unit time.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Protocol, TypeVar
 
 __all__ = [
     "Action",
@@ -675,30 +678,63 @@ def simulate(
     return rows
 
 
+_Result = TypeVar("_Result", covariant=True)
+
+
+class _OfLists(Protocol[_Result]):
+    def __call__(
+        self, lists: Sequence[Sequence[Action]], placement: Sequence[int] | None = None
+    ) -> _Result: ...
+
+
+def _per_lists(
+    function: Callable[[Sequence[Sequence[Action]], tuple[int, ...] | None], _Result],
+) -> _OfLists[_Result]:
+    """``function`` of action lists and a placement, computed once per lists and placement
+    where the lists are tuples (the built-in schedules' lists are, cached by
+    :func:`step_actions`): a run needs it every run."""
+    cached = functools.lru_cache(maxsize=64)(function)
+
+    @functools.wraps(function)
+    def per_lists(
+        lists: Sequence[Sequence[Action]], placement: Sequence[int] | None = None
+    ) -> _Result:
+        where = None if placement is None else tuple(placement)
+        if isinstance(lists, tuple) and all(isinstance(row, tuple) for row in lists):
+            return cached(lists, where)
+        return function(lists, where)
+
+    return per_lists
+
+
+@_per_lists
 def serial_order(
-    lists: Sequence[Sequence[Action]], placement: Sequence[int] | None = None
-) -> Sequence[Action]:
+    lists: Sequence[Sequence[Action]], placement: tuple[int, ...] | None = None
+) -> tuple[Action, ...]:
     """Every action of ``lists`` in the order one thread runs them: unit-time column by
-    column of :func:`simulate`, the workers in order within a column. Computed once per
-    lists and placement where both are tuples (the built-in schedules' lists are, cached
-    by :func:`step_actions`): a serial run needs it every run.
+    column of :func:`simulate`, the workers in order within a column (computed once per
+    lists and placement where both are tuples).
 
     Example:
         >>> [str(a) for a in serial_order(GPipeSchedule().actions(2, 2))]
         ['F0', 'F1', 'F0', 'F1', 'B1', 'B1', 'B0', 'B0']
     """
-    where = None if placement is None else tuple(placement)
-    if isinstance(lists, tuple) and all(isinstance(row, tuple) for row in lists):
-        return _serial_order(lists, where)
-    return _serial_order.__wrapped__(lists, where)
-
-
-@functools.lru_cache(maxsize=64)
-def _serial_order(
-    lists: Sequence[Sequence[Action]], placement: tuple[int, ...] | None
-) -> tuple[Action, ...]:
     rows = simulate(lists, placement=placement)
     return tuple(action for column in _columns(rows) for _, action in column)
+
+
+@_per_lists
+def action_kinds(
+    lists: Sequence[Sequence[Action]], placement: tuple[int, ...] | None = None
+) -> frozenset[tuple[int | None, ActionKind]]:
+    """The (partition, kind) pairs of the actions of ``lists`` (computed once per lists
+    where they are tuples).
+
+    Example:
+        >>> sorted(action_kinds(((Action("forward", 0, 1), Action("backward", 0, 1)),)))
+        [(1, 'backward'), (1, 'forward')]
+    """
+    return frozenset((action.partition, action.kind) for row in lists for action in row)
 
 
 def _columns(rows: Sequence[Sequence[Action | None]]) -> Iterator[list[tuple[int, Action]]]:

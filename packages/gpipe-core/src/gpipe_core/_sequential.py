@@ -1,5 +1,8 @@
 """Calling conventions of a sequential model: one value from layer to layer, or positional
-arguments unpacked from tuples (:class:`PipeSequential`)."""
+arguments unpacked from tuples (:class:`PipeSequential`).
+
+It must not know partitions or pipelines: it calls one layer after another.
+"""
 
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ gradient of every skip tensor flows like any other.
 A skip stashed by partition ``j`` and popped by partition ``k`` is sent by the transport from
 ``j`` straight to ``k`` (see :mod:`gpipe_core._transport`): once per micro-batch, and
 never through the partitions in between.
+
+It must not know the transport or the schedule: how a partition's skips arrive is the
+runner's.
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ This relies on how torch's OpenMP builds (the Linux, Windows and macOS wheels) k
 threads keep theirs) and the count that threads started later begin with, which the end of the
 run sets back to the caller's. Where torch has no OpenMP (its own pool, shared by every thread
 of the process), nothing is divided: setting the count there would change it for all threads.
+
+It must not know what the workers compute or in which order: it is told when a worker starts
+and ends a computation.
 """
 
 from __future__ import annotations

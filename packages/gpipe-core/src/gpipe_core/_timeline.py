@@ -4,6 +4,9 @@
 its ``with`` block into a :class:`Timeline`. A task is partition ``j`` working on
 micro-batch ``i`` in one :class:`Phase`; each is also labelled for
 :mod:`torch.profiler` with :func:`task_label`.
+
+It must not know how tasks run or are recorded (:mod:`gpipe_core._tracing` builds a
+timeline): a timeline is data.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ partition's output, whose backward runs first (the start; for a checkpointed mic
 end of its recomputation is the start), and one on its input, whose backward runs last
 (the end); the recomputation inside autograd is recognised by
 :func:`~gpipe_checkpoint.is_recomputing`.
+
+It must not know schedules or transports: it is called around each task and each device
+copy.
 """
 
 from __future__ import annotations

@@ -27,9 +27,13 @@ and whether messages keep their graph), the messages, then :meth:`~Transport.fin
 (every process ends the run, and learns the others' payloads and errors). Cancellation
 state lives here: :attr:`Transport.cancelled`. Between worker threads of one process the
 plan and the end need nothing. The workers' turns are the transport's too
-(:meth:`~Transport.take_turn`, :meth:`~Transport.took`, :meth:`~Transport.end_turn`):
-between worker threads on the CPU short actions take turns, since the threads share one
-interpreter lock; across processes there are no turns.
+(:meth:`~Transport.take_turn`, :meth:`~Transport.took`, :meth:`~Transport.end_turn`,
+:meth:`~Transport.one_turn`): between worker threads on the CPU short actions take turns,
+since the threads share one interpreter lock, and a run of short actions only is one turn
+in the calling thread; across processes there are no turns.
+
+It must not know the layers, the schedule's order or the runner: it moves what it is given
+under its key.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from gpipe_checkpoint import is_differentiable
 from gpipe_microbatch import Batch, make_tuple
 
 from ._agreement import Fields
-from ._schedule import Action
+from ._schedule import Action, action_kinds
 from ._stream import AbstractStream, is_cuda
 from ._tracing import Tracer
 from ._transfer import copy, wait
@@ -482,9 +486,8 @@ class LocalTransport(Transport):
         slow = self.slow
         # Never measured counts as long here: a first run shows what each action takes.
         return all(
-            slow.get((cast(int, action.partition), action.kind), LONG_AFTER) < LONG_AFTER
-            for row in actions
-            for action in row
+            slow.get((cast(int, j), kind), LONG_AFTER) < LONG_AFTER
+            for j, kind in action_kinds(actions)
         )
 
     def end_turn(self) -> None:

@@ -1,4 +1,4 @@
-"""Worker threads: one per partition, each fed its partition's part of a run through a queue.
+"""Worker threads: one per worker of a process, each fed its part of a run through a queue.
 
 A :class:`WorkerPool` belongs to one GPipe module. Its threads start on the first run that
 needs them and live until the module is garbage-collected (or :meth:`WorkerPool.close` is
@@ -8,6 +8,9 @@ the module stops them.
 
 Grad mode and autocast are thread-local in PyTorch, so the runner applies the caller's
 :class:`~gpipe_microbatch.ThreadState` in each worker for the run.
+
+It must not know partitions, schedules or the transport: a worker runs the jobs it is given
+and reports what they raised.
 """
 
 from __future__ import annotations
