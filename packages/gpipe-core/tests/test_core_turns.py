@@ -227,6 +227,17 @@ def test_a_run_is_one_turn_once_every_action_is_known_short(transport: LocalTran
     assert Transport.one_turn(transport, actions) is False
 
 
+def assert_plain_gradients(
+    pipe: GPipe, plain: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: nn.Module
+) -> None:
+    """The pipeline's gradients (of one step) are the plain model's."""
+    grads = [p.grad.clone() for p in pipe.parameters()]  # type: ignore[union-attr]
+    plain.zero_grad()
+    loss_fn(plain(x), y).backward()
+    for grad, p in zip(grads, plain.parameters(), strict=True):
+        assert torch.allclose(grad, p.grad)  # type: ignore[arg-type]
+
+
 class Sleep(nn.Module):
     """A layer that computes for ``seconds`` (a sleep) in its forward pass."""
 
@@ -273,11 +284,7 @@ def test_a_step_measures_its_actions_and_matches_the_plain_model(
     assert transport.slow[(0, "forward")] >= LONG_AFTER
     assert transport.slow[(1, "forward")] < LONG_AFTER
     assert transport.slow[(1, "backward")] < LONG_AFTER
-    grads = [p.grad.clone() for p in pipe.parameters()]  # type: ignore[union-attr]
-    plain.zero_grad()
-    loss_fn(plain(x), y).backward()
-    for grad, p in zip(grads, plain.parameters(), strict=True):
-        assert torch.allclose(grad, p.grad)  # type: ignore[arg-type]
+    assert_plain_gradients(pipe, plain, x, y, loss_fn)
     # A failing action gives its turn up; the next step runs.
     fail.armed = True
     with pytest.raises(RuntimeError, match="boom"):
@@ -374,11 +381,7 @@ def test_a_step_of_short_actions_runs_in_the_calling_thread(
     pipe.zero_grad()
     pipe.step(x, y, loss_fn, schedule=schedule)
     assert where.threads == [threading.current_thread().name] * 4
-    grads = [p.grad.clone() for p in pipe.parameters()]  # type: ignore[union-attr]
-    plain.zero_grad()
-    loss_fn(plain(x), y).backward()
-    for grad, p in zip(grads, plain.parameters(), strict=True):
-        assert torch.allclose(grad, p.grad)  # type: ignore[arg-type]
+    assert_plain_gradients(pipe, plain, x, y, loss_fn)
     fail.armed = True
     with pytest.raises(RuntimeError, match="boom") as raised:
         pipe.step(x, y, loss_fn, schedule=schedule)
