@@ -155,8 +155,11 @@ def test_torchrun_without_init_process_group_warns_once(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(module, "_warned_without_process_group", False)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.warns(UserWarning, match=r"one of 2 \(WORLD_SIZE=2\).*init_process_group.*group="):
+    with pytest.warns(
+        UserWarning, match=r"one of 2 \(WORLD_SIZE=2\).*init_process_group.*group="
+    ) as caught:
         GPipe(_model(), [1, 2])
+    assert caught[0].filename == __file__  # the user's call, not gpipe's
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         GPipe(_model(), [1, 2])  # once per process

@@ -30,7 +30,7 @@ from gpipe_checkpoint import is_checkpointing, is_recomputing
 from gpipe_microbatch import Batch, Device, ThreadState, gather, scatter
 from gpipe_skip import SkipLayout
 
-from ._agreement import Construction, Fields, run_fields
+from ._agreement import Fields, run_fields
 from ._arguments import CheckpointMode, check_construction, check_input_device, check_step
 from ._build import build
 from ._clip import check_clip_arguments, clip_by_norms, gradient_norms
@@ -39,7 +39,7 @@ from ._layers import LayersModule
 from ._losses import Losses, LossFunction, Reduction, from_numbers, to_numbers
 from ._moves import check_cpu, check_cuda, check_to
 from ._partition_run import LossSpec, PartitionRun, nested
-from ._placement import DEFAULT_TIMEOUT, warn_without_process_group
+from ._placement import DEFAULT_TIMEOUT, construction_for
 from ._runner import run
 from ._schedule import Action, GPipeSchedule, Schedule, step_actions
 from ._session import run_session, share_plan
@@ -179,16 +179,7 @@ class GPipe(LayersModule):
         placement: str | Sequence[int] | None = None,
     ) -> None:
         super().__init__()
-        construction: Construction | None = None
-        if group is None:
-            warn_without_process_group()
-        else:
-            from ._distributed import check_group, pipeline_tag
-
-            # Before anything can fail on one rank only: the ranks then count their
-            # pipelines on the group alike, and tell each other of a failure.
-            check_group(group)
-            construction = Construction(group, pipeline_tag(group))
+        construction = construction_for(group)
         try:
             checked = check_construction(
                 module, balance, devices, chunks, checkpoint, deferred_batch_norm,

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from gpipe_microbatch import Device
 
+from ._agreement import Construction
 from ._partition import resolve_devices
 from ._schedule import place_partitions
 from ._transport import LocalTransport, Transport
@@ -36,6 +37,7 @@ __all__ = [
     "MAX_TIMEOUT",
     "Placement",
     "check_timeout",
+    "construction_for",
     "warn_without_process_group",
 ]
 
@@ -78,10 +80,26 @@ def check_timeout(timeout: object, group: object) -> float | None:
 _warned_without_process_group = False
 
 
-def warn_without_process_group() -> None:
+def construction_for(group: dist.ProcessGroup | None) -> Construction | None:
+    """How the ranks of ``group`` agree on the pipeline being built (the group checked
+    first, before anything can fail on one rank only: the ranks then count their pipelines
+    on the group alike, and tell each other of a failure); None in one process, which
+    warns where the environment says it is one of several (see
+    :func:`warn_without_process_group`)."""
+    if group is None:
+        warn_without_process_group(stacklevel=4)
+        return None
+    from ._distributed import check_group, pipeline_tag
+
+    check_group(group)
+    return Construction(group, pipeline_tag(group))
+
+
+def warn_without_process_group(stacklevel: int) -> None:
     """Warn (once per process) when the environment says this process is one of several
     but ``torch.distributed`` is not initialized: every rank would then train the whole
-    model alone (a pipeline inside the user's own data parallelism is initialized)."""
+    model alone (a pipeline inside the user's own data parallelism is initialized).
+    ``stacklevel`` points the warning at the user's call."""
     global _warned_without_process_group
     if _warned_without_process_group or (dist.is_available() and dist.is_initialized()):
         return
@@ -96,7 +114,7 @@ def warn_without_process_group() -> None:
         "torch.distributed.init_process_group() first and pass "
         "group=torch.distributed.group.WORLD",
         UserWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
 
 
