@@ -10,6 +10,7 @@ nested in a partition.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from torch import nn
 from core_strategies import compositions
 from gpipe_bn import DeferredBatchNorm
 from gpipe_core import GPipe, Losses
+from gpipe_core._transport import LocalTransport
 from gpipe_skip import Namespace, current_skip_tracker, pop, skippable, stash
 
 MODES = ("always", "except_last", "never")
@@ -204,6 +206,43 @@ def test_random_models_match_plain(spec: Spec) -> None:
         parts = zip(x.split(losses.sizes), y.split(losses.sizes), strict=True)
         for loss, (xi, yi) in zip(losses, parts, strict=True):
             torch.testing.assert_close(loss, loss_fn(plain(xi), yi))
+
+
+def in_one_turn(pipe: GPipe) -> set[int]:
+    """Make ``pipe``'s runs one turn (every action measured short: the calling thread runs
+    them all, ``LocalTransport.one_turn``); the threads that run its last layer's forward
+    passes are added to the set returned."""
+    transport = pipe._placement.transport()
+    assert isinstance(transport, LocalTransport)
+    kinds = ("forward", "backward", "input", "weight")
+    transport.slow = {(j, kind): 0 for j in range(len(pipe.partitions)) for kind in kinds}
+    threads: set[int] = set()
+    last = pipe[len(pipe) - 1]
+    last.register_forward_pre_hook(lambda *_: threads.add(threading.get_ident()))
+    return threads
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=specs())
+def test_random_models_match_plain_in_one_turn(spec: Spec) -> None:
+    """The same, the run one turn: every action measured short, the calling thread runs
+    them all (``LocalTransport.one_turn``)."""
+    model = build(spec.layers, spec.seed)
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, list(spec.balance), chunks=spec.chunks, checkpoint=spec.checkpoint)
+    threads = in_one_turn(pipe)
+    x = torch.randn(spec.batch, WIDTH, dtype=torch.float64)
+    y = torch.randn(spec.batch, 2, dtype=torch.float64)
+    assert_step_matches(
+        pipe,
+        plain,
+        x,
+        y,
+        spec.loss,
+        schedule=spec.schedule,
+        input_requires_grad=spec.input_requires_grad,
+    )
+    assert threads == {threading.get_ident()}
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -490,12 +529,15 @@ def test_skips_match_plain(data: st.DataObject) -> None:
     model = unet(depth, active, data.draw(st.integers(0, 2**16), label="seed"))
     plain = copy.deepcopy(model)
     pipe = GPipe(model, balance, chunks=chunks, checkpoint=checkpoint)
+    one_turn = data.draw(st.booleans(), label="one turn")
+    threads = in_one_turn(pipe) if one_turn else None
     x = torch.randn(batch, WIDTH, dtype=torch.float64)
     y = torch.randn(batch, 2, dtype=torch.float64)
     assert_step_matches(
         pipe, plain, x, y, schedule=schedule, input_requires_grad=input_requires_grad
     )
     assert len(current_skip_tracker()) == 0
+    assert threads is None or threads == {threading.get_ident()}
 
 
 @pytest.mark.parametrize("active", [True, False])
