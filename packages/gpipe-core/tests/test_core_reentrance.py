@@ -124,3 +124,31 @@ def test_another_module_inside_a_hook_still_runs() -> None:
     handle.remove()
     assert len(seen) == 3  # once per micro-batch
     torch.testing.assert_close(seen[0], plain(x))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_reentering_a_run_in_one_turn_is_refused(schedule: str) -> None:
+    # Every action measured short: the calling thread runs them all, and a hook calling the
+    # module runs in the thread that holds its run.
+    plain = model()
+    pipe = GPipe(copy.deepcopy(plain), [2, 2], chunks=3, checkpoint="never")
+    transport = pipe._placement.transport()
+    transport.slow = {(j, kind): 0 for j in range(2) for kind in ("forward", "backward")}  # type: ignore[attr-defined]
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    handle = pipe[2].register_forward_hook(lambda *_: pipe(x))
+    error = within_timeout(lambda: pipe(x))
+    assert isinstance(error, RuntimeError)
+    assert "called from inside its own run" in str(error)
+    handle.remove()
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        pipe(x).sum().backward()
+        return grad
+
+    handle = pipe[3].weight.register_hook(hook)
+    error = within_timeout(lambda: pipe.step(x, y, nn.MSELoss(), schedule=schedule))
+    assert isinstance(error, RuntimeError)
+    assert "called from inside its own run" in str(error)
+    handle.remove()
+    pipe.zero_grad()
+    assert_still_usable(pipe, plain)
