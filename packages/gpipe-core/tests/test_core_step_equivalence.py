@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from core_strategies import compositions
+from core_turns import measured_short
 from gpipe_bn import DeferredBatchNorm
 from gpipe_core import GPipe, Losses
-from gpipe_core._transport import LocalTransport
 from gpipe_skip import Namespace, current_skip_tracker, pop, skippable, stash
 
 MODES = ("always", "except_last", "never")
@@ -212,10 +212,7 @@ def in_one_turn(pipe: GPipe) -> set[int]:
     """Make ``pipe``'s runs one turn (every action measured short: the calling thread runs
     them all, ``LocalTransport.one_turn``); the threads that run its last layer's forward
     passes are added to the set returned."""
-    transport = pipe._placement.transport()
-    assert isinstance(transport, LocalTransport)
-    kinds = ("forward", "backward", "input", "weight")
-    transport.slow = {(j, kind): 0 for j in range(len(pipe.partitions)) for kind in kinds}
+    measured_short(pipe)
     threads: set[int] = set()
     last = pipe[len(pipe) - 1]
     last.register_forward_pre_hook(lambda *_: threads.add(threading.get_ident()))

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from core_turns import measured_short
 from gpipe_core import GPipe, Phase, TaskEvent, Timeline, task_label, theoretical_bubble
 from gpipe_core import _tracing as tracing
 from gpipe_core._transport import LocalTransport
@@ -593,10 +594,8 @@ def test_plain_profiler_sees_a_run_in_one_turn_whole(monkeypatch: pytest.MonkeyP
     # Every action short (as measured by a run): the calling thread runs them all.
     monkeypatch.setattr(tracing, "_warned", False)
     model, x = p3m4(), torch.randn(8, 8)
-    model(x).sum().backward()
-    transport = model._placement.transport()
-    assert isinstance(transport, LocalTransport)
-    transport.slow = dict.fromkeys(transport.slow, 0)  # not a first-time cost's hiccup
+    model(x).sum().backward()  # on the workers, measuring every action
+    measured_short(model)  # as they are, but for a first-time cost's hiccup
     with warnings.catch_warnings(), torch.profiler.profile() as prof:
         warnings.simplefilter("error")
         model(x).sum().backward()

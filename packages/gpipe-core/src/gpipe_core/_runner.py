@@ -183,18 +183,20 @@ def run(
     return outputs
 
 
-def _on_device(partition: PartitionRun | None) -> AbstractContextManager[object]:
-    """Make the partition's device and compute stream current (nothing to do on the CPU,
-    or for a partition of another process)."""
-    if partition is None or (partition.device.type != "cuda" and not is_cuda(partition.stream)):
-        return _NOTHING
+def _needs_device(partition: PartitionRun | None) -> bool:
+    """Whether the partition's work needs its device and compute stream made current (on
+    CUDA; not on the CPU, nor for a partition of another process)."""
+    return partition is not None and (partition.device.type == "cuda" or is_cuda(partition.stream))
+
+
+def _on_device(partition: PartitionRun) -> AbstractContextManager[object]:
+    """Make the partition's device and compute stream current (nothing to do on the CPU)."""
+    if not _needs_device(partition):
+        return nullcontext()
     stack = ExitStack()
     stack.enter_context(use_device(partition.device))
     stack.enter_context(use_stream(partition.stream))
     return stack
-
-
-_NOTHING = nullcontext()
 
 
 class _Computing:
@@ -282,7 +284,7 @@ class _Executor:
     def run_serially(self, actions: Sequence[Sequence[Action]]) -> None:
         """Run every action in the calling thread, in :func:`serial_order`."""
         # Where a partition needs its device and stream made current (not on the CPU).
-        current = [_on_device(partition) is not _NOTHING for partition in self.partitions]
+        current = [_needs_device(partition) for partition in self.partitions]
         for action in serial_order(actions, self.workers):
             j = cast(int, action.partition)
             if current[j]:

@@ -41,7 +41,7 @@ import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import ClassVar, Literal, Protocol, TypeVar
+from typing import ClassVar, Literal, ParamSpec, TypeVar, cast
 
 __all__ = [
     "Action",
@@ -678,55 +678,51 @@ def simulate(
     return rows
 
 
-_Result = TypeVar("_Result", covariant=True)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
-class _OfLists(Protocol[_Result]):
-    def __call__(
-        self, lists: Sequence[Sequence[Action]], placement: Sequence[int] | None = None
-    ) -> _Result: ...
-
-
-def _per_lists(
-    function: Callable[[Sequence[Sequence[Action]], tuple[int, ...] | None], _Result],
-) -> _OfLists[_Result]:
-    """``function`` of action lists and a placement, computed once per lists and placement
-    where the lists are tuples (the built-in schedules' lists are, cached by
-    :func:`step_actions`): a run needs it every run."""
-    cached = functools.lru_cache(maxsize=64)(function)
+def _per_lists(function: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``function`` of action lists (its first argument) and hashable arguments, computed
+    once per arguments where the lists are tuples (the built-in schedules' lists are,
+    cached by :func:`step_actions`): a run needs it every run."""
+    # The arguments are hashable where the lists are tuples (checked below).
+    cached = cast(Callable[_P, _R], functools.lru_cache(maxsize=64)(function))
 
     @functools.wraps(function)
-    def per_lists(
-        lists: Sequence[Sequence[Action]], placement: Sequence[int] | None = None
-    ) -> _Result:
-        where = None if placement is None else tuple(placement)
+    def per_lists(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        lists = args[0]
         if isinstance(lists, tuple) and all(isinstance(row, tuple) for row in lists):
-            return cached(lists, where)
-        return function(lists, where)
+            return cached(*args, **kwargs)
+        return function(*args, **kwargs)
 
     return per_lists
 
 
-@_per_lists
 def serial_order(
-    lists: Sequence[Sequence[Action]], placement: tuple[int, ...] | None = None
+    lists: Sequence[Sequence[Action]], placement: Sequence[int] | None = None
 ) -> tuple[Action, ...]:
     """Every action of ``lists`` in the order one thread runs them: unit-time column by
     column of :func:`simulate`, the workers in order within a column (computed once per
-    lists and placement where both are tuples).
+    lists and placement where the lists are tuples).
 
     Example:
         >>> [str(a) for a in serial_order(GPipeSchedule().actions(2, 2))]
         ['F0', 'F1', 'F0', 'F1', 'B1', 'B1', 'B0', 'B0']
     """
+    return _serial_order(lists, None if placement is None else tuple(placement))
+
+
+@_per_lists
+def _serial_order(
+    lists: Sequence[Sequence[Action]], placement: tuple[int, ...] | None
+) -> tuple[Action, ...]:
     rows = simulate(lists, placement=placement)
     return tuple(action for column in _columns(rows) for _, action in column)
 
 
 @_per_lists
-def action_kinds(
-    lists: Sequence[Sequence[Action]], placement: tuple[int, ...] | None = None
-) -> frozenset[tuple[int | None, ActionKind]]:
+def action_kinds(lists: Sequence[Sequence[Action]]) -> frozenset[tuple[int | None, ActionKind]]:
     """The (partition, kind) pairs of the actions of ``lists`` (computed once per lists
     where they are tuples).
 
