@@ -40,7 +40,7 @@ done
 echo "== bench_gpu.py ($((SECONDS - start)) s so far)"
 timeout 330 "$python" benchmarks/bench_gpu.py "$@" 2>&1 | tee "$out/bench_gpu.log"
 
-left=$((450 - (SECONDS - start)))
+left=$((${GPU_RUN_SECONDS:-360} - (SECONDS - start)))
 if [ "$left" -gt 60 ]; then
     echo "== gpipe-core's whole suite with the GPU visible (${left} s at most)"
     workers=()
