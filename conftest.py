@@ -1,4 +1,5 @@
-"""Root pytest configuration: tests marked ``cuda`` are skipped without a CUDA GPU.
+"""Root pytest configuration: tests marked ``cuda`` are skipped without a CUDA GPU, and
+the others run as on a machine without one.
 
 It also hands out :func:`check_public_names` as a fixture, for each distribution's
 public-names test. This file imports nothing but pytest, torch and the standard library,
@@ -30,6 +31,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip_cuda)
+
+
+@pytest.fixture(autouse=True)
+def _no_gpu_unless_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A test not marked ``cuda`` runs as on a machine without a GPU, also on one that has
+    # some: its defaults (every partition on the CPU) are those of a CPU-only machine, and
+    # the processes it starts see no GPU either. Tests marked ``cuda`` see the GPUs.
+    if request.node.get_closest_marker("cuda") is not None or not torch.cuda.is_available():
+        return
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
 @pytest.fixture(autouse=True)

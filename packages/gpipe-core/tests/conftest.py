@@ -155,15 +155,19 @@ class Cluster:
     Each rank is a subprocess (one intra-op thread) that answers on a pipe; :meth:`run`
     sends every rank a case and returns the ranks' results, or raises :class:`RankFailed`
     when one raised or did not answer within ``timeout`` seconds. :meth:`close` ends
-    every process (killing it if it must) and reaps it.
+    every process (killing it if it must) and reaps it. The ranks see no GPU unless
+    ``gpus`` is true (for the tests marked ``cuda``), as every other test runs as on a
+    machine without one.
     """
 
-    def __init__(self, world: int, timeout: float = 120.0) -> None:
+    def __init__(self, world: int, timeout: float = 120.0, *, gpus: bool = False) -> None:
         self.world = world
         self.timeout = timeout
         self.cases = load_cases()
         port = _free_port()
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        if not gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ""
         self.processes = [
             subprocess.Popen(
                 [sys.executable, str(CASES_FILE), str(rank), str(world), str(port)],
@@ -243,8 +247,8 @@ def cluster2_fixture() -> Iterator[Cluster]:
 def _clusters() -> Iterator[Callable[[int], Cluster]]:
     made: list[Cluster] = []
 
-    def make(world: int) -> Cluster:
-        made.append(Cluster(world))
+    def make(world: int, *, gpus: bool = False) -> Cluster:
+        made.append(Cluster(world, gpus=gpus))
         return made[-1]
 
     try:

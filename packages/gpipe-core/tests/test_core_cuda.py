@@ -104,7 +104,11 @@ def test_device_names_are_normalized() -> None:
 def test_too_many_partitions_for_the_default_devices() -> None:
     n = torch.cuda.device_count()
     net = nn.Sequential(*[nn.Identity() for _ in range(n + 1)])
-    message = rf"too few devices.*\(devices: {n}, partitions: {n + 1}\)"
+    message = (
+        rf"too few devices.*\(devices: {n}, partitions: {n + 1}\): by default each partition "
+        rf"gets a CUDA device of its own; pass devices= to put several on one "
+        rf"\(devices=\['cuda:0'\] \* {n + 1}, say\)"
+    )
     with pytest.raises(ValueError, match=message):
         GPipe(net, [1] * (n + 1))
 

@@ -374,7 +374,9 @@ def test_partitions_on_cuda(
     if backend == "nccl" and not dist.is_nccl_available():
         pytest.skip("this torch has no NCCL")
     layers = ("linear", "tanh", "linear")
-    results = new_cluster(2).results("cuda", layers=layers, balance=[2, 1], seed=1, backend=backend)
+    results = new_cluster(2, gpus=True).results(
+        "cuda", layers=layers, balance=[2, 1], seed=1, backend=backend
+    )
     model = cases.build(layers, 1)
     x, y = cases.data(1, 4)
     loss = nn.MSELoss()(model(x), y)

@@ -106,18 +106,18 @@ def test_a_nccl_data_group_for_partitions_on_the_cpu(
     """NCCL averages CUDA tensors only: refused at construction (this CPU build has no
     NCCL, so the group's backend is made to read ``'nccl'``), with the module unchanged."""
     real = dist.get_backend
-    monkeypatch.setattr(
-        dist, "get_backend", lambda group=None: "nccl" if group is world else real(group)
-    )
     model = _model()
-    with pytest.raises(
-        ValueError,
-        match=r"data_group uses NCCL.*\(data_group backend: 'nccl', devices of this rank: "
-        r"\['cpu', 'cpu'\]\)",
-    ):
-        GPipe(model, [1, 2], data_group=world, deferred_batch_norm=True)
+    with monkeypatch.context() as patched:
+        patched.setattr(
+            dist, "get_backend", lambda group=None: "nccl" if group is world else real(group)
+        )
+        with pytest.raises(
+            ValueError,
+            match=r"data_group uses NCCL.*\(data_group backend: 'nccl', devices of this rank: "
+            r"\['cpu', 'cpu'\]\)",
+        ):
+            GPipe(model, [1, 2], data_group=world, deferred_batch_norm=True)
     assert type(model[1]) is nn.BatchNorm1d  # not converted to a deferred batch norm
-    monkeypatch.undo()
     pipe = GPipe(model, [1, 2], data_group=world)  # the same module, gloo: accepted
     x, y = torch.randn(4, 4), torch.randn(4, 2)
     assert len(pipe.step(x, y, nn.MSELoss())) == 1

@@ -186,13 +186,20 @@ def test_deepcopy(used: bool) -> None:
     original = copy_source()
     if used:
         original(torch.randn(6, 3)).sum().backward()
+    original(torch.randn(3, 3))  # the original's workers exist from here on
+    others = set(threading.enumerate())
     twin = copy.deepcopy(original)
     assert_same_model(original, twin)
-    # Each has its own workers: both keep running after the other is gone.
-    before = threading.active_count()
+    # Each has its own workers: both keep running after the other is gone. The twin's are
+    # told by identity, since threads that earlier tests left may end meanwhile.
+    twins = set(threading.enumerate()) - others
+    assert len(twins) == 2, twins
     del twin
-    gc.collect()
-    assert wait_for_count(before - 2) == before - 2
+    deadline = time.monotonic() + 5.0
+    while any(thread.is_alive() for thread in twins) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert not any(thread.is_alive() for thread in twins)
     assert original(torch.randn(3, 3)).shape == (3, 2)
 
 

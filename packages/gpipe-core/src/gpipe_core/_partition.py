@@ -262,9 +262,15 @@ def resolve_devices(devices: Iterable[Device] | None, partitions: int) -> list[t
             )
         resolved = [_device(device, k, devices) for k, device in enumerate(devices)]
     if len(resolved) < partitions:
+        hint = ""
+        if devices is None:
+            hint = (
+                ": by default each partition gets a CUDA device of its own; pass devices= to "
+                f"put several on one (devices=['cuda:0'] * {partitions}, say)"
+            )
         raise ValueError(
             "too few devices to hold the partitions "
-            f"(devices: {len(resolved)}, partitions: {partitions})"
+            f"(devices: {len(resolved)}, partitions: {partitions}){hint}"
         )
     return resolved[:partitions]
 
