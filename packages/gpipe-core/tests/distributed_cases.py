@@ -498,6 +498,74 @@ def case_lm(
     }
 
 
+#: Whether each :class:`Gate` runs its layer, by the gate's name (a case sets them before
+#: each step, alike on every rank; a missing name is on).
+GATES: dict[str, bool] = {}
+
+
+class Gate(nn.Module):
+    """Its layer, or the identity where ``GATES[name]`` is off (LayerDrop-style): a step in
+    which every use of a tied weight is skipped computes no gradient for it."""
+
+    def __init__(self, name: str, layer: nn.Module) -> None:
+        super().__init__()
+        self.name = name
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) if GATES.get(self.name, True) else x  # type: ignore[no-any-return]
+
+
+def gated_tied_model(seed: int) -> nn.Sequential:
+    """Three gated uses of one weight (``0.layer.weight``, layers 0, 2 and 5) and an untied
+    linear layer, float64: balance ``[3, 3]`` on two ranks, ``[2, 2, 2]`` on three."""
+    torch.manual_seed(seed)
+    first, middle, last = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
+    middle.weight = last.weight = first.weight
+    return nn.Sequential(
+        Gate("first", first), nn.Tanh(), Gate("middle", middle),
+        nn.Linear(WIDTH, WIDTH), nn.Tanh(), Gate("last", last),
+    ).double()  # fmt: skip
+
+
+def gated_steps(
+    model: nn.Module, plan: list[tuple[dict[str, bool], bool]], seed: int
+) -> list[dict[str, Any]]:
+    """Steps of SGD with momentum on ``model`` (a pipeline, or the plain model, whose
+    micro-batches' gradients are accumulated as a step does), each with its gates and
+    whether the gradients are zeroed (set to None) first; each parameter's gradient (None
+    where there is none) and value after each step, under its name."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    record = []
+    for k, (gates, zero) in enumerate(plan):
+        GATES.clear()
+        GATES.update(gates)
+        if zero:
+            optimizer.zero_grad(set_to_none=True)
+        x, y = data(seed + k, 4)
+        if isinstance(model, GPipe):
+            model.step(x, y, nn.MSELoss())
+        else:
+            for xi, yi in zip(x.chunk(2), y.chunk(2), strict=True):
+                (nn.MSELoss()(model(xi), yi) * len(xi) / len(x)).backward()
+        grads = {
+            name: None if p.grad is None else p.grad.clone()
+            for name, p in model.named_parameters()
+        }
+        optimizer.step()
+        values = {name: p.detach().clone() for name, p in model.named_parameters()}
+        record.append({"grads": grads, "values": values})
+    GATES.clear()
+    return record
+
+
+def case_gated_tied(rank: int, *, plan: list[tuple[dict[str, bool], bool]]) -> dict[str, Any]:
+    """:func:`gated_steps` of :func:`gated_tied_model` across every rank."""
+    balance = {2: [3, 3], 3: [2, 2, 2]}[dist.get_world_size()]
+    pipe = GPipe(gated_tied_model(3), balance, chunks=2, group=dist.group.WORLD, timeout=60)
+    return {"steps": gated_steps(pipe, plan, seed=3), "drift": pipe.shared_drift()}
+
+
 # -- cases ---------------------------------------------------------------------------------
 
 

@@ -316,6 +316,51 @@ def test_gradients_accumulated_over_steps_are_summed_once(
             torch.testing.assert_close(grad, model.get_parameter(name).grad, msg=name)
 
 
+#: The gates of each step of :func:`cases.gated_steps` and whether it zeroes the gradients
+#: first: every use of the tied weight on; every use skipped (no gradient anywhere: the
+#: plain model keeps None, and SGD's momentum leaves the weight alone); one use on, on one
+#: rank (the others get its gradient); every use skipped again without zeroing (the
+#: gradient stays what it was); the middle use only.
+GATED_PLAN = [
+    ({}, True),
+    ({"first": False, "middle": False, "last": False}, True),
+    ({"first": False, "middle": False}, True),
+    ({"first": False, "middle": False, "last": False}, False),
+    ({"first": False, "last": False}, True),
+]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_tied_weight_without_gradient_on_any_rank_keeps_none(
+    new_cluster_module: Callable[[int], Any], cluster2: Any, cases: ModuleType, world: int
+) -> None:
+    """A step in which no use of a shared parameter computes a gradient, on any rank,
+    leaves its ``.grad`` as the plain model's (None, or what it held), not zeros that an
+    optimizer with momentum would follow; a step in which some rank computes one gives
+    every rank the sum."""
+    cluster = cluster2 if world == 2 else new_cluster_module(3)
+    results = cluster.results("gated_tied", plan=GATED_PLAN)
+    want = cases.gated_steps(cases.gated_tied_model(3), GATED_PLAN, seed=3)
+    tied = "0.layer.weight"
+    assert all(tied in result["steps"][0]["grads"] for result in results)  # a replica each
+    for k, expected in enumerate(want):
+        for rank, result in enumerate(results):
+            got = result["steps"][k]
+            assert got["grads"].keys() <= expected["grads"].keys()
+            for name, grad in got["grads"].items():
+                where = f"{name}, rank {rank}, step {k}"
+                if expected["grads"][name] is None:
+                    assert grad is None, where
+                else:
+                    assert grad is not None, where
+                    torch.testing.assert_close(grad, expected["grads"][name], msg=where)
+                torch.testing.assert_close(got["values"][name], expected["values"][name], msg=where)
+    assert want[1]["grads"][tied] is None  # the plan does what it says
+    torch.testing.assert_close(want[1]["values"][tied], want[0]["values"][tied], rtol=0, atol=0)
+    for result in results:
+        assert result["drift"] == {tied: 0.0}
+
+
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
 def test_every_rank_clips_by_the_plain_models_total_norm(
     cluster2: Any, cases: ModuleType, norm_type: float
