@@ -8,6 +8,7 @@ path to build the same models and inputs as the ranks, and compare with the plai
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
@@ -1139,27 +1140,38 @@ def case_disagree_run(rank: int, *, field: str, odd_rank: int) -> dict[str, Any]
     x, y = data(9, 4)
     odd = rank == odd_rank
     kwargs: dict[str, Any] = {}
-    grad = torch.enable_grad()
+    grad: contextlib.AbstractContextManager[Any] = torch.enable_grad()
+    method = "step"
     if odd and field == "schedule":
         kwargs["schedule"] = "1f1b"
     elif odd and field == "training mode":
         pipe.eval()
     elif odd and field == "grad mode":
-        grad = torch.no_grad()  # type: ignore[assignment]
+        grad = torch.no_grad()
+    elif odd and field == "autocast":
+        grad = torch.autocast("cpu", dtype=torch.bfloat16)
     elif odd and field == "reduction":
         kwargs["reduction"] = "sum"
     elif odd and field == "unpack_input":
         kwargs["unpack_input"] = True
+    elif odd and field == "chunks":
+        pipe.chunks = 4  # changed on one rank only, after the pipeline was built
+    elif odd and field == "the method called":
+        method = "clip_grad_norm_"
     loss_fn = nn.MSELoss(reduction=kwargs.get("reduction", "mean"))
 
     def step() -> None:
         with grad:
-            pipe.step(x, y, loss_fn, **kwargs)
+            if method == "step":
+                pipe.step(x, y, loss_fn, **kwargs)
+            else:
+                pipe.clip_grad_norm_(1.0)
 
     outcome = _timed(step)
     grads = [p.grad for p in pipe.parameters()]
     outcome["no_grads_changed"] = all(g is None for g in grads)
     pipe.train()
+    pipe.chunks = 2
     return {**outcome, **_step_again(pipe, x, y)}
 
 

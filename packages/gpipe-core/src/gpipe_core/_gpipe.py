@@ -384,7 +384,7 @@ class GPipe(LayersModule):
         n = len(self.partitions)
         value: object = None
         unpack, what = False, "input"
-        fields = run_fields("forward", training=self.training)
+        fields = run_fields("forward", chunks=self.chunks, training=self.training)
         first, last = self._placement.is_local(0), self._placement.is_local(-1)
         if first:
             value, unpack, what = positional(inputs)
@@ -647,6 +647,7 @@ class GPipe(LayersModule):
         backward = self.training and torch.is_grad_enabled()
         fields = run_fields(
             "step",
+            chunks=self.chunks,
             schedule=schedule,
             reduction=reduction,
             unpack_input=arguments.unpack_input,
