@@ -550,8 +550,7 @@ def gated_steps(
             for xi, yi in zip(x.chunk(2), y.chunk(2), strict=True):
                 (nn.MSELoss()(model(xi), yi) * len(xi) / len(x)).backward()
         grads = {
-            name: None if p.grad is None else p.grad.clone()
-            for name, p in model.named_parameters()
+            name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()
         }
         optimizer.step()
         values = {name: p.detach().clone() for name, p in model.named_parameters()}

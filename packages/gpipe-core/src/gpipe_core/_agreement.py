@@ -104,7 +104,7 @@ def compare(fields: Mapping[int, Fields]) -> RanksDisagree | None:
     for index in range(max((len(values) for values in lists), default=0)):
         names = {values[index][0] if index < len(values) else None for values in lists}
         if len(names) > 1:
-            shown = {rank: _Text(", ".join(n for n, _ in values)) for rank, values in fields.items()}
+            shown = {rank: _Text(", ".join(n for n, _ in each)) for rank, each in fields.items()}
             return RanksDisagree("the fields compared", shown)
         name = lists[0][index][0]
         values = {rank: values[index][1] for rank, values in fields.items()}
