@@ -410,6 +410,56 @@ def test_clip_arguments_are_checked(cases: ModuleType) -> None:
         pipe.clip_grad_norm_(1.0, None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"error_if_nonfinite must be True or False"):
         pipe.clip_grad_norm_(1.0, error_if_nonfinite="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"max_norm must be a number \(max_norm: True\)"):
+        pipe.clip_grad_norm_(True)
+    with pytest.raises(TypeError, match=r"norm_type must be a number \(norm_type: \(2\+0j\)\)"):
+        pipe.clip_grad_norm_(1.0, 2 + 0j)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError,
+        match=r"max_norm must be a number, or a tensor or array of one real number "
+        r"\(max_norm: Tensor of shape \(2,\), dtype float32\)",
+    ):
+        pipe.clip_grad_norm_(torch.ones(2))  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError,
+        match=r"norm_type must be a number or a string of one, such as 'inf' "
+        r"\(norm_type: 'fro'\)",
+    ):
+        pipe.clip_grad_norm_(1.0, "fro")  # type: ignore[arg-type]
+
+
+#: Arguments of clip_grad_norm_ that torch takes, made from NumPy (None where they need none:
+#: NumPy is not among the tests' requirements).
+CLIP_NUMBERS: dict[str, Callable[[Any], tuple[Any, Any]]] = {
+    "0-dim tensors": lambda np: (torch.tensor(0.05), torch.tensor(2.0)),
+    "0-dim float64 and int tensors": lambda np: (
+        torch.tensor(0.05, dtype=torch.float64),
+        torch.tensor(1),
+    ),
+    "a tensor of one element and 'inf'": lambda np: (torch.tensor([0.05]), "inf"),
+    "numpy float32 and int64": lambda np: (np.float32(0.05), np.int64(2)),
+    "numpy float64 and float32": lambda np: (np.float64(0.05), np.float32(1.0)),
+    "a 0-dim numpy array and numpy inf": lambda np: (np.array(0.05), np.float64("inf")),
+}
+
+
+@pytest.mark.parametrize("numbers", sorted(CLIP_NUMBERS))
+def test_clip_takes_the_numbers_torch_takes(cases: ModuleType, numbers: str) -> None:
+    """NumPy numbers, tensors and arrays of one element, and ``'inf'``, as torch's
+    clip_grad_norm_ takes them: the same total and the same clipped gradients."""
+    np = pytest.importorskip("numpy") if "numpy" in numbers else None
+    max_norm, norm_type = CLIP_NUMBERS[numbers](np)
+    model = cases.language_model(7)
+    pipe = GPipe(copy.deepcopy(model), [3, 3], chunks=2)
+    x, y = cases.tokens(7, 4)
+    pipe.step(x, y, cases.TokenLoss())
+    for xi, yi in zip(x.chunk(2), y.chunk(2), strict=True):
+        (cases.TokenLoss()(model(xi), yi) / 2).backward()
+    want = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    total = pipe.clip_grad_norm_(max_norm, norm_type)
+    torch.testing.assert_close(total, want)
+    for (name, got), p in zip(pipe.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, p.grad, msg=name)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
