@@ -118,7 +118,7 @@ def check_work_per_task(tasks: int, repeats: int = 2000) -> float:
     from gpipe_core._agreement import run_fields
 
     fields = run_fields(
-        "step", schedule="1f1b", reduction="mean", unpack_input=False, training=True
+        "step", chunks=4, schedule="1f1b", reduction="mean", unpack_input=False, training=True
     )
     start = time.perf_counter()
     for _ in range(repeats):

@@ -8,6 +8,7 @@ path to build the same models and inputs as the ranks, and compare with the plai
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
@@ -496,6 +497,73 @@ def case_lm(
         "drift": pipe.shared_drift(),
         "names": [name for name, _ in pipe.named_parameters()],
     }
+
+
+#: Whether each :class:`Gate` runs its layer, by the gate's name (a case sets them before
+#: each step, alike on every rank; a missing name is on).
+GATES: dict[str, bool] = {}
+
+
+class Gate(nn.Module):
+    """Its layer, or the identity where ``GATES[name]`` is off (LayerDrop-style): a step in
+    which every use of a tied weight is skipped computes no gradient for it."""
+
+    def __init__(self, name: str, layer: nn.Module) -> None:
+        super().__init__()
+        self.name = name
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) if GATES.get(self.name, True) else x  # type: ignore[no-any-return]
+
+
+def gated_tied_model(seed: int) -> nn.Sequential:
+    """Three gated uses of one weight (``0.layer.weight``, layers 0, 2 and 5) and an untied
+    linear layer, float64: balance ``[3, 3]`` on two ranks, ``[2, 2, 2]`` on three."""
+    torch.manual_seed(seed)
+    first, middle, last = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
+    middle.weight = last.weight = first.weight
+    return nn.Sequential(
+        Gate("first", first), nn.Tanh(), Gate("middle", middle),
+        nn.Linear(WIDTH, WIDTH), nn.Tanh(), Gate("last", last),
+    ).double()  # fmt: skip
+
+
+def gated_steps(
+    model: nn.Module, plan: list[tuple[dict[str, bool], bool]], seed: int
+) -> list[dict[str, Any]]:
+    """Steps of SGD with momentum on ``model`` (a pipeline, or the plain model, whose
+    micro-batches' gradients are accumulated as a step does), each with its gates and
+    whether the gradients are zeroed (set to None) first; each parameter's gradient (None
+    where there is none) and value after each step, under its name."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    record = []
+    for k, (gates, zero) in enumerate(plan):
+        GATES.clear()
+        GATES.update(gates)
+        if zero:
+            optimizer.zero_grad(set_to_none=True)
+        x, y = data(seed + k, 4)
+        if isinstance(model, GPipe):
+            model.step(x, y, nn.MSELoss())
+        else:
+            for xi, yi in zip(x.chunk(2), y.chunk(2), strict=True):
+                (nn.MSELoss()(model(xi), yi) * len(xi) / len(x)).backward()
+        grads = {
+            name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()
+        }
+        optimizer.step()
+        values = {name: p.detach().clone() for name, p in model.named_parameters()}
+        record.append({"grads": grads, "values": values})
+    GATES.clear()
+    return record
+
+
+def case_gated_tied(rank: int, *, plan: list[tuple[dict[str, bool], bool]]) -> dict[str, Any]:
+    """:func:`gated_steps` of :func:`gated_tied_model` across every rank."""
+    balance = {2: [3, 3], 3: [2, 2, 2]}[dist.get_world_size()]
+    pipe = GPipe(gated_tied_model(3), balance, chunks=2, group=dist.group.WORLD, timeout=60)
+    return {"steps": gated_steps(pipe, plan, seed=3), "drift": pipe.shared_drift()}
 
 
 # -- cases ---------------------------------------------------------------------------------
@@ -1071,27 +1139,38 @@ def case_disagree_run(rank: int, *, field: str, odd_rank: int) -> dict[str, Any]
     x, y = data(9, 4)
     odd = rank == odd_rank
     kwargs: dict[str, Any] = {}
-    grad = torch.enable_grad()
+    grad: contextlib.AbstractContextManager[Any] = torch.enable_grad()
+    method = "step"
     if odd and field == "schedule":
         kwargs["schedule"] = "1f1b"
     elif odd and field == "training mode":
         pipe.eval()
     elif odd and field == "grad mode":
-        grad = torch.no_grad()  # type: ignore[assignment]
+        grad = torch.no_grad()
+    elif odd and field == "autocast":
+        grad = torch.autocast("cpu", dtype=torch.bfloat16)
     elif odd and field == "reduction":
         kwargs["reduction"] = "sum"
     elif odd and field == "unpack_input":
         kwargs["unpack_input"] = True
+    elif odd and field == "chunks":
+        pipe.chunks = 4  # changed on one rank only, after the pipeline was built
+    elif odd and field == "the method called":
+        method = "clip_grad_norm_"
     loss_fn = nn.MSELoss(reduction=kwargs.get("reduction", "mean"))
 
     def step() -> None:
         with grad:
-            pipe.step(x, y, loss_fn, **kwargs)
+            if method == "step":
+                pipe.step(x, y, loss_fn, **kwargs)
+            else:
+                pipe.clip_grad_norm_(1.0)
 
     outcome = _timed(step)
     grads = [p.grad for p in pipe.parameters()]
     outcome["no_grads_changed"] = all(g is None for g in grads)
     pipe.train()
+    pipe.chunks = 2
     return {**outcome, **_step_again(pipe, x, y)}
 
 

@@ -78,8 +78,13 @@ RUN_MESSAGES = {
     "schedule": "schedule differs across ranks (rank 0: 'gpipe', rank 1: '1f1b')",
     "training mode": "training mode differs across ranks (rank 0: True, rank 1: False)",
     "grad mode": "grad mode differs across ranks (rank 0: True, rank 1: False)",
+    "autocast": "autocast differs across ranks (rank 0: off, rank 1: cpu bfloat16)",
     "reduction": "reduction differs across ranks (rank 0: 'mean', rank 1: 'sum')",
     "unpack_input": "unpack_input differs across ranks (rank 0: False, rank 1: True)",
+    "chunks": "chunks differs across ranks (rank 0: 2, rank 1: 4)",
+    "the method called": (
+        "the method called differs across ranks (rank 0: 'step', rank 1: 'clip_grad_norm_')"
+    ),
 }
 
 
@@ -87,10 +92,30 @@ RUN_MESSAGES = {
 def test_ranks_stepping_differently_all_raise_the_same_error(
     cluster2: Any, cases: ModuleType, field: str
 ) -> None:
-    """One rank in eval mode or under no_grad, or called with another schedule, reduction
-    or unpack_input: every rank raises before any gradient is computed."""
+    """One rank in eval mode, under no_grad or autocast, with another ``chunks``, called
+    with another schedule, reduction or unpack_input, or calling clip_grad_norm_() instead:
+    every rank raises before any gradient is computed."""
     results = cluster2.results("disagree_run", field=field, odd_rank=1)
     same_value_error(results, RUN_MESSAGES[field])
+    assert all(result["no_grads_changed"] for result in results)
+    check_alike(cases, results)
+
+
+FIRST_RANK_MESSAGES = {
+    "autocast": "autocast differs across ranks (rank 0: cpu bfloat16, rank 1: off)",
+    "chunks": "chunks differs across ranks (rank 0: 4, rank 1: 2)",
+    "the method called": (
+        "the method called differs across ranks (rank 0: 'clip_grad_norm_', rank 1: 'step')"
+    ),
+}
+
+
+@pytest.mark.parametrize("field", sorted(FIRST_RANK_MESSAGES))
+def test_the_first_rank_stepping_differently(cluster2: Any, cases: ModuleType, field: str) -> None:
+    """The rank that differs is the first partition's, which plans the run: the same
+    message, the values the other way round."""
+    results = cluster2.results("disagree_run", field=field, odd_rank=0)
+    same_value_error(results, FIRST_RANK_MESSAGES[field])
     assert all(result["no_grads_changed"] for result in results)
     check_alike(cases, results)
 
@@ -106,6 +131,25 @@ def test_four_ranks_stepping_differently(cluster4: Any, cases: ModuleType, odd_r
     }[odd_rank]
     same_value_error(results, f"training mode differs across ranks ({values})")
     check_alike(cases, results)
+
+
+def test_fields_are_compared_in_order_while_the_ranks_name_the_same_ones() -> None:
+    """Ranks that call different methods differ in the first field, the method called,
+    whatever fields follow; lists that name other fields at a place (a newer version on one
+    rank) are shown whole."""
+    from gpipe_core._agreement import compare
+
+    step = (("the method called", "step"), ("chunks", 2), ("schedule", "gpipe"))
+    clip = (("the method called", "clip_grad_norm_"), ("max_norm", 1.0))
+    assert str(compare({0: clip, 1: step})) == (
+        "the method called differs across ranks (rank 0: 'clip_grad_norm_', rank 1: 'step')"
+    )
+    newer = (*step, ("autocast", "off"))
+    assert str(compare({0: step, 1: newer})) == (
+        "the fields compared differs across ranks (rank 0: the method called, chunks, "
+        "schedule, rank 1: the method called, chunks, schedule, autocast)"
+    )
+    assert compare({0: step, 1: step}) is None
 
 
 def test_ranks_calling_different_methods(cluster2: Any) -> None:

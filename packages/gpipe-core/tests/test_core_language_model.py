@@ -316,6 +316,51 @@ def test_gradients_accumulated_over_steps_are_summed_once(
             torch.testing.assert_close(grad, model.get_parameter(name).grad, msg=name)
 
 
+#: The gates of each step of :func:`cases.gated_steps` and whether it zeroes the gradients
+#: first: every use of the tied weight on; every use skipped (no gradient anywhere: the
+#: plain model keeps None, and SGD's momentum leaves the weight alone); one use on, on one
+#: rank (the others get its gradient); every use skipped again without zeroing (the
+#: gradient stays what it was); the middle use only.
+GATED_PLAN = [
+    ({}, True),
+    ({"first": False, "middle": False, "last": False}, True),
+    ({"first": False, "middle": False}, True),
+    ({"first": False, "middle": False, "last": False}, False),
+    ({"first": False, "last": False}, True),
+]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_tied_weight_without_gradient_on_any_rank_keeps_none(
+    new_cluster_module: Callable[[int], Any], cluster2: Any, cases: ModuleType, world: int
+) -> None:
+    """A step in which no use of a shared parameter computes a gradient, on any rank,
+    leaves its ``.grad`` as the plain model's (None, or what it held), not zeros that an
+    optimizer with momentum would follow; a step in which some rank computes one gives
+    every rank the sum."""
+    cluster = cluster2 if world == 2 else new_cluster_module(3)
+    results = cluster.results("gated_tied", plan=GATED_PLAN)
+    want = cases.gated_steps(cases.gated_tied_model(3), GATED_PLAN, seed=3)
+    tied = "0.layer.weight"
+    assert all(tied in result["steps"][0]["grads"] for result in results)  # a replica each
+    for k, expected in enumerate(want):
+        for rank, result in enumerate(results):
+            got = result["steps"][k]
+            assert got["grads"].keys() <= expected["grads"].keys()
+            for name, grad in got["grads"].items():
+                where = f"{name}, rank {rank}, step {k}"
+                if expected["grads"][name] is None:
+                    assert grad is None, where
+                else:
+                    assert grad is not None, where
+                    torch.testing.assert_close(grad, expected["grads"][name], msg=where)
+                torch.testing.assert_close(got["values"][name], expected["values"][name], msg=where)
+    assert want[1]["grads"][tied] is None  # the plan does what it says
+    torch.testing.assert_close(want[1]["values"][tied], want[0]["values"][tied], rtol=0, atol=0)
+    for result in results:
+        assert result["drift"] == {tied: 0.0}
+
+
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
 def test_every_rank_clips_by_the_plain_models_total_norm(
     cluster2: Any, cases: ModuleType, norm_type: float
@@ -365,6 +410,56 @@ def test_clip_arguments_are_checked(cases: ModuleType) -> None:
         pipe.clip_grad_norm_(1.0, None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"error_if_nonfinite must be True or False"):
         pipe.clip_grad_norm_(1.0, error_if_nonfinite="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"max_norm must be a number \(max_norm: True\)"):
+        pipe.clip_grad_norm_(True)
+    with pytest.raises(TypeError, match=r"norm_type must be a number \(norm_type: \(2\+0j\)\)"):
+        pipe.clip_grad_norm_(1.0, 2 + 0j)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError,
+        match=r"max_norm must be a number, or a tensor or array of one real number "
+        r"\(max_norm: Tensor of shape \(2,\), dtype float32\)",
+    ):
+        pipe.clip_grad_norm_(torch.ones(2))  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError,
+        match=r"norm_type must be a number or a string of one, such as 'inf' "
+        r"\(norm_type: 'fro'\)",
+    ):
+        pipe.clip_grad_norm_(1.0, "fro")  # type: ignore[arg-type]
+
+
+#: Arguments of clip_grad_norm_ that torch takes, made from NumPy (None where they need none:
+#: NumPy is not among the tests' requirements).
+CLIP_NUMBERS: dict[str, Callable[[Any], tuple[Any, Any]]] = {
+    "0-dim tensors": lambda np: (torch.tensor(0.05), torch.tensor(2.0)),
+    "0-dim float64 and int tensors": lambda np: (
+        torch.tensor(0.05, dtype=torch.float64),
+        torch.tensor(1),
+    ),
+    "a tensor of one element and 'inf'": lambda np: (torch.tensor([0.05]), "inf"),
+    "numpy float32 and int64": lambda np: (np.float32(0.05), np.int64(2)),
+    "numpy float64 and float32": lambda np: (np.float64(0.05), np.float32(1.0)),
+    "a 0-dim numpy array and numpy inf": lambda np: (np.array(0.05), np.float64("inf")),
+}
+
+
+@pytest.mark.parametrize("numbers", sorted(CLIP_NUMBERS))
+def test_clip_takes_the_numbers_torch_takes(cases: ModuleType, numbers: str) -> None:
+    """NumPy numbers, tensors and arrays of one element, and ``'inf'``, as torch's
+    clip_grad_norm_ takes them: the same total and the same clipped gradients."""
+    np = pytest.importorskip("numpy") if "numpy" in numbers else None
+    max_norm, norm_type = CLIP_NUMBERS[numbers](np)
+    model = cases.language_model(7)
+    pipe = GPipe(copy.deepcopy(model), [3, 3], chunks=2)
+    x, y = cases.tokens(7, 4)
+    pipe.step(x, y, cases.TokenLoss())
+    for xi, yi in zip(x.chunk(2), y.chunk(2), strict=True):
+        (cases.TokenLoss()(model(xi), yi) / 2).backward()
+    want = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    total = pipe.clip_grad_norm_(max_norm, norm_type)
+    torch.testing.assert_close(total, want)
+    for (name, got), p in zip(pipe.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, p.grad, msg=name)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

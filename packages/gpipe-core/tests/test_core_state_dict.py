@@ -116,6 +116,41 @@ def test_inside_another_module() -> None:
     same_outputs(wrapper.pipe, other.pipe)
 
 
+def test_inside_another_module_the_layers_versions_travel() -> None:
+    """The metadata of the layers (their versions) goes where the partitions hold them
+    also when the pipeline is inside another module: a checkpoint without a batch norm's
+    ``num_batches_tracked`` is refused, as by the plain model, not completed as if it came
+    from torch < 0.4.1."""
+    outer = nn.Sequential(GPipe(model(), [2, 3]))
+    state = outer.state_dict()
+    outer.load_state_dict(state)
+    del state["0.2.1.num_batches_tracked"]
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "0\.2\.1\.num_b'):
+        nn.Sequential(model()).load_state_dict(state)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "0\.2\.1\.num_b'):
+        outer.load_state_dict(state)
+
+
+def test_a_size_mismatch_names_the_plain_key() -> None:
+    """As the plain model names it, not as the partitions hold it
+    (``partitions.1.4.weight``)."""
+    state = model().state_dict()
+    state["4.weight"] = torch.zeros(2, 3)
+    inside = {f"0.{key}": value for key, value in state.items()}
+    errors = []
+    for module, loaded in (
+        (model(), state),
+        (GPipe(model(), [2, 3]), state),
+        (nn.Sequential(GPipe(model(), [2, 3])), inside),
+    ):
+        with pytest.raises(RuntimeError) as caught:
+            module.load_state_dict(loaded)
+        errors.append(str(caught.value).partition("\n")[2])  # after the module's name
+    assert errors[0].strip().startswith("size mismatch for 4.weight: copying a param with shape")
+    assert errors[1] == errors[0]
+    assert errors[2] == errors[0].replace("for 4.weight", "for 0.4.weight")
+
+
 def test_unwrap_gives_the_trained_layers_in_order() -> None:
     pipe = trained([1, 2, 2])
     plain = pipe.unwrap()

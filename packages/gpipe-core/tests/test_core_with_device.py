@@ -241,6 +241,58 @@ def test_strict_loading_still_reports_wrong_keys() -> None:
     assert sorted(result.unexpected_keys) == ["1.x", "2.y"]
 
 
+def quantized(seed: int) -> nn.Module:
+    """A quantized linear layer, whose keys depend on its version (``_packed_params``, not
+    ``weight``): it loads only with its metadata."""
+    torch.manual_seed(seed)
+    layer = torch.ao.nn.quantized.Linear(4, 4)
+    layer.set_weight_bias(
+        torch.quantize_per_tensor(torch.randn(4, 4), 0.1, 0, torch.qint8), torch.randn(4)
+    )
+    return layer
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation:UserWarning")
+def test_a_layer_with_a_version_loads_inside_a_wrapper() -> None:
+    """The metadata of a wrapped layer (its version, and its own layers') goes with its keys
+    to where the wrapper holds it, also when the wrapper is inside a module (as it always
+    is): the model's own checkpoint loads, and so do the plain model's, in both ways."""
+    x = torch.randn(3, 4)
+    trained = nn.Sequential(nn.Linear(4, 4), WithDevice(quantized(1), "cpu"))
+    trained[1].module.scale = 0.05
+    expected = trained[1](torch.quantize_per_tensor(x, 0.1, 0, torch.quint8)).dequantize()
+
+    def same(model: nn.Module) -> None:
+        got = model[1](torch.quantize_per_tensor(x, 0.1, 0, torch.quint8)).dequantize()
+        assert torch.equal(got, expected)
+
+    state = trained.state_dict()
+    metadata = dict(state._metadata)  # type: ignore[attr-defined]
+    wrapped = nn.Sequential(nn.Linear(4, 4), WithDevice(quantized(2), "cpu"))
+    wrapped.load_state_dict(state)  # its own checkpoint
+    same(wrapped)
+    assert state._metadata == metadata  # type: ignore[attr-defined]  # left as it was
+    plain = nn.Sequential(nn.Linear(4, 4), quantized(3))
+    plain.load_state_dict(state)  # into the model without wrappers
+    same(plain)
+    wrapped = nn.Sequential(nn.Linear(4, 4), WithDevice(quantized(4), "cpu"))
+    wrapped.load_state_dict(plain.state_dict())  # and back
+    same(wrapped)
+
+
+def test_a_size_mismatch_names_the_plain_key() -> None:
+    state = plain_model().state_dict()
+    state["2.weight"] = torch.zeros(8, 3)
+    errors = []
+    for model in (plain_model(), placed_model("cpu")):
+        with pytest.raises(RuntimeError) as caught:
+            model.load_state_dict(state)
+        errors.append(str(caught.value))
+    assert "size mismatch for 2.weight: copying a param with shape" in errors[0]
+    assert errors[1] == errors[0]
+
+
 def test_copies_keep_the_layers_keys() -> None:
     # A device other than the layers' own, so that the copies keep what was named.
     placed = placed_model("cuda:1")

@@ -11,8 +11,9 @@ So the ranks compare:
   through the process group's store, which needs no collective call, so a rank whose
   constructor fails tells the others (they raise :class:`RemoteStageError` naming it)
   instead of leaving them waiting in a collective it never joins;
-- **at every run** (:func:`run_fields`): the method (``step`` or ``forward``), the schedule,
-  training and grad mode, the reduction and ``unpack_input``. They travel inside the run's
+- **at every run** (:func:`run_fields`): the method (``step`` or ``forward``), ``chunks``,
+  the schedule, training and grad mode, autocast (the device types it is on for, and its
+  dtype), the reduction and ``unpack_input``. They travel inside the run's
   plan, which the first partition's rank sends every other rank anyway; a rank whose own
   values differ fails the run and tells every rank its values.
 
@@ -35,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gpipe_microbatch import ThreadState
+
 from ._errors import describe_error
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "Construction",
     "Fields",
     "RanksDisagree",
+    "autocast_field",
     "compare",
     "layer_fields",
     "run_fields",
@@ -91,13 +95,18 @@ class _Text(str):
 def compare(fields: Mapping[int, Fields]) -> RanksDisagree | None:
     """The error for the first field in which the ranks' ``fields`` differ, or None.
 
-    Fields that some ranks lack (a newer version on one rank) count as differing.
+    The fields are compared in order while every rank names the same one there (the
+    method called comes first, so ranks that call different methods are told so). From
+    the first place where the ranks name different fields, or some lack one (another
+    method's fields, or a newer version on one rank), the lists themselves differ.
     """
-    if len({tuple(name for name, _ in values) for values in fields.values()}) > 1:
-        names = {rank: _Text(", ".join(n for n, _ in values)) for rank, values in fields.items()}
-        return RanksDisagree("the fields compared", names)
-    first = next(iter(fields.values()), ())
-    for index, (name, _) in enumerate(first):
+    lists = list(fields.values())
+    for index in range(max((len(values) for values in lists), default=0)):
+        names = {values[index][0] if index < len(values) else None for values in lists}
+        if len(names) > 1:
+            shown = {rank: _Text(", ".join(n for n, _ in each)) for rank, each in fields.items()}
+            return RanksDisagree("the fields compared", shown)
+        name = lists[0][index][0]
         values = {rank: values[index][1] for rank, values in fields.items()}
         if len({pickle.dumps(value) for value in values.values()}) > 1:
             return RanksDisagree(name, values)
@@ -124,23 +133,38 @@ def layer_fields(layers: nn.Sequential) -> Fields:
 def run_fields(
     method: str,
     *,
+    chunks: int,
     schedule: object = None,
     reduction: str | None = None,
     unpack_input: bool | None = None,
     training: bool,
 ) -> Fields:
     """What the ranks must agree on for one run (``None`` where the method has no such
-    argument)."""
+    argument): with the module's ``chunks`` and ``training`` mode, the calling thread's grad
+    mode and autocast."""
     if schedule is not None and not isinstance(schedule, str):
         schedule = _Text(f"{type(schedule).__module__}.{type(schedule).__qualname__}")
     return (
         ("the method called", method),
+        ("chunks", chunks),
         ("schedule", schedule),
         ("training mode", training),
         ("grad mode", torch.is_grad_enabled()),
+        ("autocast", autocast_field()),
         ("reduction", reduction),
         ("unpack_input", unpack_input),
     )
+
+
+def autocast_field() -> str:
+    """The calling thread's autocast, as the ranks compare it: each device type it is on
+    for, with its dtype (``cpu bfloat16``, ``cpu bfloat16 and cuda float16``), or ``off``."""
+    on = [
+        f"{device_type} {str(dtype).removeprefix('torch.')}"
+        for device_type, enabled, dtype in ThreadState.capture().autocast
+        if enabled
+    ]
+    return _Text(" and ".join(on) if on else "off")
 
 
 class _Failed:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from numbers import Real
 
 import torch
 from torch import nn
@@ -26,16 +27,48 @@ from torch import nn
 __all__ = ["check_clip_arguments", "clip_by_norms", "combine", "gradient_norms"]
 
 
-def check_clip_arguments(max_norm: object, norm_type: object, error_if_nonfinite: object) -> None:
-    """Refuse arguments that :func:`torch.nn.utils.clip_grad_norm_` could not use, naming
-    the argument and the value seen."""
-    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a number ({name}: {value!r})")
+def check_clip_arguments(
+    max_norm: object, norm_type: object, error_if_nonfinite: object
+) -> tuple[float, float]:
+    """``max_norm`` and ``norm_type`` as floats, taking every number
+    :func:`torch.nn.utils.clip_grad_norm_` takes (a Python or NumPy number, a tensor or array
+    of one real element; for ``norm_type`` also a string such as ``'inf'``); refuse what it
+    could not use, naming the argument and the value seen."""
+    numbers = (_number("max_norm", max_norm), _number("norm_type", norm_type, text=True))
     if not isinstance(error_if_nonfinite, bool):
         raise TypeError(
             f"error_if_nonfinite must be True or False (error_if_nonfinite: {error_if_nonfinite!r})"
         )
+    return numbers
+
+
+def _number(name: str, value: object, *, text: bool = False) -> float:
+    """``value`` as a float, or a clear error (a bool is refused: it is a flag, not a
+    norm)."""
+    if isinstance(value, str) and text:
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(
+                f"{name} must be a number or a string of one, such as 'inf' ({name}: {value!r})"
+            ) from None
+    element = value
+    if not isinstance(value, (torch.Tensor, Real)) and hasattr(value, "__array__"):
+        try:
+            element = torch.as_tensor(value)  # a NumPy array
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"{name} must be a number ({name}: {value!r})") from None
+    if isinstance(element, torch.Tensor):
+        if element.numel() == 1 and not (element.is_complex() or element.dtype == torch.bool):
+            return float(element.item())
+        what = f"shape {tuple(element.shape)}, dtype {str(element.dtype).removeprefix('torch.')}"
+        raise TypeError(
+            f"{name} must be a number, or a tensor or array of one real number ({name}: "
+            f"{type(value).__name__} of {what})"
+        )
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a number ({name}: {value!r})")
+    return float(value)
 
 
 def gradient_norms(

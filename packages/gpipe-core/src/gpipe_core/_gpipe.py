@@ -384,7 +384,7 @@ class GPipe(LayersModule):
         n = len(self.partitions)
         value: object = None
         unpack, what = False, "input"
-        fields = run_fields("forward", training=self.training)
+        fields = run_fields("forward", chunks=self.chunks, training=self.training)
         first, last = self._placement.is_local(0), self._placement.is_local(-1)
         if first:
             value, unpack, what = positional(inputs)
@@ -647,6 +647,7 @@ class GPipe(LayersModule):
         backward = self.training and torch.is_grad_enabled()
         fields = run_fields(
             "step",
+            chunks=self.chunks,
             schedule=schedule,
             reduction=reduction,
             unpack_input=arguments.unpack_input,
@@ -697,8 +698,12 @@ class GPipe(LayersModule):
 
         Args:
             max_norm: the largest total norm kept.
-            norm_type: the order of the norm (``float('inf')`` for the largest absolute
-                value).
+            norm_type: the order of the norm (``float('inf')`` or ``'inf'`` for the largest
+                absolute value).
+
+            Either takes what torch's function takes: a Python or NumPy number
+            (``np.float32(1.0)``, ``np.int64(2)``), or a tensor or array of one element
+            (a 0-dim tensor).
             error_if_nonfinite: raise if the total norm is ``nan`` or infinite (the
                 gradients are then unchanged); else scale by it, as torch does.
             foreach: use torch's ``foreach`` kernels (None: where they are supported).
@@ -707,8 +712,10 @@ class GPipe(LayersModule):
             The total norm of the gradients before clipping (a scalar tensor).
 
         Raises:
-            TypeError: ``max_norm`` or ``norm_type`` is not a number, or
+            TypeError: ``max_norm`` or ``norm_type`` is not a number (a bool, a string
+                for ``max_norm``, a tensor of several elements or a complex one), or
                 ``error_if_nonfinite`` is not a bool.
+            ValueError: ``norm_type`` is a string that is not a number.
             RuntimeError: ``error_if_nonfinite`` and the total norm is not finite (on every
                 rank).
 
@@ -720,15 +727,15 @@ class GPipe(LayersModule):
             >>> bool(clipped <= 0.5 + 1e-4), total.shape
             (True, torch.Size([]))
         """
-        check_clip_arguments(max_norm, norm_type, error_if_nonfinite)
+        max_norm, norm_type = check_clip_arguments(max_norm, norm_type, error_if_nonfinite)
         if not self._placement.spans_processes:
             return torch.nn.utils.clip_grad_norm_(
                 self.parameters(), max_norm, norm_type, error_if_nonfinite, foreach
             )
         fields = (
             ("the method called", "clip_grad_norm_"),
-            ("max_norm", float(max_norm)),
-            ("norm_type", float(norm_type)),
+            ("max_norm", max_norm),
+            ("norm_type", norm_type),
             ("error_if_nonfinite", error_if_nonfinite),
         )
         counted = (
@@ -736,12 +743,12 @@ class GPipe(LayersModule):
         )
         with run_session(self._placement, self._pool) as session:
             share_plan(self._placement, (), fields)
-            session.payload = norms = gradient_norms(counted, float(norm_type), foreach)
+            session.payload = norms = gradient_norms(counted, norm_type, foreach)
         for theirs in session.payloads.values():
             norms.update(theirs)
         return clip_by_norms(
             self.parameters(), norms, self._parameter_names,
-            max_norm, float(norm_type), error_if_nonfinite, foreach,
+            max_norm, norm_type, error_if_nonfinite, foreach,
         )  # fmt: skip
 
     def shared_drift(self) -> dict[str, float]:

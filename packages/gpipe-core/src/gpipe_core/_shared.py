@@ -21,7 +21,8 @@ tensor:
 - once per step, after the last backward pass, what the step added to the replicas'
   gradients is summed over the ranks that hold them (one ``all_reduce`` per set of such
   ranks and dtype, on a gloo group of just those ranks), so every replica gets the plain
-  module's gradient, and an identical optimizer keeps them identical;
+  module's gradient, and an identical optimizer keeps them identical; a parameter that no
+  rank computed a gradient for keeps ``None``, as in the plain module;
 - :meth:`SharedReplicas.drift` tells how far the replicas are from the owner's;
 - :func:`views` names a replica as the plain module names it (its owner's key), also on a
   rank without the owner's layer.
@@ -355,7 +356,14 @@ class SharedReplicas:
         """Sum what the step added to the gradients of this process's replicas of shared
         parameters over the ranks that hold them (one ``all_reduce`` per set of ranks and
         dtype), and add the sum to the gradients they had ``before`` the step (equal on
-        every rank)."""
+        every rank).
+
+        A rank whose uses of a parameter computed no gradient (its layers skipped, their
+        input detached) has none to add: the ``all_reduce`` carries, beside the gradients,
+        whether each rank has one, so that every rank knows who does. A parameter none of
+        whose uses computed a gradient on any rank keeps what it held before the step
+        (``None``, as in the plain module, where an optimizer then leaves it alone); one
+        that some rank has a gradient for gets the sum on every rank."""
         for found in self.sets:
             by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
             for p in self._parameters(found):
@@ -367,16 +375,23 @@ class SharedReplicas:
                     earlier = before.get(id(p))
                     grad = p.grad if p.grad is not None else torch.zeros_like(p)
                     added.append((grad if earlier is None else grad - earlier).reshape(-1))
+                # Then, for each parameter, 1 where this rank has a gradient: the sum
+                # counts the ranks that have one.
+                has = [float(p.grad is not None) for p in same]
+                added.append(torch.tensor(has, dtype=dtype, device=added[0].device))
                 flat = torch.cat(added)
                 self._wait(
                     dist.all_reduce(flat, group=found.group, async_op=True),
                     "summing the gradients of the shared parameters "
                     f"{[k for k, t in found.tensors.items() if any(t is p for p in same)]}",
                 )
+                counts = flat[-len(same) :].tolist()
                 offset = 0
-                for p in same:
+                for p, count in zip(same, counts, strict=True):
                     summed = flat[offset : offset + p.numel()].view_as(p)
                     offset += p.numel()
+                    if count == 0:
+                        continue  # no rank has a gradient: none was computed
                     earlier = before.get(id(p))
                     if earlier is not None:
                         summed = earlier + summed

@@ -7,17 +7,23 @@ balances, ranks and the plain :class:`~torch.nn.Sequential`. One mechanism does 
 both: a :class:`KeyMap` says how a key inside the module (after its prefix) reads plainly
 (:meth:`~KeyMap.to_plain`) and back (:meth:`~KeyMap.from_plain`), and :func:`map_keys`
 installs the hooks that apply it to the saved keys and their metadata (the layers'
-versions), to the loaded ones, and to the missing and unexpected keys a load reports.
+versions), to the loaded ones and their metadata, wherever the module is (see
+:func:`_metadata_loaded`), and to the missing and unexpected keys and the errors (``size
+mismatch for 2.weight``) a load reports.
 
 This module knows nothing of partitions or devices: the maps say what the keys are.
 """
 
 from __future__ import annotations
 
+import re
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from types import CodeType
+from typing import Any, cast
 
 from torch import nn
 
@@ -31,8 +37,8 @@ class KeyMap(ABC):
     """
 
     def __init__(self) -> None:
-        # (prefix, keys reported before) of each load under way, innermost last.
-        self.loading: list[tuple[str, int, int]] = []
+        #: The loads under way, innermost last.
+        self.loading: list[_Load] = []
 
     @abstractmethod
     def to_plain(self, module: nn.Module, key: str) -> str | None:
@@ -74,40 +80,113 @@ class KeyMap(ABC):
         strict: object,
         missing_keys: list[str],
         unexpected_keys: list[str],
-        error_msgs: object,
+        error_msgs: list[str],
     ) -> None:
-        """Load pre-hook: the plain keys go where the module holds them, with their
-        metadata when the state dict carries it (only a state dict loaded into this
-        module itself does: torch hands a module inside a larger one its keys without
-        it)."""
+        """Load pre-hook: the plain keys go where the module holds them, and so do their
+        metadata entries (the layers' versions, which torch looks up under the keys where
+        the module holds the layers)."""
+        renamed: dict[str, str] = {}
         for key in [key for key in state_dict if key.startswith(prefix)]:
             inner = self.from_plain(module, key[len(prefix) :])
             if inner is None:
                 del state_dict[key]
             else:
                 state_dict[prefix + inner] = state_dict.pop(key)
-        metadata = getattr(state_dict, "_metadata", None)
+                if prefix + inner != key:
+                    renamed[prefix + inner] = key
+        metadata = _metadata_loaded(state_dict)
+        added: list[str] = []
         if metadata is not None:
             own = prefix[:-1]
             for key in [key for key in metadata if key == own or key.startswith(prefix)]:
                 inner = self.from_plain(module, key[len(prefix) :] if key != own else "")
                 if inner:
+                    if _join(prefix, inner) not in metadata:
+                        added.append(_join(prefix, inner))
                     metadata[_join(prefix, inner)] = metadata[key]
-        self.loading.append((prefix, len(missing_keys), len(unexpected_keys)))
+        self.loading.append(
+            _Load(
+                prefix, len(missing_keys), len(unexpected_keys), error_msgs, len(error_msgs),
+                renamed, metadata, added,
+            )
+        )  # fmt: skip
 
     def loaded(self, module: nn.Module, incompatible: Any) -> None:
-        """Load post-hook: the missing and unexpected keys the layers reported, under the
-        plain keys."""
-        prefix, missing, unexpected = self.loading.pop()
+        """Load post-hook: the missing and unexpected keys the layers reported, and the
+        keys the errors name (``size mismatch for ...``), under the plain keys; the
+        metadata entries the load added are taken out of the state dict's metadata again."""
+        load = self.loading.pop()
+        prefix = load.prefix
         for keys, start in (
-            (incompatible.missing_keys, missing),
-            (incompatible.unexpected_keys, unexpected),
+            (incompatible.missing_keys, load.missing),
+            (incompatible.unexpected_keys, load.unexpected),
         ):
             for i in range(start, len(keys)):
                 if keys[i].startswith(prefix):
                     plain = self.to_plain(module, keys[i][len(prefix) :])
                     if plain is not None:
                         keys[i] = prefix + plain
+        if load.renamed:
+            errors = load.errors
+            for i in range(load.error_count, len(errors)):
+                errors[i] = _KEY.sub(lambda m: load.renamed.get(m[0], m[0]), errors[i])
+        if load.metadata is not None:
+            for key in load.added:
+                load.metadata.pop(key, None)
+
+
+@dataclass
+class _Load:
+    """A load under way into a module whose keys a :class:`KeyMap` maps."""
+
+    prefix: str
+    missing: int  # how many missing keys were reported before it
+    unexpected: int  # and unexpected keys
+    errors: list[str]  # the load's error messages
+    error_count: int  # how many there were before it
+    renamed: dict[str, str]  # each key moved, where the module holds it -> its plain key
+    metadata: dict[str, Any] | None  # the state dict's metadata
+    added: list[str]  # the entries added to it
+
+
+#: A key in an error message (dots inside, a word character last).
+_KEY = re.compile(r"[\w.]*\w")
+
+
+def _torch_load_code() -> CodeType | None:
+    """The code of the function inside :meth:`torch.nn.Module.load_state_dict` that loads
+    each module (None if torch has no such function)."""
+    for constant in nn.Module.load_state_dict.__code__.co_consts:
+        if isinstance(constant, CodeType) and constant.co_name == "load":
+            return constant
+    return None
+
+
+_TORCH_LOAD = _torch_load_code()
+
+
+def _metadata_loaded(state_dict: dict[str, Any]) -> dict[str, Any] | None:
+    """The metadata of the state dict being loaded (the layers' versions, by module key).
+
+    A module's load pre-hook gets a state dict that carries it only when the module is the
+    one whose :meth:`~torch.nn.Module.load_state_dict` was called: torch hands a module
+    inside another one its keys in a plain dict, and looks the module's children's
+    entries up in the metadata of the state dict it was given (the variable ``metadata``
+    of its loading function). A layer under a :class:`~gpipe_core.WithDevice` is always
+    inside another module, and a GPipe may be; their entries must move all the same (a
+    quantized layer reads its keys by its version), so the metadata is found there. None
+    when there is none, or when the load is not torch's.
+    """
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        return cast(dict[str, Any], metadata)
+    frame = sys._getframe(1)
+    while frame is not None and _TORCH_LOAD is not None:
+        if frame.f_code is _TORCH_LOAD:
+            found = frame.f_locals.get("metadata")
+            return cast(dict[str, Any], found) if isinstance(found, dict) else None
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 def _join(prefix: str, key: str) -> str:
