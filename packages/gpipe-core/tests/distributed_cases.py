@@ -1100,6 +1100,166 @@ def _train_alike(seed: int, timeout: float = 60) -> dict[str, Any]:
     }
 
 
+# -- groups the program made before, ties across pairs of ranks, interrupted runs -------------
+
+
+def two_ties_model(seed: int) -> nn.Sequential:
+    """The language model with two blocks, whose linear layers share their weight too: on
+    three ranks with balance ``[1, 1, 3]``, the embedding and the head are tied across
+    ranks 0 and 2, the blocks' weight across ranks 1 and 2."""
+    model = language_model(seed, blocks=2)
+    model[2].linear.weight = model[1].linear.weight
+    return model
+
+
+def tied(world: int, seed: int) -> tuple[nn.Sequential, list[int]]:
+    """A model with weights tied across ranks, and its balance on ``world`` ranks."""
+    if world == 3:
+        return two_ties_model(seed), [1, 1, 3]
+    return language_model(seed), [3, 3]
+
+
+def case_groups_first(rank: int, *, before: str, steps: int) -> dict[str, Any]:
+    """On three ranks, a group made ``before`` the pipelines (``'new_group'``: the user's
+    ``new_group([0, 2])``; ``'local'``: the same with local synchronization, on ranks 0 and
+    2 only; ``'pipeline'``: a pipeline with tied weights on that group, stepped on ranks 0
+    and 2 only), then two pipelines of :func:`two_ties_model` on every rank, one after the
+    other, each trained ``steps`` steps; each one's steps (see :func:`lm_steps`) and drift."""
+    if before == "new_group":
+        dist.new_group([0, 2])
+    elif rank in (0, 2):
+        sub = dist.new_group([0, 2], use_local_synchronization=True)
+        if before == "pipeline":
+            first = GPipe(language_model(3), [3, 3], chunks=2, group=sub, timeout=30)
+            first.step(*tokens(3, 4), TokenLoss())
+    trained = []
+    for _ in range(2):
+        pipe = GPipe(two_ties_model(4), [1, 1, 3], chunks=2, group=dist.group.WORLD, timeout=30)
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        record = lm_steps(
+            pipe, optimizer, seed=4, first=0, steps=steps, batch=4, chunks=2, max_norm=1e9
+        )
+        trained.append({"steps": record, "drift": pipe.shared_drift()})
+    return {"pipelines": trained}
+
+
+def case_late_builder(rank: int, *, late_rank: int, seconds: float) -> dict[str, Any]:
+    """``late_rank`` builds a pipeline with tied weights after the others' timeout
+    (``seconds``): each says which ranks it did not hear from; then every rank builds one
+    alike and steps."""
+    model, balance = tied(dist.get_world_size(), 7)
+    if rank == late_rank:
+        time.sleep(2 * seconds)
+    outcome = _timed(
+        lambda: GPipe(model, balance, chunks=2, group=dist.group.WORLD, timeout=seconds)
+    )
+    model, balance = tied(dist.get_world_size(), 7)
+    pipe = GPipe(model, balance, chunks=2, group=dist.group.WORLD, timeout=30)
+    return {**outcome, "reduced": pipe.step(*tokens(7, 4), TokenLoss()).reduced().item()}
+
+
+def case_drift_alone(rank: int, *, odd_rank: int) -> dict[str, Any]:
+    """``odd_rank`` calls shared_drift() while the others step: every rank raises at once;
+    then every rank steps, and calls shared_drift()."""
+    model, balance = tied(dist.get_world_size(), 7)
+    pipe = GPipe(model, balance, chunks=2, group=dist.group.WORLD, timeout=30)
+    x, y = tokens(7, 4)
+    outcome = _timed(
+        lambda: pipe.shared_drift() if rank == odd_rank else pipe.step(x, y, TokenLoss())
+    )
+    for p in pipe.parameters():
+        p.grad = None
+    losses = pipe.step(x, y, TokenLoss())
+    return {
+        **outcome,
+        "reduced": losses.reduced().item(),
+        "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
+        "drift": pipe.shared_drift(),
+    }
+
+
+def _interrupt_in_run(
+    pipe: GPipe, fired: list[bool], timers: list[threading.Timer], landed: list[str]
+) -> Callable[[int, Any], None]:
+    """A SIGINT handler that raises KeyboardInterrupt once, inside a call of gpipe_core
+    while a run of ``pipe`` lasts (else it tries again a moment later, with a timer kept in
+    ``timers``), and records that it did (or must not any more) in ``fired``, and the
+    gpipe_core function it interrupted in ``landed``.
+
+    An interrupt before the run has begun on a rank (in the first instructions of
+    ``step()``) is one step less on that rank: the others' step pairs with its next one."""
+    import signal
+
+    transport = pipe._placement.transport()
+
+    def handler(signum: int, frame: Any) -> None:
+        if fired[0]:
+            return
+        inside = frame
+        while inside is not None and "gpipe_core" not in inside.f_code.co_filename:
+            inside = inside.f_back
+        if inside is None or not transport.active:  # type: ignore[attr-defined]
+            timers.append(threading.Timer(0.001, os.kill, (os.getpid(), signal.SIGINT)))
+            timers[-1].start()
+            return
+        fired[0] = True
+        landed.append(f"{inside.f_code.co_name} ({os.path.basename(inside.f_code.co_filename)})")
+        raise KeyboardInterrupt
+
+    return handler
+
+
+def case_interrupted(rank: int, *, odd_rank: int, delays: list[float]) -> dict[str, Any]:
+    """For each of ``delays``: ``odd_rank`` is interrupted (SIGINT, a KeyboardInterrupt
+    raised inside gpipe) that many seconds into a few steps of a model with weights tied
+    across ranks, and every rank goes on stepping; then each rank makes two more steps.
+    Each phase's outcomes, and the last steps' losses and gradients."""
+    import signal
+
+    model, balance = tied(dist.get_world_size(), 7)
+    pipe = GPipe(model, balance, chunks=2, group=dist.group.WORLD, timeout=10)
+    x, y = tokens(7, 4)
+    phases = []
+    for delay in delays:
+        fired, timers, landed = [rank != odd_rank], [], []
+        handler = _interrupt_in_run(pipe, fired, timers, landed)
+        previous = signal.signal(signal.SIGINT, handler)
+        if rank == odd_rank:
+            timers.append(threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)))
+            timers[0].start()
+        outcomes = []
+        try:
+            for _ in range(4):
+                try:
+                    pipe.step(x, y, TokenLoss())
+                    outcomes.append("ok")
+                except KeyboardInterrupt:
+                    outcomes.append("interrupted")
+                except Exception as caught:
+                    outcomes.append(f"{type(caught).__name__}: {caught}")
+        finally:
+            fired[0] = True  # no more interrupts (the steps ended first: none at all)
+            while timers:
+                timers.pop().join()
+            signal.signal(signal.SIGINT, previous)
+        after = []
+        for _ in range(2):
+            for p in pipe.parameters():
+                p.grad = None
+            losses = pipe.step(x, y, TokenLoss())
+            after.append(
+                {
+                    "reduced": losses.reduced().item(),
+                    "grads": {
+                        k: v.clone() if v is not None else None
+                        for k, v in local_grads(pipe).items()
+                    },
+                }
+            )
+        phases.append({"outcomes": outcomes, "after": after, "landed": landed})
+    return {"phases": phases}
+
+
 def case_disagree_build(rank: int, *, field: str, odd_rank: int) -> dict[str, Any]:
     """``odd_rank`` builds the pipeline with another ``field``; then every rank builds it
     alike and steps."""

@@ -2,8 +2,8 @@
 
 With ``GPipe(..., group=group)``, partition ``s`` runs on rank ``s % group.size()`` of the
 process group, and :class:`DistributedTransport` carries the messages between partitions of
-different ranks with point-to-point sends of ``torch.distributed`` on gloo (on a gloo
-group of the same ranks when the group uses another backend: see :func:`gloo_group`).
+different ranks with point-to-point sends on gloo groups of the group's ranks that the
+pipeline makes for itself (see :mod:`gpipe_core._groups`), whatever the group's backend.
 
 **Channels.** Between two ranks, every message of a run starts with a header (what the
 message is, its tensors' dtypes and shapes), followed in the same piece by its tensors when
@@ -48,10 +48,10 @@ import pickle
 import threading
 import time
 import traceback
-import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -60,6 +60,7 @@ from torch import Tensor
 
 from ._agreement import Fields, RanksDisagree, compare
 from ._errors import add_note, describe_error
+from ._groups import Connections
 from ._schedule import Action
 from ._transport import (
     Cancelled,
@@ -75,8 +76,6 @@ __all__ = [
     "DistributedTransport",
     "RemoteStageError",
     "check_group",
-    "gloo_group",
-    "lower_group",
     "pipeline_tag",
 ]
 
@@ -250,6 +249,13 @@ class _Capacity:
         #: The size of the next buffer.
         self.size = HEADER_BYTES
 
+    def counted(self, whole: int) -> _Capacity:
+        """A copy, with a message of ``whole`` bytes counted."""
+        copy = _Capacity(self.lag)
+        copy.recent, copy.largest, copy.size = deque(self.recent), self.largest, self.size
+        copy.count(whole)
+        return copy
+
     def count(self, whole: int) -> None:
         """Count a message of ``whole`` bytes in one piece."""
         self.recent.append(whole if whole <= INLINE_LIMIT else 0)
@@ -298,48 +304,44 @@ def _message(encoded: bytes, data: Sequence[Tensor], capacity: int) -> list[Tens
 
 
 class DistributedTransport(Transport):
-    """Messages between partitions on the ranks of a gloo process group.
+    """Messages between partitions on the ranks of a pipeline's group.
 
     Args:
-        group: the pipeline's process group.
-        partition_ranks: the rank (in ``group``) of each partition.
+        connections: the pipeline's gloo groups (see :func:`~gpipe_core._groups.connect`):
+            messages to a higher rank go on the first, to a lower one on the second, so
+            that each connection carries one direction (gloo's connection between two
+            processes serves one message at a time in both directions: 1F1B sends both
+            ways at once). A rank's rank there is its rank in the pipeline's group.
+        rank: this process's rank in the pipeline's group.
+        partition_ranks: the rank (in the group) of each partition.
         devices: the device of each partition of this rank (others: unused).
         timeout: seconds any wait may last before it fails with an error that says who
             waits for what (None: no bound).
         tag: the point-to-point tag of this pipeline's headers (``tag + 1``: its
             payloads).
-        to_lower: a second process group of ``group``'s ranks (see :func:`lower_group`):
-            messages to a higher rank go on ``group``, to a lower one on this, so that
-            each connection carries one direction (default: ``group`` for both).
     """
 
     def __init__(
         self,
-        group: dist.ProcessGroup,
+        connections: Connections,
+        rank: int,
         partition_ranks: Sequence[int],
         devices: Sequence[torch.device],
         *,
         timeout: float | None,
         tag: int,
-        to_lower: dist.ProcessGroup | None = None,
     ) -> None:
-        self.group = group
-        # Each peer's group and its rank there, for messages to it and from it.
-        other = group if to_lower is None else to_lower
-        self.to_peer = {
-            peer: (group, peer) if peer > group.rank() else _peer_in(other, group, peer)
-            for peer in range(group.size())
-        }
-        self.from_peer = {
-            peer: (group, peer) if peer < group.rank() else _peer_in(other, group, peer)
-            for peer in range(group.size())
-        }
-        self.rank = group.rank()
+        higher, lower = connections
+        size = higher.size()
+        # The group of the messages to each peer, and of those from it.
+        self.to_peer = {peer: higher if peer > rank else lower for peer in range(size)}
+        self.from_peer = {peer: higher if peer < rank else lower for peer in range(size)}
+        self.rank = rank
         self.partition_ranks = list(partition_ranks)
         self.devices = list(devices)
         self.timeout = timeout
         self.tag = tag
-        self.peers = [rank for rank in range(group.size()) if rank != self.rank]
+        self.peers = [peer for peer in range(size) if peer != rank]
         self.cond = threading.Condition()
         self.run_lock = RunLock(wait=False)
         self.send_locks = {peer: threading.Lock() for peer in self.peers}
@@ -360,6 +362,14 @@ class DistributedTransport(Transport):
         self.heard = dict.fromkeys(self.peers, 0.0)
         self.failures: list[_RemoteFailure] = []
         self.finished: dict[int, Any] = {}  # peer -> its payload
+        self.unfinished: set[int] = set()  # the peers that ended the run failed or cancelled
+        #: The peers this rank told that it ended the run, and what it told them.
+        self.ended: set[int] = set()
+        self.ending: _Meta | None = None
+        #: The tensors each peer gave this rank in the run's exchanges, in order.
+        self.exchanged: dict[int, deque[tuple[str, list[Tensor]]]] = {
+            peer: deque() for peer in self.peers
+        }
         self.served = dict.fromkeys(self.peers, 0)  # the last run each receiver served
         self.dead: dict[int, str] = {}
         self.closed = False
@@ -378,38 +388,61 @@ class DistributedTransport(Transport):
     def begin(self) -> None:
         """Start a run: receive from every peer until it says the run is finished.
 
+        An exception that interrupts it (``KeyboardInterrupt``) leaves no run begun, or
+        ends the one begun as failed, on every rank.
+
         Raises:
-            RuntimeError: a peer died in an earlier run; another thread's run lasts, or
-                the call comes from inside the run (see :class:`RunLock`).
+            RuntimeError: a peer is gone (it died, or did not end an earlier run within
+                the timeout); another thread's run lasts, or the call comes from inside
+                the run (see :class:`RunLock`).
         """
         self.run_lock.acquire()
-        with self.cond:
-            if self.dead:
+        begun = False
+        try:
+            self._start_receivers()  # before the run: an interrupt here begins nothing
+            with self.cond:
+                if self.dead:
+                    peer, reason = next(iter(self.dead.items()))
+                    raise RuntimeError(
+                        f"rank {peer} of the pipeline's group is gone ({reason}); this "
+                        "pipeline cannot run without it: build it again on every rank, or "
+                        "restart every rank if a process died"
+                    )
+                self.cancelled = self.told = False
+                self.mailbox.clear()
+                self.plan = self.plan_fields = self.fields = None
+                self.peer_fields = {}
+                self.failures = []
+                self.finished = {}
+                self.unfinished = set()
+                self.ended = set()
+                self.ending = None
+                self.exchanged = {peer: deque() for peer in self.peers}
+                self.heard = dict.fromkeys(self.peers, time.monotonic())
+                self.run += 1
+                self.active = begun = True
+                self.cond.notify_all()
+        except BaseException as error:
+            try:
+                if begun:
+                    self._abandon(error)
+            finally:
                 self.run_lock.release()
-                peer, reason = next(iter(self.dead.items()))
-                raise RuntimeError(
-                    f"rank {peer} of the pipeline's group is gone ({reason}); the pipeline "
-                    "cannot run without it: restart every rank"
-                )
-            self.run += 1
-            self.active = True
-            self.cancelled = self.told = False
-            self.mailbox.clear()
-            self.plan = self.plan_fields = self.fields = None
-            self.peer_fields = {}
-            self.failures = []
-            self.finished = {}
-            self.heard = dict.fromkeys(self.peers, time.monotonic())
-            self.cond.notify_all()
+            raise
+
+    def _start_receivers(self) -> None:
+        """Start the receiver thread of each peer not started yet (once: one thread
+        reads a peer's messages, run after run)."""
         for peer in self.peers:
-            if peer not in self.threads:
-                thread = threading.Thread(
+            thread = self.threads.get(peer)
+            if thread is None:
+                thread = self.threads[peer] = threading.Thread(
                     target=self._receive_loop,
                     args=(peer,),
                     name=f"gpipe-receive-from-{peer}",
                     daemon=True,
                 )
-                self.threads[peer] = thread
+            if thread.ident is None:
                 thread.start()
 
     def finish(self, error: BaseException | None, payload: object = None) -> dict[int, Any]:
@@ -437,17 +470,46 @@ class DistributedTransport(Transport):
         """
         try:
             return self._finish(error, payload)
+        except BaseException as interrupt:
+            # Interrupted while ending the run (KeyboardInterrupt): end it anyway, so that
+            # the other ranks do not wait for this one and the next run starts alike.
+            self._abandon(interrupt)
+            raise
         finally:
             self.run_lock.release()
+
+    def _abandon(self, error: BaseException) -> None:
+        """End the run here without waiting for the peers (idempotent): tell those that
+        have not heard of its end that it ended, as the others heard (if this rank began
+        telling them: every peer then hears the same), else that it failed. The peers'
+        messages of this run that still come are dropped (see :meth:`_receive_one`)."""
+        with self.cond:
+            if not self.active:
+                return
+        ending = self.ending
+        if ending is None:
+            self.tell(None, error)
+            ending = ("finished", False, None, self.fields)
+        for peer in self.peers:
+            if peer not in self.ended:
+                self.ended.add(peer)
+                self._post_if_alive(peer, ending)
+        with self.cond:
+            self.active = False
+            self.mailbox.clear()
+            self.cond.notify_all()
 
     def _finish(self, error: BaseException | None, payload: object) -> dict[int, Any]:
         if error is not None and not isinstance(error, Cancelled):
             self.tell(None, error)
-        ok = error is None
+        with self.cond:  # a run cancelled here did not end well either: the peers see it
+            ok = error is None and not self.cancelled
         if callable(payload) and self.peers:
             payload = payload()
+        self.ending = ending = ("finished", ok, payload, self.fields)
         for peer in self.peers:
-            self._post_if_alive(peer, ("finished", ok, payload, self.fields))
+            self.ended.add(peer)
+            self._post_if_alive(peer, ending)
         with self.cond:
             failed = not ok or self.cancelled
         deadlines = self._deadlines(failed)
@@ -542,6 +604,44 @@ class DistributedTransport(Transport):
                 raise _Differs(str(disagreement))
         return plan
 
+    def exchange(
+        self,
+        tensors: Sequence[Tensor],
+        send_to: Sequence[int],
+        receive_from: Sequence[int],
+        what: str,
+    ) -> dict[int, list[Tensor]]:
+        """Within a run, send ``tensors`` to the ranks ``send_to`` and receive what the
+        ranks ``receive_from`` send this rank in the same exchange (on the CPU): the
+        exchanges between two ranks pair up in the order they make them, and ``what``
+        (the same on both) names it in errors. The waits are the run's: bounded by the
+        timeout, ended by a failure on any rank.
+
+        Raises:
+            Cancelled: the run was cancelled (a peer failed) while waiting.
+            RuntimeError: a peer ended its run without this exchange, or made another
+                one (``what`` differs).
+        """
+        for peer in send_to:
+            if peer != self.rank:
+                self._post(peer, ("exchange", what), tensors)
+        received: dict[int, list[Tensor]] = {}
+        with self.cond:
+            for peer in receive_from:
+                if peer == self.rank:
+                    continue
+                queue = self.exchanged[peer]
+                self._wait(queue.__len__, what, peer)
+                theirs, values = queue.popleft()
+                if theirs != what:
+                    raise RuntimeError(
+                        f"rank {self.rank} waits for {what} from rank {peer}, which sent "
+                        f"{theirs}; is every rank calling the same method with the same "
+                        "arguments?"
+                    )
+                received[peer] = values
+        return received
+
     # -- the Transport interface ----------------------------------------------------
 
     def send(
@@ -597,7 +697,8 @@ class DistributedTransport(Transport):
             text = "".join(traceback.format_tb(error.__traceback__)) + summary
         disagrees = isinstance(error, _Differs)
         for peer in self.peers:
-            self._post_if_alive(peer, ("failed", where, summary, text, disagrees))
+            if peer not in self.ended:  # a peer told the run ended serves the next one
+                self._post_if_alive(peer, ("failed", where, summary, text, disagrees))
 
     def fail(self, partition: int, action: Action | None, error: BaseException) -> None:
         self.tell((partition, action) if action is not None else None, error)
@@ -636,7 +737,8 @@ class DistributedTransport(Transport):
         """Wait (holding ``cond``) until ``ready()``; ``what`` comes from rank ``source``."""
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while not ready():
-            if self.cancelled:
+            if self.cancelled or source in self.unfinished:
+                # The run failed (its error comes at its end, from the rank that failed).
                 raise Cancelled
             if source != self.rank and (source in self.finished or source in self.dead):
                 gone = "died" if source in self.dead else "finished its run"
@@ -664,16 +766,25 @@ class DistributedTransport(Transport):
         specs = [(tensor.dtype, tuple(tensor.shape)) for tensor in tensors]
         encoded = pickle.dumps((self.run, meta, specs), protocol=pickle.HIGHEST_PROTOCOL)
         whole = _whole(len(encoded), [len(chunk) for chunk in data])
-        works: list[dist.Work] = []
+        carrier = self.to_peer[peer]
+        assert carrier is not None  # a peer: the group has two ranks or more
         with self.send_locks[peer]:  # the messages' order: the sizes of their buffers
             capacity = self.sent[peer]
             parts = _message(encoded, data, capacity.size)
-            capacity.count(whole)
-            for k, part in enumerate(parts):
-                tag = self.tag if k == 0 else self.tag + 1  # the header, then the payload
+            counted = capacity.counted(whole)
+            # The header on the pipeline's tag, what does not fit in it on the next one.
+            tags = [self.tag] + [self.tag + 1] * (len(parts) - 1)
+            # Each part sent, and recorded for the end of the run, by C calls only.
+            sending = zip(
+                repeat(peer), map(carrier.send, [[p] for p in parts], repeat(peer), tags), parts
+            )
+            with self.sends_lock:
+                start = len(self.sends)
                 try:
-                    carrier, there = self.to_peer[peer]
-                    work = dist.isend(part, group=carrier, group_dst=there, tag=tag)
+                    # An interrupt (KeyboardInterrupt) lands between Python instructions: it
+                    # finds the message counted and sent whole, or neither.
+                    self.sent[peer] = counted
+                    self.sends.extend(sending)
                 except RuntimeError as error:  # the connection is closed
                     with self.cond:
                         self.dead.setdefault(peer, f"{type(error).__name__}: {error}")
@@ -681,10 +792,12 @@ class DistributedTransport(Transport):
                         f"rank {self.rank} cannot send to rank {peer}, which died or left the "
                         f"group ({error})"
                     ) from error
-                assert work is not None  # this process is in the group
-                works.append(work)
-        with self.sends_lock:
-            self.sends.extend((peer, work, part) for work, part in zip(works, parts, strict=True))
+                except BaseException:
+                    sent = len(self.sends) - start
+                    if sent != (len(parts) if self.sent[peer] is counted else 0):
+                        with self.cond:  # the peer cannot read what would follow
+                            self.dead.setdefault(peer, "a message to it was interrupted half-sent")
+                    raise
 
     def _post_if_alive(self, peer: int, meta: _Meta) -> None:
         """Send a message without tensors to ``peer`` unless it is gone (a dead peer is
@@ -700,21 +813,35 @@ class DistributedTransport(Transport):
         connection whose wait timed out)."""
         with self.sends_lock:
             sends, self.sends = self.sends, []
-        for peer, work, _ in sends:
-            if peer in self.dead:
-                continue
-            deadline = deadlines[peer]
-            try:
-                if deadline is None:
-                    work.wait()
-                else:
-                    remaining = max(deadline - time.monotonic(), 0.001)
-                    work.wait(datetime.timedelta(seconds=remaining))
-            except RuntimeError as error:
-                with self.cond:
-                    # The receiver thread may have said so already (the peer died).
-                    self.dead.setdefault(peer, f"{type(error).__name__}: {error}")
-                    self.cond.notify_all()
+        sends.reverse()  # drained from the end: what is left is kept if interrupted
+        try:
+            while sends:
+                peer, work, _ = sends[-1]
+                if peer not in self.dead:
+                    self._wait_sent(peer, work, deadlines[peer])
+                sends.pop()
+        finally:
+            # Interrupted (KeyboardInterrupt): the next run waits for the sends not waited
+            # for yet (a wait that returned counts the send's completion: gloo's next wait
+            # on it would wait for another).
+            left = [send for send in reversed(sends) if not send[1].is_completed()]
+            if left:
+                with self.sends_lock:
+                    self.sends[:0] = left
+
+    def _wait_sent(self, peer: int, work: dist.Work, deadline: float | None) -> None:
+        """Wait until a send to ``peer`` has been received, or until ``deadline``."""
+        try:
+            if deadline is None:
+                work.wait()
+            else:
+                remaining = max(deadline - time.monotonic(), 0.001)
+                work.wait(datetime.timedelta(seconds=remaining))
+        except RuntimeError as error:
+            with self.cond:
+                # The receiver thread may have said so already (the peer died).
+                self.dead.setdefault(peer, f"{type(error).__name__}: {error}")
+                self.cond.notify_all()
 
     def _receive_loop(self, peer: int) -> None:
         """Receive ``peer``'s messages, run after run, and file them."""
@@ -775,9 +902,15 @@ class DistributedTransport(Transport):
             tensors = _unpack(packed, 0, specs)
         kind = meta[0]
         with self.cond:
+            if run != self.run or not self.active:
+                # A run this rank ended without waiting for the peer (it was interrupted):
+                # its messages are dropped, up to the one that ends it.
+                return bool(kind != "finished")
             self.heard[peer] = time.monotonic()
             if kind == "finished":
                 self.finished[peer], self.peer_fields[peer] = meta[2], meta[3]
+                if not meta[1]:
+                    self.unfinished.add(peer)
                 self.cond.notify_all()
                 return False
             if kind == "failed":
@@ -785,6 +918,9 @@ class DistributedTransport(Transport):
                 self.cancelled = True
             elif kind == "plan":
                 self.plan, self.plan_fields = meta[1], meta[2]
+            elif kind == "exchange":
+                if not self.cancelled:
+                    self.exchanged[peer].append((meta[1], tensors))
             elif not self.cancelled:
                 _, key, atomic, present, requires_grad, others, kind = meta
                 batch = carried(tensors, atomic)
@@ -800,9 +936,9 @@ class DistributedTransport(Transport):
         while len(posted) < HEADERS_AHEAD:
             raw = bytearray(self.received[peer].size)
             header = torch.frombuffer(raw, dtype=torch.uint8)
-            carrier, there = self.from_peer[peer]
-            work = dist.irecv(header, group=carrier, group_src=there, tag=self.tag)
-            assert work is not None  # None only for a process outside the group
+            carrier = self.from_peer[peer]
+            assert carrier is not None  # a peer: the group has two ranks or more
+            work = carrier.recv([header], peer, self.tag)
             posted.append((work, raw, header))
         work, raw, header = posted[0]
         work.wait()
@@ -811,60 +947,9 @@ class DistributedTransport(Transport):
 
     def _recv(self, tensor: Tensor, peer: int) -> None:
         """Receive the next payload (or metadata that did not fit in its header)."""
-        carrier, there = self.from_peer[peer]
-        dist.recv(tensor, group=carrier, group_src=there, tag=self.tag + 1)
-
-
-_GlooGroups = weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]
-_gloo_groups: _GlooGroups = weakref.WeakKeyDictionary()
-_lower_groups: _GlooGroups = weakref.WeakKeyDictionary()
-
-
-def _gloo_copy(group: dist.ProcessGroup, made: _GlooGroups) -> dist.ProcessGroup:
-    """A gloo group of ``group``'s ranks, kept in ``made``: the first pipeline on
-    ``group`` makes it, on every rank of ``group`` together (only them), and the
-    pipelines made after it on ``group`` share it."""
-    copy = made.get(group)
-    if copy is None:
-        ranks = dist.get_process_group_ranks(group)
-        new = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-        assert isinstance(new, dist.ProcessGroup)  # this process is one of ranks
-        copy = made[group] = new
-    return copy
-
-
-def gloo_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """The gloo group that carries the messages of the pipelines on ``group``: ``group``
-    itself when it uses gloo, else a gloo group of the same ranks (for a group of NCCL,
-    or of ``init_process_group()`` without a backend, whose backend is ``'undefined'``).
-
-    gpipe's messages start with headers in host memory and wait with timeouts, which
-    gloo serves for any device (CUDA tensors through host memory).
-    """
-    if str(dist.get_backend(group)) == "gloo":
-        return group
-    return _gloo_copy(group, _gloo_groups)
-
-
-def lower_group(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
-    """A second gloo group of the ranks of ``group`` (a gloo group), for the messages to
-    lower ranks (None for a group of one), made once per group (see :func:`_gloo_copy`).
-
-    gloo's connection between two processes serves one message at a time in both
-    directions: with the messages of one direction on a connection of their own, a
-    send does not wait behind a receive (1F1B sends both ways at once).
-    """
-    if group.size() < 2:
-        return None
-    return _gloo_copy(group, _lower_groups)
-
-
-def _peer_in(
-    carrier: dist.ProcessGroup, group: dist.ProcessGroup, peer: int
-) -> tuple[dist.ProcessGroup, int]:
-    """``carrier`` (a group of the same ranks) and the rank there of ``group``'s rank
-    ``peer``."""
-    return carrier, dist.get_group_rank(carrier, dist.get_global_rank(group, peer))
+        carrier = self.from_peer[peer]
+        assert carrier is not None  # a peer: the group has two ranks or more
+        carrier.recv([tensor], peer, self.tag + 1).wait()
 
 
 def _check_strided(key: MessageKey, tensors: Sequence[Tensor]) -> None:

@@ -207,11 +207,18 @@ class GPipe(LayersModule):
             map_keys(self, PartitionKeys(self._partition_list(), built.remote_layers))
             if construction is not None:
                 construction.agree((), built.timeout)  # every rank has built its partitions
-                self._shared.connect()  # the replicas of shared tensors are made equal
+                self._connect_replicas()
         except BaseException as error:
             if construction is not None:
                 construction.failed(error)
             raise
+
+    def _connect_replicas(self) -> None:
+        """Make the replicas of shared tensors equal to their owners', in a run of every
+        rank (when some tensor is shared across ranks: the ranks agree on which)."""
+        if self._shared.sets:
+            with run_session(self._placement, self._pool):
+                self._shared.connect(self._placement.transport().exchange)
 
     def _init_runtime(self) -> None:
         """The state that is not copied or pickled: copy streams and worker threads (the
@@ -614,18 +621,23 @@ class GPipe(LayersModule):
             4
         """
         # Across processes, the replicas of shared parameters get the sum of what the
-        # step adds to their gradients, after every backward pass of the step (the ranks
-        # agree on the training and grad modes, which say whether there are any).
-        backward = self.training and torch.is_grad_enabled()
-        before = self._shared.gradients() if backward else None
-        with self._replicas.averaging(self.parameters):
-            with run_session(self._placement, self._pool) as session:
-                arguments = step_arguments(inputs, target, loss_fn, unpack_input)
-                losses = self._step(arguments, schedule, reduction)
-                if losses is not None:
-                    session.payload = functools.partial(to_numbers, losses)
+        # step adds to their gradients, after every backward pass of the step, within
+        # its run (the ranks agree on the training and grad modes, which say whether there
+        # are any).
+        with (
+            self._replicas.averaging(self.parameters),
+            run_session(self._placement, self._pool) as session,
+        ):
+            # Nothing before the run begins: an interrupt in the step (KeyboardInterrupt)
+            # lands in the run, which every rank then ends.
+            backward = self.training and torch.is_grad_enabled()
+            before = self._shared.gradients() if backward else None
+            arguments = step_arguments(inputs, target, loss_fn, unpack_input)
+            losses = self._step(arguments, schedule, reduction)
             if before is not None:
-                self._shared.sum_gradients(before)
+                self._shared.sum_gradients(before, self._placement.transport().exchange)
+            if losses is not None:
+                session.payload = functools.partial(to_numbers, losses)
         if losses is not None:
             return losses
         # Every rank returns the losses of the last partition's rank.
@@ -759,8 +771,10 @@ class GPipe(LayersModule):
         In one process a shared tensor is one tensor (0.0). Across processes, each rank
         that uses it keeps a replica, made equal at construction and given the summed
         gradient at each :meth:`step`: an optimizer that treats the replicas alike keeps
-        them equal, and this says whether it did. Every rank calls it (it is collective
-        over the ranks that share each tensor); they get the same numbers.
+        them equal, and this says whether it did. Every rank calls it, as it calls
+        :meth:`step` (the ranks compare the methods they call: a rank that calls it alone
+        while the others step makes every rank raise the same error, and the next step
+        runs); they get the same numbers.
 
         Example:
             >>> embedding = nn.Embedding(10, 4)
@@ -770,7 +784,12 @@ class GPipe(LayersModule):
             >>> model.shared_drift()
             {}
         """
-        return self._shared.drift()
+        if not self._shared.sets:  # no tensor shared across ranks: nothing to compare
+            return self._shared.drift(self._placement.transport().exchange)
+        fields = (("the method called", "shared_drift"),)
+        with run_session(self._placement, self._pool):
+            share_plan(self._placement, (), fields)
+            return self._shared.drift(self._placement.transport().exchange)
 
     def trace(self) -> AbstractContextManager[Timeline]:
         """Record the pipeline's tasks while the ``with`` block runs.

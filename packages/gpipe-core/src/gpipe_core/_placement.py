@@ -5,9 +5,10 @@ A :class:`Placement` is built once, from ``balance``, ``devices``, ``group`` and
 for all its partitions), the rank (in ``group``) that runs each partition, each
 partition's device (``meta`` for another rank's), and, across processes, the process
 groups and the tag its messages travel on and the seconds any wait for another rank may
-last. It makes the pipeline's transport. It is the only place that knows whether a
-pipeline spans processes: the rest of gpipe-core asks it which partitions are local and
-which transport carries their messages.
+last. It makes the pipeline's connections (see :mod:`gpipe_core._groups`) and its
+transport. It is the only place that knows whether a pipeline spans processes: the rest
+of gpipe-core asks it which partitions are local and which transport carries their
+messages.
 
 It knows nothing of the layers beyond their count, of schedules or of partitions.
 """
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from gpipe_microbatch import Device
 
 from ._agreement import Construction
+from ._groups import Connections, connect
 from ._partition import resolve_devices
 from ._schedule import place_partitions
 from ._transport import LocalTransport, Transport
@@ -191,8 +193,7 @@ class Placement:
             self.devices = resolve_devices(devices, n)
         self._transport: Transport | None = None
         self._tag = 0
-        self._to_higher: dist.ProcessGroup | None = None
-        self._to_lower: dist.ProcessGroup | None = None
+        self._connections: Connections | None = None
 
     @property
     def spans_processes(self) -> bool:
@@ -226,16 +227,18 @@ class Placement:
         return self.local_workers > 1 and (self.spans_processes or not nested)
 
     def connect(self, tag: int) -> None:
-        """Make the process groups the messages travel on (collective over ``group``: every
-        rank calls it, once the ranks agree on what they build); ``tag`` is the pipeline's
-        point-to-point tag (see :func:`~gpipe_core._distributed.pipeline_tag`)."""
+        """Make the gloo groups the messages travel on (collective over ``group``: every
+        rank calls it, once the ranks agree on what they build; see
+        :func:`~gpipe_core._groups.connect`); ``tag`` is the pipeline's tag (see
+        :func:`~gpipe_core._distributed.pipeline_tag`).
+
+        Raises:
+            TimeoutError: a rank did not come within the timeout (named).
+        """
         if self.group is None:
             return
-        from ._distributed import gloo_group, lower_group
-
         self._tag = tag
-        self._to_higher = gloo_group(self.group)
-        self._to_lower = lower_group(self._to_higher)
+        self._connections = connect(self.group, tag, self.timeout)
 
     def transport(self) -> Transport:
         """The pipeline's transport, made on first use: between worker threads of this
@@ -246,14 +249,14 @@ class Placement:
             else:
                 from ._distributed import DistributedTransport
 
-                assert self._to_higher is not None, "connect() first"
+                assert self._connections is not None, "connect() first"
                 self._transport = DistributedTransport(
-                    self._to_higher,
+                    self._connections,
+                    self.group.rank(),
                     self.ranks,
                     self.devices,
                     timeout=self.timeout,
                     tag=self._tag,
-                    to_lower=self._to_lower,
                 )
         return self._transport
 

@@ -17,10 +17,11 @@ Across processes, each rank whose partitions use it keeps a *replica* (the tenso
 its layers hold), and :class:`SharedReplicas` keeps the replicas the plain module's one
 tensor:
 
-- at construction, the replicas are made equal to the owner's rank's (a broadcast);
+- at construction, the replicas are made equal to the owner's rank's (the owner's rank
+  sends its tensor);
 - once per step, after the last backward pass, what the step added to the replicas'
-  gradients is summed over the ranks that hold them (one ``all_reduce`` per set of such
-  ranks and dtype, on a gloo group of just those ranks), so every replica gets the plain
+  gradients is summed over the ranks that hold them (one sum per set of such ranks and
+  dtype, added in the ranks' order, so alike on each), so every replica gets the plain
   module's gradient, and an identical optimizer keeps them identical; a parameter that no
   rank computed a gradient for keeps ``None``, as in the plain module;
 - :meth:`SharedReplicas.drift` tells how far the replicas are from the owner's;
@@ -29,14 +30,19 @@ tensor:
 
 Buffers are made equal at construction and not summed (their values are not gradients).
 
-This module knows nothing of schedules or transports: it works on tensors, ranks and
-process groups.
+The tensors travel within a run of the pipeline, between the ranks that hold them (an
+:data:`Exchange`, the transport's): a rank that fails or is interrupted ends the run on
+every rank, rather than leaving the others in a collective it never joins, and no process
+group is made for them.
+
+This module knows nothing of schedules or transports: it works on tensors, ranks and an
+exchange between ranks.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -45,9 +51,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._collective import wait_collective
+__all__ = ["Exchange", "Shared", "SharedReplicas", "Ties", "find_shared", "views"]
 
-__all__ = ["Shared", "SharedReplicas", "Ties", "find_shared", "views"]
+#: Within a run: send tensors to some ranks of the pipeline's group, and receive what some
+#: send this rank (``exchange(tensors, send_to, receive_from, what)``; see
+#: :meth:`DistributedTransport.exchange <gpipe_core._distributed.DistributedTransport.exchange>`).
+Exchange = Callable[
+    [Sequence[torch.Tensor], Sequence[int], Sequence[int], str], dict[int, list[torch.Tensor]]
+]
 
 #: Tie the partitions on one device too, as if on different ones (the tests run the ties'
 #: mechanism on the CPU with it).
@@ -254,12 +265,11 @@ class _Site:
 
 @dataclass
 class _Set:
-    """The shared tensors held by one set of ranks, and the group of just those ranks."""
+    """The shared tensors held by one set of ranks."""
 
-    ranks: tuple[int, ...]  # in the pipeline's group
+    ranks: tuple[int, ...]  # in the pipeline's group, in order
     owners: dict[str, int] = field(default_factory=dict)  # key -> the owner's rank
     sites: dict[str, _Site] = field(default_factory=dict)  # key -> this replica's site
-    group: dist.ProcessGroup | None = None
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -287,14 +297,14 @@ class SharedReplicas:
         timeout: float | None,
     ) -> None:
         self.timeout = timeout
+        self.rank = 0
         self.sets: list[_Set] = []
         self._sites: dict[str, _Site] = {}
         #: The owner's keys of the replicas here whose owner another rank holds.
         self.foreign: set[str] = set()
         if group is None:
             return
-        rank = group.rank()
-        world = dist.get_process_group_ranks(group)
+        self.rank = rank = group.rank()
         by_ranks: dict[tuple[int, ...], _Set] = {}
         for entry in shared:
             ranks = tuple(sorted({partition_ranks[j] for j in entry.partitions}))
@@ -306,9 +316,9 @@ class SharedReplicas:
                     self.foreign.add(entry.key)
             if len(ranks) < 2:
                 continue  # on one rank: the tensor itself
-            # Every rank walks the sets in one order, so the groups are made alike.
-            found = by_ranks.setdefault(ranks, _Set(tuple(world[r] for r in ranks)))
-            found.owners[entry.key] = world[partition_ranks[entry.uses[0][0]]]
+            # Every rank walks the sets in one order, so their exchanges pair up.
+            found = by_ranks.setdefault(ranks, _Set(ranks))
+            found.owners[entry.key] = partition_ranks[entry.uses[0][0]]
             if mine:
                 found.sites[entry.key] = site
         self.sets = [s for _, s in sorted(by_ranks.items())]
@@ -318,23 +328,40 @@ class SharedReplicas:
         """This process's replica of each shared tensor it holds, under the owner's key."""
         return {key: site.tensor() for key, site in self._sites.items()}
 
-    def connect(self) -> None:
-        """Make a gloo group of each set of ranks that share tensors (on those ranks only),
-        and make the replicas equal to the owners' (collective over those ranks)."""
-        for found in self.sets:
-            if not found.sites:
-                continue
-            group = dist.new_group(
-                list(found.ranks), backend="gloo", use_local_synchronization=True
-            )
-            assert isinstance(group, dist.ProcessGroup)  # this process is one of the ranks
-            found.group = group
-            with torch.no_grad():
+    def connect(self, exchange: Exchange) -> None:
+        """Make the replicas equal to the owners' (within a run of every rank: the owners'
+        ranks send their tensors to the other ranks that hold them)."""
+        with torch.no_grad():
+            for found in self.sets:
                 for key, tensor in found.tensors.items():
-                    self._wait(
-                        dist.broadcast(tensor, found.owners[key], group=group, async_op=True),
-                        f"making the replicas of {key} equal",
-                    )
+                    owner = self._from_owner(found, key, tensor, exchange)
+                    if owner is not tensor:
+                        tensor.copy_(owner)
+
+    def _from_owner(
+        self, found: _Set, key: str, tensor: torch.Tensor, exchange: Exchange
+    ) -> torch.Tensor:
+        """The owner's ``key`` (this rank's ``tensor`` on the owner's rank, which sends it
+        to the other ranks of ``found``)."""
+        owner = found.owners[key]
+        what = f"the owner's {key}"
+        if owner == self.rank:
+            exchange([tensor.detach()], [r for r in found.ranks if r != owner], [], what)
+            return tensor
+        return exchange([], [], [owner], what)[owner][0].to(tensor.device)
+
+    def _sum(
+        self, found: _Set, tensor: torch.Tensor, exchange: Exchange, what: str
+    ) -> torch.Tensor:
+        """The sum of ``tensor`` over the ranks of ``found``, added in the ranks' order (so
+        the same on each)."""
+        others = [r for r in found.ranks if r != self.rank]
+        theirs = exchange([tensor], others, others, what)
+        parts = [tensor if r == self.rank else theirs[r][0] for r in found.ranks]
+        total = parts[0].to(tensor.device, copy=True)
+        for part in parts[1:]:
+            total += part.to(tensor.device)
+        return total
 
     def _parameters(self, found: _Set) -> list[nn.Parameter]:
         """The replicas of ``found`` that are parameters and require grad, in order."""
@@ -352,15 +379,15 @@ class SharedReplicas:
             for p in self._parameters(found)
         }
 
-    def sum_gradients(self, before: dict[int, torch.Tensor | None]) -> None:
+    def sum_gradients(self, before: dict[int, torch.Tensor | None], exchange: Exchange) -> None:
         """Sum what the step added to the gradients of this process's replicas of shared
-        parameters over the ranks that hold them (one ``all_reduce`` per set of ranks and
-        dtype), and add the sum to the gradients they had ``before`` the step (equal on
-        every rank).
+        parameters over the ranks that hold them (one sum per set of ranks and dtype,
+        within the step's run), and add the sum to the gradients they had ``before`` the
+        step (equal on every rank).
 
         A rank whose uses of a parameter computed no gradient (its layers skipped, their
-        input detached) has none to add: the ``all_reduce`` carries, beside the gradients,
-        whether each rank has one, so that every rank knows who does. A parameter none of
+        input detached) has none to add: the sum carries, beside the gradients, whether
+        each rank has one, so that every rank knows who does. A parameter none of
         whose uses computed a gradient on any rank keeps what it held before the step
         (``None``, as in the plain module, where an optimizer then leaves it alone); one
         that some rank has a gradient for gets the sum on every rank."""
@@ -380,11 +407,11 @@ class SharedReplicas:
                 has = [float(p.grad is not None) for p in same]
                 added.append(torch.tensor(has, dtype=dtype, device=added[0].device))
                 flat = torch.cat(added)
-                self._wait(
-                    dist.all_reduce(flat, group=found.group, async_op=True),
-                    "summing the gradients of the shared parameters "
+                flat = self._sum(
+                    found, flat, exchange,
+                    "the gradients of the shared parameters "
                     f"{[k for k, t in found.tensors.items() if any(t is p for p in same)]}",
-                )
+                )  # fmt: skip
                 counts = flat[-len(same) :].tolist()
                 offset = 0
                 for p, count in zip(same, counts, strict=True):
@@ -400,29 +427,16 @@ class SharedReplicas:
                     else:
                         p.grad.copy_(summed)
 
-    def drift(self) -> dict[str, float]:
+    def drift(self, exchange: Exchange) -> dict[str, float]:
         """The largest absolute difference between each replica this process holds and the
         owner's, under the owner's plain key (the same on every rank that holds it; 0.0 for
-        a tensor on one rank)."""
+        a tensor on one rank), within a run of every rank."""
         drifts = dict.fromkeys(self.replicas, 0.0)
         for found in self.sets:
+            others = [r for r in found.ranks if r != self.rank]
             for key, tensor in found.tensors.items():
-                owner = tensor.detach().clone()
-                self._wait(
-                    dist.broadcast(owner, found.owners[key], group=found.group, async_op=True),
-                    f"comparing the replicas of {key}",
-                )
-                difference = (tensor.detach() - owner).abs().max().reshape(1).double()
-                self._wait(
-                    dist.all_reduce(
-                        difference, op=dist.ReduceOp.MAX, group=found.group, async_op=True
-                    ),
-                    f"comparing the replicas of {key}",
-                )
-                drifts[key] = float(difference.item())
+                owner = self._from_owner(found, key, tensor, exchange)
+                difference = (tensor.detach() - owner).abs().max().reshape(1).double().cpu()
+                theirs = exchange([difference], others, others, f"the drift of {key}")
+                drifts[key] = max([float(difference), *(float(t[0]) for t in theirs.values())])
         return drifts
-
-    def _wait(self, work: dist.Work | None, what: str) -> None:
-        wait_collective(
-            work, self.timeout, f"{what}: the ranks that share it did not all take part"
-        )

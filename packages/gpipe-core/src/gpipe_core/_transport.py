@@ -243,6 +243,22 @@ class Transport(ABC):
         """
         raise RuntimeError("the first partition runs in this process: nobody sends a plan")
 
+    def exchange(
+        self,
+        tensors: Sequence[Tensor],
+        send_to: Sequence[int],
+        receive_from: Sequence[int],
+        what: str,
+    ) -> dict[int, list[Tensor]]:
+        """Within a run, send ``tensors`` to the processes ``send_to`` and receive what the
+        processes ``receive_from`` send this one (see the transport across processes);
+        within one process there is nobody else: nothing is sent or received.
+
+        Raises:
+            Cancelled: the run was cancelled while waiting.
+        """
+        return {}
+
     @abstractmethod
     def finish(self, error: BaseException | None, payload: object = None) -> dict[int, Any]:
         """End the run (whatever happened in it).
