@@ -123,8 +123,14 @@ def test_shared_drift_on_one_rank_raises_on_every_rank_at_once_then_steps_run(
     results = cluster.results("drift_alone", timeout=90, odd_rank=odd_rank)
     messages = {result["error"].get("message") for result in results}
     assert len(messages) == 1, messages  # the same error on every rank
-    (message,) = messages
-    assert message is not None and "differs across ranks" in message, message
+    others = [rank for rank in range(world) if rank != odd_rank]
+    stepping = f"rank {others[0]}" if len(others) == 1 else f"ranks {', '.join(map(str, others))}"
+    shown = sorted(
+        [(odd_rank, f"rank {odd_rank}: 'shared_drift'"), (others[0], f"{stepping}: 'step'")]
+    )
+    assert messages == {
+        f"the method called differs across ranks ({', '.join(s for _, s in shown)})"
+    }
     assert all(result["error"]["is_value_error"] for result in results)
     assert all(result["seconds"] < PROMPT for result in results)  # not the timeout
     for result in results:
