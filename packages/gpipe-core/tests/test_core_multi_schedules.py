@@ -518,42 +518,61 @@ def test_compiled_partitions_run_every_schedule_exactly(backend: str, whole: boo
 
 
 class TorchCheckpointed(nn.Module):
-    """Two linear layers under ``torch.utils.checkpoint``."""
+    """Two linear layers and a batch norm under ``torch.utils.checkpoint`` (its forward
+    passes counted in ``calls``), a plain linear layer after them if ``beside``."""
 
-    def __init__(self, reentrant: bool) -> None:
+    def __init__(self, reentrant: bool, beside: bool) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.norm = nn.BatchNorm1d(3, momentum=None)
+        self.after = nn.Linear(3, 3) if beside else nn.Identity()
         self.reentrant = reentrant
+        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         def inner(t: torch.Tensor) -> torch.Tensor:
-            return self.b(torch.tanh(self.a(t)))
+            self.calls += 1
+            return self.b(torch.tanh(self.norm(self.a(t))))
 
-        return cast(torch.Tensor, torch_checkpoint(inner, x, use_reentrant=self.reentrant))
+        out = torch_checkpoint(inner, x, use_reentrant=self.reentrant)
+        return cast(torch.Tensor, self.after(out))
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize(("reentrant", "beside"), [(False, True), (False, False), (True, True)])
 @pytest.mark.parametrize(("name", "kind"), [("zb-h1", "loop"), ("zbv", "v")])
 def test_layers_under_torch_checkpoint_split_or_run_whole(
-    name: str, kind: str, reentrant: bool
+    name: str, kind: str, reentrant: bool, beside: bool
 ) -> None:
-    """A non-reentrant ``torch.utils.checkpoint`` splits as usual; a reentrant one refuses
-    a backward pass to chosen inputs, so its partition runs the whole backward pass at I."""
+    """A non-reentrant ``torch.utils.checkpoint`` recomputes its region once per
+    micro-batch, as in one backward pass: its layers compute their weights' gradients at
+    I, and the rest of the partition (a plain layer beside it) splits; a partition of
+    such layers only, or with a reentrant one (which refuses a backward pass to chosen
+    inputs), runs the whole backward pass at I. The batch norm inside counts one forward
+    pass and one recomputation per micro-batch."""
     torch.manual_seed(0)
-    plain = nn.Sequential(*(TorchCheckpointed(reentrant) for _ in range(4))).double()
+    plain = nn.Sequential(*(TorchCheckpointed(reentrant, beside) for _ in range(4))).double()
     pipe = GPipe(copy.deepcopy(plain), [1, 1, 1, 1], chunks=4, checkpoint="never",
                  devices=["cpu", "cpu"], placement=kind)  # fmt: skip
     x = torch.randn(8, 3, dtype=torch.float64, requires_grad=True)
     y = torch.randn(8, 3, dtype=torch.float64)
     with pipe.trace() as timeline:
-        pipe.step(x, y, nn.MSELoss(), schedule=name)
+        losses = pipe.step(x, y, nn.MSELoss(), schedule=name)
     x_plain = x.detach().clone().requires_grad_()
-    nn.MSELoss()(plain(x_plain), y).backward()
+    for xi, yi in zip(x_plain.split(losses.sizes), y.split(losses.sizes), strict=True):
+        (nn.MSELoss()(plain(xi), yi) * len(xi) / len(x)).backward()
     for p, q in zip(pipe.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
     torch.testing.assert_close(x.grad, x_plain.grad)
+    for got, want in zip(pipe.modules(), plain.modules(), strict=True):
+        if isinstance(got, TorchCheckpointed):
+            assert got.calls == want.calls == 2 * 4
+        if isinstance(got, nn.BatchNorm1d):
+            assert int(got.num_batches_tracked) == int(want.num_batches_tracked) == 2 * 4
+            torch.testing.assert_close(got.running_mean, want.running_mean)
+            torch.testing.assert_close(got.running_var, want.running_var)
     phases = {str(event.phase) for event in timeline.events}
-    assert ("input-gradient" in phases) != reentrant and ("backward" in phases) == reentrant
+    split = beside and not reentrant
+    assert ("input-gradient" in phases) == split and ("backward" in phases) != split
 
 
 class _Saved:
