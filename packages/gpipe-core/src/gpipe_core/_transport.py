@@ -378,9 +378,11 @@ class LocalTransport(Transport):
     run. An action that has kept the turn for :data:`TAKE_OVER_AFTER` loses it to a
     waiting worker, so a turn never waits on an action that waits for another worker.
     Once every action of a run is measured short (:meth:`one_turn`), the run is one turn:
-    the calling thread runs all of them, and no worker thread is woken (a first run, which
-    measures them, runs on the workers). Whatever the turns, every worker runs its own list
-    in order, so the results are those of any other interleaving.
+    the calling thread runs all of them, and no worker thread computes (a first run, which
+    measures them, runs on the workers; one worker's thread, asleep, watches for an action
+    that blocks, and hands the rest of the run to the workers after
+    :data:`TAKE_OVER_AFTER`, see :mod:`gpipe_core._runner`). Whatever the turns, every
+    worker runs its own list in order, so the results are those of any other interleaving.
 
     Args:
         devices: the device of each partition.
