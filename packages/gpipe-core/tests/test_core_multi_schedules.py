@@ -9,6 +9,7 @@ the plain model's losses and gradients; the refusals name schedule, placement an
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import cast
 
 import pytest
@@ -319,9 +320,44 @@ class Pop(nn.Module):
         return x + skip
 
 
-def build(layers: int, skips: list[tuple[int, int]], seed: int) -> nn.Sequential:
+class Observed(nn.Module):
+    """A linear + tanh layer under a non-reentrant ``torch.utils.checkpoint`` (``kind``
+    ``"torch-checkpoint"``: ``calls`` counts the region's forward passes), or whose linear
+    output has a hook (counting its calls in ``calls``) and retains its gradient
+    (``"hooked"``: the outputs in ``kept``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.linear = nn.Linear(3, 3)
+        self.calls = 0
+        self.kept: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "torch-checkpoint":
+
+            def region(t: torch.Tensor) -> torch.Tensor:
+                self.calls += 1
+                return torch.tanh(self.linear(t))
+
+            return cast(torch.Tensor, torch_checkpoint(region, x, use_reentrant=False))
+        y = self.linear(x)
+        if y.requires_grad:
+            y.register_hook(self.count)
+            y.retain_grad()
+            self.kept.append(y)
+        return torch.tanh(y)
+
+    def count(self, grad: torch.Tensor) -> None:
+        self.calls += 1
+
+
+def build(
+    layers: int, skips: list[tuple[int, int]], seed: int, kinds: Sequence[str] = ()
+) -> nn.Sequential:
     """``layers`` linear + tanh layers, with a skip from before layer ``a`` to after layer
-    ``b`` for each ``(a, b)`` (each skip in its own namespace)."""
+    ``b`` for each ``(a, b)`` (each skip in its own namespace); layer ``k`` is an
+    :class:`Observed` of ``kinds[k]`` where that is not ``"plain"``."""
     torch.manual_seed(seed)
     made: list[nn.Module] = []
     stashes = {a: Namespace() for a, _ in skips}
@@ -329,7 +365,10 @@ def build(layers: int, skips: list[tuple[int, int]], seed: int) -> nn.Sequential
     for k in range(layers):
         if k in stashes:
             made.append(Stash().isolate(stashes[k]))
-        made.append(nn.Sequential(nn.Linear(3, 3), nn.Tanh()))
+        kind = kinds[k] if k < len(kinds) else "plain"
+        made.append(
+            nn.Sequential(nn.Linear(3, 3), nn.Tanh()) if kind == "plain" else Observed(kind)
+        )
         if k in pops:
             made.append(Pop().isolate(pops[k]))
     return nn.Sequential(*made).double()
@@ -368,12 +407,22 @@ def balance_of(model: nn.Sequential, n: int) -> list[int]:
 
 
 @SETTINGS
-@given(case=cases(), seed=st.integers(0, 2**16))
+@given(
+    case=cases(),
+    seed=st.integers(0, 2**16),
+    kinds=st.lists(st.sampled_from(["plain", "torch-checkpoint", "hooked"]), max_size=6),
+)
 def test_step_matches_plain_on_every_schedule_and_placement(
-    case: tuple[str, str, int, str, int, list[tuple[int, int]], int, int], seed: int
+    case: tuple[str, str, int, str, int, list[tuple[int, int]], int, int],
+    seed: int,
+    kinds: list[str],
 ) -> None:
+    """Also with layers under ``torch.utils.checkpoint`` (each region run once per
+    micro-batch and once more in its backward pass, and once without gradients for a
+    micro-batch the pipeline checkpoints) and hooks on activations (called once per
+    micro-batch, the retained gradients summing to the plain model's)."""
     name, kind, workers, checkpoint, chunks, skips, n, layers = case
-    plain = build(layers, skips, seed)
+    plain = build(layers, skips, seed, kinds)
     pipe = GPipe(
         copy.deepcopy(plain),
         balance_of(plain, n),
@@ -397,6 +446,15 @@ def test_step_matches_plain_on_every_schedule_and_placement(
     for p, q in zip(pipe.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
     torch.testing.assert_close(x.grad, x_plain.grad)
+    m = len(losses)
+    stop = {"always": m, "except_last": m - 1, "never": 0}[checkpoint]
+    for got, want in zip(pipe.modules(), plain.modules(), strict=True):
+        if isinstance(got, Observed) and got.kind == "torch-checkpoint":
+            assert (got.calls, want.calls) == (2 * m + stop, 2)
+        elif isinstance(got, Observed):
+            assert (got.calls, len(got.kept), want.calls) == (m, m, 1)
+            retained = sum(float(t.grad.sum()) for t in got.kept)  # type: ignore[union-attr]
+            assert retained == pytest.approx(float(want.kept[0].grad.sum()))  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
