@@ -142,7 +142,7 @@ def test_a_layer_waiting_for_another_partition_in_one_turn(call: str) -> None:
     threads: list[int] = []
     first.register_forward_pre_hook(lambda *_: threads.append(threading.get_ident()))
     for _ in range(steps):
-        measured_short(pipe)  # the run is one turn, every time: it starts in this thread
+        measured_short(pipe, hand_over=True)  # one turn, every time: in this thread first
         threads.clear()
         for p in [*pipe.parameters(), *plain.parameters()]:
             p.grad = None

@@ -31,8 +31,7 @@ where the transport makes the whole run one turn (every action short,
 :meth:`Transport.one_turn`), the actions run in the calling thread, in the order of
 :func:`simulate`: no wait for a message ever blocks. In one turn, an action that blocks on
 something else (a layer waiting for another partition's layer) hands the run over to the
-workers after :data:`~gpipe_core._transport.TAKE_OVER_AFTER` (see
-:meth:`_Executor.run_one_turn`).
+workers after :attr:`Transport.hand_over_after` (see :meth:`_Executor.run_one_turn`).
 
 It must not know which transport carries the messages (threads or processes), nor what a
 partition computes: a partition of another process is None here, and a transport is its
@@ -61,7 +60,7 @@ from ._partition_run import PartitionRun
 from ._schedule import Action, serial_order, simulate
 from ._stream import is_cuda, use_stream
 from ._threads import NO_SHARE, ThreadShare
-from ._transport import TAKE_OVER_AFTER, Cancelled, Message, MessageKey, Transport, outgoing
+from ._transport import Cancelled, Message, MessageKey, Transport, outgoing
 from ._worker import ExcInfo, Jobs, WorkerPool
 
 __all__ = ["Failure", "run"]
@@ -195,7 +194,9 @@ class _Watch:
     """What the calling thread of a one-turn run shows its watcher (see
     :meth:`_Executor.run_one_turn`), under ``lock``."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, patience: float) -> None:
+        #: How long an action runs before the workers take over.
+        self.patience = patience
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         #: The worker whose action the calling thread runs (None: between actions), and
@@ -330,13 +331,17 @@ class _Executor:
         The serial order assumes that an action needs only what earlier ones produced. A
         layer that waits for another partition's layer (for a later micro-batch, say)
         would wait there forever. So a watcher on one worker's thread, asleep meanwhile,
-        looks at the calling thread's action every :data:`TAKE_OVER_AFTER`; once one has
-        run that long, every other worker's list goes on from where it stands on its own
+        looks at the calling thread's action every :attr:`Transport.hand_over_after`; once
+        one has run that long, every other worker's list goes on from where it stands on its own
         thread (taking turns, as in a threaded run), and the calling thread, once its
         action returns, goes on with the rest of that worker's list. Each worker's list
         still runs in order, so the results are those of the serial order.
         """
-        watch = _Watch(len(actions))
+        patience = self.transport.hand_over_after
+        if patience is None:
+            self.run_serially(actions)
+            return
+        watch = _Watch(len(actions), patience)
         order = serial_order(actions, self.workers)
         jobs.start(0, partial(self._watch, watch, actions, state, jobs), self._lost)
         blocked: int | None = None
@@ -378,11 +383,11 @@ class _Executor:
                     return
                 if watch.current is not None:
                     waited = time.perf_counter() - watch.since
-                    if waited >= TAKE_OVER_AFTER:
+                    if waited >= watch.patience:
                         break
-                    watch.changed.wait(TAKE_OVER_AFTER - waited)
+                    watch.changed.wait(watch.patience - waited)
                 else:
-                    watch.changed.wait(TAKE_OVER_AFTER)
+                    watch.changed.wait(watch.patience)
             watch.handed = True
             blocked, starts = watch.current, list(watch.positions)
         mine = None
