@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from core_turns import measured_short
 from gpipe_core import GPipe
 
 MODES = ["always", "except_last", "never"]
@@ -88,3 +89,73 @@ def test_first_error_is_the_one_of_the_earliest_clock() -> None:
     pipe = GPipe(nn.Sequential(Late(), Early()), [1, 1], chunks=4, checkpoint="never")
     with pytest.raises(KeyError, match="early"):
         pipe(torch.randn(8, 4))
+
+
+class SignalEachStep(nn.Module):
+    """Sets ``events[s]`` on the last micro-batch's forward pass of step ``s``."""
+
+    def __init__(self, events: list[threading.Event], chunks: int) -> None:
+        super().__init__()
+        self.events, self.chunks, self.calls = events, chunks, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        step, i = divmod(self.calls, self.chunks)
+        self.calls += 1
+        if i == self.chunks - 1:
+            self.events[step].set()
+        return x
+
+
+class WaitEachStep(nn.Module):
+    """Waits (up to a minute) for ``events[s]`` on the first micro-batch's forward pass of
+    step ``s``; records whether it came."""
+
+    def __init__(self, events: list[threading.Event], chunks: int) -> None:
+        super().__init__()
+        self.events, self.chunks, self.calls = events, chunks, 0
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        step, i = divmod(self.calls, self.chunks)
+        self.calls += 1
+        if i == 0:
+            self.seen.append(self.events[step].wait(timeout=60))
+        return x
+
+
+@pytest.mark.parametrize("call", ["step", "forward"])
+def test_a_layer_waiting_for_another_partition_in_one_turn(call: str) -> None:
+    """Every action measured short makes a run one turn (the calling thread runs all of
+    them in serial order, where partition 1's first forward pass comes before partition
+    0's last): the waiting layer blocks the calling thread, and the workers take over the
+    other actions, so every run finishes, each with the layer's wait met (GPipe's
+    schedule: partition 0 runs every forward pass before its backward passes)."""
+    torch.manual_seed(0)
+    steps, chunks = 20, 4
+    events = [threading.Event() for _ in range(steps)]
+    first, last = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
+    plain = nn.Sequential(copy.deepcopy(first), nn.Identity(), nn.Identity(), copy.deepcopy(last))
+    waiter = WaitEachStep(events, chunks)
+    model = nn.Sequential(first, SignalEachStep(events, chunks), waiter, last)
+    pipe = GPipe(model, [2, 2], chunks=chunks, checkpoint="never")
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    threads: list[int] = []
+    first.register_forward_pre_hook(lambda *_: threads.append(threading.get_ident()))
+    for _ in range(steps):
+        measured_short(pipe, hand_over=True)  # one turn, every time: in this thread first
+        threads.clear()
+        for p in [*pipe.parameters(), *plain.parameters()]:
+            p.grad = None
+        if call == "step":
+            losses = pipe.step(x, y, nn.MSELoss(), schedule="gpipe")
+        else:
+            losses = nn.MSELoss()(pipe(x), y)
+            losses.backward()
+        expected = nn.MSELoss()(plain(x), y)
+        expected.backward()
+        got = losses.reduced() if call == "step" else losses.detach()  # type: ignore[union-attr]
+        torch.testing.assert_close(got, expected.detach())
+        for p, q in zip(pipe.parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+        assert threads[0] == threading.get_ident()
+    assert waiter.seen == [True] * steps

@@ -9,6 +9,7 @@ the plain model's losses and gradients; the refusals name schedule, placement an
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import cast
 
 import pytest
@@ -319,9 +320,44 @@ class Pop(nn.Module):
         return x + skip
 
 
-def build(layers: int, skips: list[tuple[int, int]], seed: int) -> nn.Sequential:
+class Observed(nn.Module):
+    """A linear + tanh layer under a non-reentrant ``torch.utils.checkpoint`` (``kind``
+    ``"torch-checkpoint"``: ``calls`` counts the region's forward passes), or whose linear
+    output has a hook (counting its calls in ``calls``) and retains its gradient
+    (``"hooked"``: the outputs in ``kept``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.linear = nn.Linear(3, 3)
+        self.calls = 0
+        self.kept: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "torch-checkpoint":
+
+            def region(t: torch.Tensor) -> torch.Tensor:
+                self.calls += 1
+                return torch.tanh(self.linear(t))
+
+            return cast(torch.Tensor, torch_checkpoint(region, x, use_reentrant=False))
+        y = self.linear(x)
+        if y.requires_grad:
+            y.register_hook(self.count)
+            y.retain_grad()
+            self.kept.append(y)
+        return torch.tanh(y)
+
+    def count(self, grad: torch.Tensor) -> None:
+        self.calls += 1
+
+
+def build(
+    layers: int, skips: list[tuple[int, int]], seed: int, kinds: Sequence[str] = ()
+) -> nn.Sequential:
     """``layers`` linear + tanh layers, with a skip from before layer ``a`` to after layer
-    ``b`` for each ``(a, b)`` (each skip in its own namespace)."""
+    ``b`` for each ``(a, b)`` (each skip in its own namespace); layer ``k`` is an
+    :class:`Observed` of ``kinds[k]`` where that is not ``"plain"``."""
     torch.manual_seed(seed)
     made: list[nn.Module] = []
     stashes = {a: Namespace() for a, _ in skips}
@@ -329,7 +365,10 @@ def build(layers: int, skips: list[tuple[int, int]], seed: int) -> nn.Sequential
     for k in range(layers):
         if k in stashes:
             made.append(Stash().isolate(stashes[k]))
-        made.append(nn.Sequential(nn.Linear(3, 3), nn.Tanh()))
+        kind = kinds[k] if k < len(kinds) else "plain"
+        made.append(
+            nn.Sequential(nn.Linear(3, 3), nn.Tanh()) if kind == "plain" else Observed(kind)
+        )
         if k in pops:
             made.append(Pop().isolate(pops[k]))
     return nn.Sequential(*made).double()
@@ -368,12 +407,22 @@ def balance_of(model: nn.Sequential, n: int) -> list[int]:
 
 
 @SETTINGS
-@given(case=cases(), seed=st.integers(0, 2**16))
+@given(
+    case=cases(),
+    seed=st.integers(0, 2**16),
+    kinds=st.lists(st.sampled_from(["plain", "torch-checkpoint", "hooked"]), max_size=6),
+)
 def test_step_matches_plain_on_every_schedule_and_placement(
-    case: tuple[str, str, int, str, int, list[tuple[int, int]], int, int], seed: int
+    case: tuple[str, str, int, str, int, list[tuple[int, int]], int, int],
+    seed: int,
+    kinds: list[str],
 ) -> None:
+    """Also with layers under ``torch.utils.checkpoint`` (each region run once per
+    micro-batch and once more in its backward pass, and once without gradients for a
+    micro-batch the pipeline checkpoints) and hooks on activations (called once per
+    micro-batch, the retained gradients summing to the plain model's)."""
     name, kind, workers, checkpoint, chunks, skips, n, layers = case
-    plain = build(layers, skips, seed)
+    plain = build(layers, skips, seed, kinds)
     pipe = GPipe(
         copy.deepcopy(plain),
         balance_of(plain, n),
@@ -397,6 +446,15 @@ def test_step_matches_plain_on_every_schedule_and_placement(
     for p, q in zip(pipe.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
     torch.testing.assert_close(x.grad, x_plain.grad)
+    m = len(losses)
+    stop = {"always": m, "except_last": m - 1, "never": 0}[checkpoint]
+    for got, want in zip(pipe.modules(), plain.modules(), strict=True):
+        if isinstance(got, Observed) and got.kind == "torch-checkpoint":
+            assert (got.calls, want.calls) == (2 * m + stop, 2)
+        elif isinstance(got, Observed):
+            assert (got.calls, len(got.kept), want.calls) == (m, m, 1)
+            retained = sum(float(t.grad.sum()) for t in got.kept)  # type: ignore[union-attr]
+            assert retained == pytest.approx(float(want.kept[0].grad.sum()))  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
@@ -518,42 +576,61 @@ def test_compiled_partitions_run_every_schedule_exactly(backend: str, whole: boo
 
 
 class TorchCheckpointed(nn.Module):
-    """Two linear layers under ``torch.utils.checkpoint``."""
+    """Two linear layers and a batch norm under ``torch.utils.checkpoint`` (its forward
+    passes counted in ``calls``), a plain linear layer after them if ``beside``."""
 
-    def __init__(self, reentrant: bool) -> None:
+    def __init__(self, reentrant: bool, beside: bool) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.norm = nn.BatchNorm1d(3, momentum=None)
+        self.after = nn.Linear(3, 3) if beside else nn.Identity()
         self.reentrant = reentrant
+        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         def inner(t: torch.Tensor) -> torch.Tensor:
-            return self.b(torch.tanh(self.a(t)))
+            self.calls += 1
+            return self.b(torch.tanh(self.norm(self.a(t))))
 
-        return cast(torch.Tensor, torch_checkpoint(inner, x, use_reentrant=self.reentrant))
+        out = torch_checkpoint(inner, x, use_reentrant=self.reentrant)
+        return cast(torch.Tensor, self.after(out))
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize(("reentrant", "beside"), [(False, True), (False, False), (True, True)])
 @pytest.mark.parametrize(("name", "kind"), [("zb-h1", "loop"), ("zbv", "v")])
 def test_layers_under_torch_checkpoint_split_or_run_whole(
-    name: str, kind: str, reentrant: bool
+    name: str, kind: str, reentrant: bool, beside: bool
 ) -> None:
-    """A non-reentrant ``torch.utils.checkpoint`` splits as usual; a reentrant one refuses
-    a backward pass to chosen inputs, so its partition runs the whole backward pass at I."""
+    """A non-reentrant ``torch.utils.checkpoint`` recomputes its region once per
+    micro-batch, as in one backward pass: its layers compute their weights' gradients at
+    I, and the rest of the partition (a plain layer beside it) splits; a partition of
+    such layers only, or with a reentrant one (which refuses a backward pass to chosen
+    inputs), runs the whole backward pass at I. The batch norm inside counts one forward
+    pass and one recomputation per micro-batch."""
     torch.manual_seed(0)
-    plain = nn.Sequential(*(TorchCheckpointed(reentrant) for _ in range(4))).double()
+    plain = nn.Sequential(*(TorchCheckpointed(reentrant, beside) for _ in range(4))).double()
     pipe = GPipe(copy.deepcopy(plain), [1, 1, 1, 1], chunks=4, checkpoint="never",
                  devices=["cpu", "cpu"], placement=kind)  # fmt: skip
     x = torch.randn(8, 3, dtype=torch.float64, requires_grad=True)
     y = torch.randn(8, 3, dtype=torch.float64)
     with pipe.trace() as timeline:
-        pipe.step(x, y, nn.MSELoss(), schedule=name)
+        losses = pipe.step(x, y, nn.MSELoss(), schedule=name)
     x_plain = x.detach().clone().requires_grad_()
-    nn.MSELoss()(plain(x_plain), y).backward()
+    for xi, yi in zip(x_plain.split(losses.sizes), y.split(losses.sizes), strict=True):
+        (nn.MSELoss()(plain(xi), yi) * len(xi) / len(x)).backward()
     for p, q in zip(pipe.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
     torch.testing.assert_close(x.grad, x_plain.grad)
+    for got, want in zip(pipe.modules(), plain.modules(), strict=True):
+        if isinstance(got, TorchCheckpointed):
+            assert got.calls == want.calls == 2 * 4
+        if isinstance(got, nn.BatchNorm1d):
+            assert int(got.num_batches_tracked) == int(want.num_batches_tracked) == 2 * 4
+            torch.testing.assert_close(got.running_mean, want.running_mean)
+            torch.testing.assert_close(got.running_var, want.running_var)
     phases = {str(event.phase) for event in timeline.events}
-    assert ("input-gradient" in phases) != reentrant and ("backward" in phases) == reentrant
+    split = beside and not reentrant
+    assert ("input-gradient" in phases) == split and ("backward" in phases) != split
 
 
 class _Saved:

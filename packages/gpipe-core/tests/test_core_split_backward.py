@@ -4,9 +4,11 @@
 (hypothesis over random graphs: layers of their own, tied weights, branches of parameters
 only, outputs of parameters only, custom functions with and without parameters (tied to
 another layer's too), in-place operations, hooks that change an activation's or a
-parameter's gradient, inputs with and without gradients), and the weight gradient does not
-run the input path again:
-a custom function's backward on it is called once per micro-batch, in a step as well.
+parameter's gradient, layers under a non-reentrant ``torch.utils.checkpoint``, hooks and
+``retain_grad()`` on activations, inputs with and without gradients), and the weight
+gradient does not run the input path again: a custom function's backward on it is called
+once per micro-batch, in a step as well; each hook on an activation runs once, and a
+checkpointed region is recomputed once, as in one backward pass.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from gpipe_core import GPipe
 from gpipe_core._split_backward import SplitBackward, WeightGradient
@@ -66,6 +69,11 @@ class Block(nn.Module):
         self.kind = kind
         self.linear = shared if kind in ("tied", "custom-tied") else nn.Linear(WIDTH, WIDTH)
         self.scale = nn.Parameter(torch.randn(WIDTH))
+        #: The forward passes of a checkpointed region; the calls of the hook on an
+        #: activation, and the activations that retain their gradient.
+        self.calls = 0
+        self.hooked = 0
+        self.kept: list[Tensor] = []
 
     def forward(self, x: Tensor) -> Tensor:
         kind = self.kind
@@ -86,7 +94,24 @@ class Block(nn.Module):
             y = self.linear(x)
             y.mul_(self.scale)
             return y
+        if kind == "checkpointed":  # the parameters' side has an operation of its own
+
+            def region(t: Tensor) -> Tensor:
+                self.calls += 1
+                return torch.tanh(self.linear(t)) * self.scale.square()
+
+            return torch_checkpoint(region, x, use_reentrant=False)  # type: ignore[no-any-return]
+        if kind == "retained":  # a hook that counts, and retain_grad(), on an activation
+            y = self.linear(x)
+            if y.requires_grad:
+                y.register_hook(self.count)
+                y.retain_grad()
+                self.kept.append(y)
+            return torch.tanh(y)
         raise AssertionError(kind)
+
+    def count(self, grad: Tensor) -> None:
+        self.hooked += 1
 
 
 KINDS = (
@@ -99,6 +124,8 @@ KINDS = (
     "custom-hooked",
     "in-place",
     "hooked",
+    "checkpointed",
+    "retained",
 )
 
 
@@ -166,6 +193,12 @@ def test_input_then_weight_gradient_equals_one_backward_pass(
             assert p.grad is None, name
         else:
             torch.testing.assert_close(p.grad, q.grad, msg=name)
+    # Each region recomputed once, each hook on an activation called once, each retained
+    # gradient the one of one backward pass.
+    for got, want in zip(blocks, twin[1], strict=True):
+        assert (got.calls, got.hooked, len(got.kept)) == (want.calls, want.hooked, len(want.kept))
+        for a, b in zip(got.kept, want.kept, strict=True):
+            torch.testing.assert_close(a.grad, b.grad)
 
 
 def test_the_weight_gradient_does_not_run_the_input_path_again() -> None:

@@ -3,8 +3,9 @@
 Random models, balances, chunk counts, checkpoint modes, schedules and loss reductions are
 drawn by Hypothesis and compared in float64 with the plain ``nn.Sequential``; then tuples
 and integer tensors between partitions, accumulation over steps, deferred batch norm, skip
-connections (U-Net, a ``None`` skip, a long skip), dropout under checkpointing and a GPipe
-nested in a partition.
+connections (U-Net, a ``None`` skip, a long skip), dropout under checkpointing, a GPipe
+nested in a partition, and models with layers under ``torch.utils.checkpoint``, batch norms
+and hooks on activations on every schedule (the zero-bubble ones included).
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import copy
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from core_strategies import compositions
 from core_turns import measured_short
@@ -676,3 +678,145 @@ def test_deferred_batch_norm_without_grad_counts_one_mini_batch(schedule: str) -
     torch.testing.assert_close(norm.running_var, plain[2].running_var)
     assert int(norm.num_batches_tracked) == 1
     assert all(p.grad is None for p in pipe.parameters())
+
+
+# -- torch checkpoints, batch norm and hooks on activations, under every schedule ---------
+
+
+class TorchCheckpointed(nn.Module):
+    """A linear layer, a batch norm (cumulative running statistics: ``momentum=None``) and
+    an operation on a parameter alone, under a non-reentrant ``torch.utils.checkpoint``;
+    ``calls`` counts the region's forward passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.BatchNorm1d(WIDTH, momentum=None)
+        self.scale = nn.Parameter(torch.rand(WIDTH) + 0.5)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def region(t: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return torch.tanh(self.norm(self.linear(t))) * self.scale.square()
+
+        return cast(torch.Tensor, torch_checkpoint(region, x, use_reentrant=False))
+
+
+class Hooked(nn.Module):
+    """A linear layer whose output has a hook (counting its calls in ``calls``) and
+    retains its gradient (those outputs are in ``kept``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.calls = 0
+        self.kept: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        if y.requires_grad:
+            y.register_hook(self.count)
+            y.retain_grad()
+            self.kept.append(y)
+        return y
+
+    def count(self, grad: torch.Tensor) -> None:
+        self.calls += 1
+
+
+#: (schedule, placement): each on one partition per worker, and the split schedules and
+#: interleaved 1F1B on two workers of two partitions each.
+PLANS = [(name, None) for name in (*SCHEDULES, "zb-h1")] + [
+    ("interleaved-1f1b", "loop"),
+    ("zb-h1", "loop"),
+    ("zbv", "v"),
+    ("1f1b", "v"),
+]
+
+
+def fingerprint(grad: torch.Tensor) -> float:
+    """A number that tells gradients apart: their elements weighted unevenly."""
+    weights = torch.linspace(0.3, 1.7, grad.numel(), dtype=grad.dtype) ** 3
+    return float((grad.flatten() * weights).sum())
+
+
+def build_observed(layers: tuple[str, ...], seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    made: list[nn.Module] = []
+    for kind in layers:
+        if kind == "torch_checkpoint":
+            made.append(TorchCheckpointed())
+        elif kind == "batchnorm":
+            made.append(nn.BatchNorm1d(WIDTH, momentum=None))
+        elif kind == "hooked":
+            made.append(Hooked())
+        elif kind == "linear":
+            made.append(nn.Linear(WIDTH, WIDTH))
+        else:
+            made.append(nn.Tanh())
+    made.append(nn.Linear(WIDTH, 2))
+    return nn.Sequential(*made).double()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_checkpoints_batch_norm_and_hooks_match_plain_on_every_schedule(
+    data: st.DataObject,
+) -> None:
+    """Random models with layers under ``torch.utils.checkpoint`` (a batch norm inside),
+    batch norms and hooks on activations, on every schedule: the losses, gradients and
+    running statistics of the plain model run on each micro-batch (once more without
+    gradients for those the pipeline checkpoints, as its checkpoint's forward pass), the
+    region's forward passes and the hooks' calls counted alike, the retained gradients
+    the same. A split schedule recomputes a region once per micro-batch and calls each
+    hook once, as one backward pass does."""
+    kinds = ["torch_checkpoint", "batchnorm", "hooked", "linear", "tanh"]
+    layers = tuple(data.draw(st.lists(st.sampled_from(kinds), min_size=3, max_size=6)))
+    name, placement = data.draw(st.sampled_from(PLANS), label="plan")
+    total = len(layers) + 1
+    parts = 4 if placement else data.draw(st.integers(1, min(4, total)), label="partitions")
+    balance = data.draw(st.sampled_from(compositions(total, parts)), label="balance")
+    chunks = data.draw(st.sampled_from([1, 2, 4]), label="chunks")
+    checkpoint = data.draw(st.sampled_from(MODES), label="checkpoint")
+    plain = build_observed(layers, data.draw(st.integers(0, 2**16), label="seed"))
+    model = copy.deepcopy(plain)
+    workers = {"devices": ["cpu", "cpu"], "placement": placement} if placement else {}
+    pipe = GPipe(model, balance, chunks=chunks, checkpoint=checkpoint, **workers)  # type: ignore[arg-type]
+    if data.draw(st.booleans(), label="one turn"):
+        measured_short(pipe)
+    batch = chunks * data.draw(st.integers(2, 3), label="per micro-batch")
+    x = torch.randn(batch, WIDTH, dtype=torch.float64)
+    y = torch.randn(batch, 2, dtype=torch.float64)
+    x_pipe, x_plain = x.clone().requires_grad_(), x.clone().requires_grad_()
+    losses = pipe.step(x_pipe, y, nn.MSELoss(), schedule=name)
+    stop = {"always": len(losses), "except_last": len(losses) - 1, "never": 0}[checkpoint]
+    parts_x = x_plain.split(losses.sizes)
+    for i, (xi, yi) in enumerate(zip(parts_x, y.split(losses.sizes), strict=True)):
+        if i < stop:
+            with torch.no_grad():
+                plain(xi)
+        loss = nn.MSELoss()(plain(xi), yi)
+        (loss * len(xi) / batch).backward()
+        torch.testing.assert_close(losses[i], loss.detach())
+    assert_same_grads(pipe, plain)
+    torch.testing.assert_close(x_pipe.grad, x_plain.grad)
+    for got, want in zip(model.modules(), plain.modules(), strict=True):
+        if isinstance(got, nn.BatchNorm1d):
+            assert int(got.num_batches_tracked) == int(want.num_batches_tracked)
+            torch.testing.assert_close(got.running_mean, want.running_mean)
+            torch.testing.assert_close(got.running_var, want.running_var)
+        if isinstance(got, TorchCheckpointed | Hooked):
+            assert got.calls == want.calls
+        if isinstance(got, Hooked):
+            # Each micro-batch's output, in the order the schedule ran them: the same
+            # gradients, as sets (ordered by a weighted sum: the outputs may be all alike
+            # after a batch norm of two samples, and a batch norm's gradients sum to 0).
+            assert len(got.kept) == len(want.kept) == len(losses)
+            grads = [
+                sorted((t.grad for t in kept if t.grad is not None), key=fingerprint)
+                for kept in (got.kept, want.kept)
+            ]
+            assert len(grads[0]) == len(grads[1]) == len(losses)
+            for mine, theirs in zip(*grads, strict=True):
+                torch.testing.assert_close(mine, theirs)

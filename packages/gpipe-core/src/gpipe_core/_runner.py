@@ -29,7 +29,9 @@ the first partition, so that the outcome does not depend on thread timing.
 **Serially.** With one partition, inside a checkpointed partition (a nested pipeline), or
 where the transport makes the whole run one turn (every action short,
 :meth:`Transport.one_turn`), the actions run in the calling thread, in the order of
-:func:`simulate`: no wait ever blocks.
+:func:`simulate`: no wait for a message ever blocks. In one turn, an action that blocks on
+something else (a layer waiting for another partition's layer) hands the run over to the
+workers after :attr:`Transport.hand_over_after` (see :meth:`_Executor.run_one_turn`).
 
 It must not know which transport carries the messages (threads or processes), nor what a
 partition computes: a partition of another process is None here, and a transport is its
@@ -59,7 +61,7 @@ from ._schedule import Action, serial_order, simulate
 from ._stream import is_cuda, use_stream
 from ._threads import NO_SHARE, ThreadShare
 from ._transport import Cancelled, Message, MessageKey, Transport, outgoing
-from ._worker import ExcInfo, WorkerPool
+from ._worker import ExcInfo, Jobs, WorkerPool
 
 __all__ = ["Failure", "run"]
 
@@ -153,8 +155,10 @@ def run(
     """
     outputs: list[Batch | None] = [None] * len({action.microbatch for action in actions[0]})
     local_run = all(partition is not None for partition in partitions)
-    if threaded and local_run and transport.one_turn(actions):
-        # Every action is short: the run is one turn, in this thread (no worker to wake).
+    one_turn = threaded and local_run and transport.one_turn(actions)
+    if one_turn:
+        # Every action is short: the run is one turn, in this thread (no worker to wake),
+        # unless an action blocks (see _Executor.run_one_turn).
         threaded = False
     failure = Failure(transport, actions, workers)
     # Workers divide the caller's intra-op threads; a run in the calling thread keeps them.
@@ -170,6 +174,9 @@ def run(
                 lambda k, exc_info: failure.fail(local[k], -1, exc_info),
                 failure.cancel,
             )
+        elif one_turn:
+            with state.apply():
+                pool.run_here(partial(executor.run_one_turn, actions, state))
         elif local_run:
             with state.apply():
                 executor.run_serially(actions)
@@ -181,6 +188,26 @@ def run(
     finally:
         transport.reset()
     return outputs
+
+
+class _Watch:
+    """What the calling thread of a one-turn run shows its watcher (see
+    :meth:`_Executor.run_one_turn`), under ``lock``."""
+
+    def __init__(self, workers: int, patience: float) -> None:
+        #: How long an action runs before the workers take over.
+        self.patience = patience
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        #: The worker whose action the calling thread runs (None: between actions), and
+        #: since when.
+        self.current: int | None = None
+        self.since = 0.0
+        #: Each worker's next position in its list.
+        self.positions = [0] * workers
+        #: Whether the workers took over; whether the calling thread is done.
+        self.handed = False
+        self.done = False
 
 
 def _needs_device(partition: PartitionRun | None) -> bool:
@@ -256,13 +283,15 @@ class _Executor:
         assert partition is not None, f"partition {j} runs in another process"
         return partition
 
-    def run(self, w: int, actions: Sequence[Action], state: ThreadState) -> None:
-        """Run worker ``w``'s actions in order on its thread, under the caller's ``state``."""
+    def run(self, w: int, actions: Sequence[Action], state: ThreadState, start: int = 0) -> None:
+        """Run worker ``w``'s actions in order (from position ``start``) on its thread, under
+        the caller's ``state``."""
         failure = self.failure
         partition = self.partition(self.workers.index(w))
         with _on_device(partition), state.apply(), self.share.worker(partition.device):
             try:
-                for position, action in enumerate(actions):
+                for position in range(start, len(actions)):
+                    action = actions[position]
                     if failure.cancelled:
                         return
                     try:
@@ -292,6 +321,90 @@ class _Executor:
                     self.act(j, action)
             else:
                 self.act(j, action)
+
+    def run_one_turn(
+        self, actions: Sequence[Sequence[Action]], state: ThreadState, jobs: Jobs
+    ) -> None:
+        """Run every action in the calling thread, in :func:`serial_order`, unless one
+        blocks: then the workers take over.
+
+        The serial order assumes that an action needs only what earlier ones produced. A
+        layer that waits for another partition's layer (for a later micro-batch, say)
+        would wait there forever. So a watcher on one worker's thread, asleep meanwhile,
+        looks at the calling thread's action every :attr:`Transport.hand_over_after`; once
+        one has run that long, every other worker's list goes on from where it stands on its own
+        thread (taking turns, as in a threaded run), and the calling thread, once its
+        action returns, goes on with the rest of that worker's list. Each worker's list
+        still runs in order, so the results are those of the serial order.
+        """
+        patience = self.transport.hand_over_after
+        if patience is None:
+            self.run_serially(actions)
+            return
+        watch = _Watch(len(actions), patience)
+        order = serial_order(actions, self.workers)
+        jobs.start(0, partial(self._watch, watch, actions, state, jobs), self._lost)
+        blocked: int | None = None
+        try:
+            for action in order:
+                j = cast(int, action.partition)
+                w = self.workers[j]
+                with watch.lock:  # the watcher hands over only during an action
+                    watch.current, watch.since = w, time.perf_counter()
+                self.act(j, action)
+                with watch.lock:
+                    watch.positions[w] += 1
+                    watch.current = None
+                    if watch.handed:
+                        blocked = w
+                        break
+        except BaseException:
+            with watch.lock:
+                handed, watch.done = watch.handed, True
+                watch.changed.notify()
+            if not handed:
+                raise
+            w = cast(int, watch.current)
+            self.failure.fail(w, watch.positions[w], cast(ExcInfo, sys.exc_info()))
+            return
+        with watch.lock:
+            watch.done = True
+            watch.changed.notify()
+        if blocked is not None:
+            self.run(blocked, actions[blocked], state, start=watch.positions[blocked])
+
+    def _watch(
+        self, watch: _Watch, actions: Sequence[Sequence[Action]], state: ThreadState, jobs: Jobs
+    ) -> None:
+        """The watcher of :meth:`run_one_turn`, on worker 0's thread."""
+        with watch.lock:
+            while True:
+                if watch.done:
+                    return
+                if watch.current is not None:
+                    waited = time.perf_counter() - watch.since
+                    if waited >= watch.patience:
+                        break
+                    watch.changed.wait(watch.patience - waited)
+                else:
+                    watch.changed.wait(watch.patience)
+            watch.handed = True
+            blocked, starts = watch.current, list(watch.positions)
+        mine = None
+        for w, position in enumerate(starts):
+            if w == blocked or position >= len(actions[w]):
+                continue
+            if w == 0:
+                mine = position
+            else:
+                run = partial(self.run, w, actions[w], state, position)
+                jobs.start(w, run, partial(self.failure.fail, w, -1))
+        if mine is not None:
+            self.run(0, actions[0], state, start=mine)
+
+    def _lost(self, exc_info: ExcInfo) -> None:
+        """The watcher raised (not an action: a worker's thread failed to start)."""
+        self.failure.fail(0, -1, exc_info)
 
     def act(self, j: int, action: Action) -> None:
         try:

@@ -4,49 +4,63 @@ A zero-bubble schedule runs a micro-batch's backward pass in two actions (see
 :mod:`gpipe_core._schedule`): the input gradient ``I`` (sent upstream at once) and the
 weight gradient ``W`` (deferred). :meth:`SplitBackward.input_gradient` runs ``I`` and
 returns the :class:`WeightGradient` that runs ``W``; together they compute what one
-backward pass does, and each node of the autograd graph runs once.
+backward pass does, each node of the autograd graph computes once, and each hook on a
+tensor runs once, as in one backward pass.
 
 **How the graph is cut.** From the roots (the outputs that received a gradient, the loss),
 the *input path* is every node from which one of the wanted inputs can be reached. ``I``
 runs the input path only: autograd computes only the outputs of a node that lead to the
 inputs (a linear layer's ``AddmmBackward`` computes its input's gradient, not its weight's).
 The nodes of the input path that also lead to leaves off it (parameters) are the *frontier*:
-a pre-hook captures the gradient flowing into each during ``I``. ``W`` runs each frontier
-node again from that gradient, for its edges off the input path only, down to the leaves
-(its weight's ``mm``, then ``AccumulateGrad``), and nothing of the input path (a test counts
-a custom function's backward calls on it: one per micro-batch). The roots off the input
-path (a loss where no input needs a gradient, an output computed from parameters only) are
-differentiated whole by ``W``.
+a pre-hook captures the gradient flowing into each during ``I`` (after the hooks on its
+tensor, which run then, once). The roots off the input path (a loss where no input needs a
+gradient, an output computed from parameters only) are differentiated whole by ``W``.
 
-``W`` runs one autograd call per *group*: frontier nodes whose parts below the input path
-share a node (a parameter used by two layers) go together, and autograd then runs the
-input path between them again (exact; the repetition is limited to such layers). Other
-groups share no node, and their calls touch no node of the input path but their own
-frontier node. During ``W`` a pre-hook sets each frontier node's gradient to what ``I``
-captured: what the input path sends it again is dropped, and so is the effect of a hook on
-the tensor it differentiates (``Tensor.register_hook``), which ran at ``I`` already (the
-hook is called again, its result is not used).
+**The weight gradient** is one autograd call, from the edges that leave the input path,
+down to the leaves; nothing of the input path runs again. Autograd cannot start inside a
+node, after its tensor's hooks: starting ``W`` at a frontier node would run the hooks on
+its tensor (``Tensor.register_hook``, ``retain_grad()``) a second time. So ``W`` first
+calls each frontier node itself, with the gradient captured at ``I`` (a node called so
+runs no hook), inside an autograd call that asks only for the edges leaving the input path
+(it computes the weight's side only, a linear layer's weight gradient and not its input's
+again); what they return seeds the autograd call down to the leaves, where the hooks of
+the tensors off the input path (a parameter's included) run, once.
 
-**Backward passes that cannot be split.** The backward of a custom ``autograd.Function``
-returns every gradient it computes, whichever are asked for; a compiled graph's
+**Nodes that run whole at ``I``.** The backward of a custom ``autograd.Function`` returns
+every gradient it computes, whichever are asked for; a compiled graph's
 (``CompiledFunctionBackward``: a partition or layer compiled by ``torch.compile`` with
 ``aot_eager`` or ``inductor``) is one such function. Such a node on the frontier runs
-whole, once, at ``I``: the gradients into its children off the input path are captured
-then, and ``W`` starts from them (set back to them, as a frontier node's). Where every
-frontier node is such (a partition compiled whole), :attr:`SplitBackward.whole` says so:
-the partition runs its whole backward pass at ``I`` (a backward task on the timeline) and
-its ``W`` is empty. A layer compiled with ``backend="eager"`` records the usual nodes and
-splits as usual. So does ``torch.utils.checkpoint`` with ``use_reentrant=False``; with
-``use_reentrant=True`` its backward refuses to run for chosen inputs only, so a partition
-with one runs its whole backward pass at ``I`` as well.
+whole, once, at ``I``; a post-hook keeps what it returns for the parameters' side, which
+seeds ``W``. So does a frontier node inside a non-reentrant ``torch.utils.checkpoint``
+(``use_reentrant=False``): calling it again at ``W`` would recompute the checkpointed
+region a second time (its forward pass, a batch norm's running statistics included), so
+it computes its weights' gradients at ``I`` (the gradients are asked for at the edges below
+it, where the hooks on those tensors run, once, at ``I``); the rest of ``W`` below it
+(operations on parameters inside the region) uses what the region's one recomputation,
+at ``I``, saved: ``I`` and ``W`` of a micro-batch run in one
+:class:`torch.utils.checkpoint.GraphExecGroup`. A layer compiled with ``backend="eager"``
+records the usual nodes and splits as usual. Where every frontier node runs whole (a
+partition compiled whole, or all of whose layers with parameters are checkpointed so),
+:attr:`SplitBackward.whole` says so: the partition runs its whole backward pass at ``I``
+(a backward task on the timeline) and its ``W`` is empty. A reentrant checkpoint
+(``use_reentrant=True``) refuses a backward pass to chosen inputs, so a partition with one
+runs its whole backward pass at ``I`` as well. (``checkpoint=`` of the pipeline itself
+recomputes a micro-batch once, before ``I``, and keeps ``W`` deferred.)
+
+One case runs a tensor's hooks twice, each time on its part of the gradient (the
+gradients stay exact for hooks that are linear): a tensor that a layer inside a
+non-reentrant checkpoint uses directly (its parameter), which an output computed from
+parameters only (a root off the input path) also uses.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
@@ -58,49 +72,57 @@ __all__ = ["SplitBackward", "WeightGradient"]
 
 _Grads = tuple[Tensor | None, ...]
 
-
-class _Group:
-    """One autograd call of a weight gradient: seeds (frontier nodes' edges with their
-    captured gradients, or roots with theirs) down to the group's leaves."""
-
-    __slots__ = ("clamped", "grads", "leaves", "seeds")
-
-    def __init__(self) -> None:
-        self.seeds: list[Tensor | GradientEdge] = []
-        self.grads: list[Tensor] = []
-        #: The leaves (parameters) the group's part of the graph reaches.
-        self.leaves: list[Tensor] = []
-        #: The nodes whose gradient is set back to the one captured at ``I`` (frontier
-        #: nodes, and the children of those that do not split), by position.
-        self.clamped: list[tuple[Node, dict[int, Tensor | None]]] = []
-
-    def run(self) -> None:
-        if not self.seeds or not self.leaves:
-            return
-        handles = [node.register_prehook(_replace(grads)) for node, grads in self.clamped]
-        try:
-            # Tensors and edges mixed, as autograd takes them. The graph is kept: another
-            # group's call may run this group's frontier node on its way (the graph is
-            # freed with the weight gradient).
-            run_backward(self.seeds, self.grads, inputs=self.leaves, retain_graph=True)
-        finally:
-            for handle in handles:
-                handle.remove()
+#: What torch's non-reentrant checkpoint saves in place of a tensor (None if torch has
+#: no such class).
+_HOLDER: type | None = getattr(torch.utils.checkpoint, "_Holder", None)
+#: Backward calls under one group recompute a non-reentrant checkpoint once.
+_EXEC_GROUP: Any = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
 
 
 class WeightGradient:
     """The weight gradient of one micro-batch, made by :meth:`SplitBackward.input_gradient`:
-    calling it accumulates the leaves' gradients (into ``.grad``) and frees the graph."""
+    calling it accumulates the leaves' gradients (into ``.grad``) and frees the graph.
 
-    __slots__ = ("groups",)
+    Args:
+        called: the nodes ``W`` calls itself, each with its input (the frontier nodes,
+            with the gradient captured at ``I``), and what each sends on (its edges off
+            the input path, by position).
+        seeds: the autograd call's seeds (edges below the nodes run whole at ``I``, roots
+            off the input path) and their gradients.
+        leaves: the leaves the weight gradient reaches.
+        group: the micro-batch's checkpoint group (see :func:`_in_group`).
+    """
 
-    def __init__(self, groups: list[_Group]) -> None:
-        self.groups = groups
+    __slots__ = ("called", "group", "leaves", "seeds")
+
+    def __init__(
+        self,
+        called: list[tuple[Node, _Grads, dict[int, GradientEdge]]] | None = None,
+        seeds: list[tuple[Tensor | GradientEdge, Tensor]] | None = None,
+        leaves: list[Tensor] | None = None,
+        group: object = None,
+    ) -> None:
+        self.called = called or []
+        self.seeds = seeds or []
+        self.leaves = leaves or []
+        self.group = group
 
     def __call__(self) -> None:
-        groups, self.groups = self.groups, []
-        for group in groups:
-            group.run()
+        called, seeds, leaves = self.called, self.seeds, self.leaves
+        self.called, self.seeds, self.leaves = [], [], []
+        if not leaves or not (called or seeds):
+            return
+        with _in_group(self.group):
+            if called:
+                seeds = [*seeds, *_call_nodes(called)]
+            if seeds:
+                # Tensors and edges mixed, as autograd takes them.
+                run_backward(
+                    [seed for seed, _ in seeds],
+                    [grad for _, grad in seeds],
+                    inputs=leaves,
+                    retain_graph=True,
+                )
 
 
 class SplitBackward:
@@ -120,32 +142,38 @@ class SplitBackward:
         self.inputs = {_node(tensor): k for k, tensor in enumerate(wanted)}
         self.nodes = [_node(root) for root in roots]
         self.graph = graph = _Graph(self.nodes, self.inputs)
-        #: The frontier nodes that split, with their children off the input path.
-        self.frontier: list[tuple[Node, list[Node]]] = []
-        #: The edges off the input path of the frontier nodes that do not split.
-        self.captures: list[GradientEdge] = []
+        #: The frontier nodes that split: ``W`` calls them again for the parameters' side.
+        self.frontier: list[Node] = []
+        #: The frontier nodes that run whole at ``I``; those of them inside a non-reentrant
+        #: checkpoint (not custom functions) compute the parameters' side only if asked.
+        self.whole_nodes: list[Node] = []
+        #: The children off the input path of the nodes that run whole at ``I`` and are
+        #: checkpointed, with their count of inputs: ``I`` asks for their gradients.
+        self.targets: dict[Node, int] = {}
         #: Whether the input path has a reentrant checkpoint (``torch.utils.checkpoint``
         #: with ``use_reentrant=True``), which refuses a backward pass to chosen inputs.
         self.reentrant = False
+        #: The frontier nodes' edges off the input path, by position.
+        self.off: dict[Node, dict[int, GradientEdge]] = {}
         for node in graph.path:
             if type(node).__name__ == "CheckpointFunctionBackward":
                 self.reentrant = True
-            edges = graph.edges[node]
-            off = [
-                child
-                for child, _ in edges
+            off = {
+                k: GradientEdge(child, nr)
+                for k, (child, nr) in enumerate(graph.edges[node])
                 if child is not None and child not in self.inputs and graph.leafward(child)
-            ]
+            }
             if not off:
                 continue
+            self.off[node] = off
             if _unsplittable(node):
-                self.captures.extend(
-                    GradientEdge(child, nr)
-                    for child, nr in edges
-                    if child is not None and child in off
-                )
+                self.whole_nodes.append(node)
+            elif _checkpointed(node):
+                self.whole_nodes.append(node)
+                for edge in off.values():
+                    self.targets.setdefault(edge.node, len(edge.node._input_metadata))
             else:
-                self.frontier.append((node, off))
+                self.frontier.append(node)
         #: The roots that lead to an input (or are one), and those off the input path
         #: that lead to a leaf (differentiated whole by the weight gradient).
         self.on_path = [k for k, node in enumerate(self.nodes) if graph.to_input.get(node, False)]
@@ -154,14 +182,23 @@ class SplitBackward:
             for k, node in enumerate(self.nodes)
             if not graph.to_input.get(node, False) and graph.leafward(node)
         ]
+        #: The leaves off the input path (the weight gradient's).
+        self.leaves: list[Tensor] = [
+            node.variable  # type: ignore[attr-defined]
+            for node in graph.edges
+            if _is_leaf_node(node)
+        ]
 
     @property
     def whole(self) -> bool:
         """Whether the backward pass runs whole, at the input gradient: nothing of the
-        parameters' side can wait for a weight gradient (every frontier node's backward
-        computes all of its gradients at once: a compiled partition's), or the input path
-        has a reentrant checkpoint."""
-        return self.reentrant or (bool(self.captures) and not self.frontier and not self.off_path)
+        parameters' side can wait for a weight gradient (every frontier node computes
+        its parameters' gradients at ``I``: a compiled partition's, or a partition whose
+        layers with parameters are all under a non-reentrant checkpoint), or the input
+        path has a reentrant checkpoint."""
+        return self.reentrant or (
+            bool(self.whole_nodes) and not self.frontier and not self.off_path
+        )
 
     def input_gradient(self) -> tuple[list[Tensor | None], WeightGradient]:
         """Differentiate the roots to ``wanted`` only.
@@ -170,35 +207,124 @@ class SplitBackward:
             The gradient of each of ``wanted`` (None where none flowed), and what the
             weight gradient runs later (see the module's docstring).
         """
-        roots, seeds, wanted, captures = self.roots, self.seeds, self.wanted, self.captures
+        roots, seeds, wanted = self.roots, self.seeds, self.wanted
+        group = _EXEC_GROUP() if _EXEC_GROUP is not None else None
         captured: dict[Node, _Grads] = {}
+        returned: dict[Node, _Grads] = {}
+        asked = [GradientEdge(node, nr) for node, n in self.targets.items() for nr in range(n)]
         grads: list[Tensor | None] = [None] * len(wanted)
-        edge_grads: Sequence[Tensor | None] = []
-        if self.on_path and (wanted or captures):
-            hooks = [node.register_prehook(_capture(captured, node)) for node, _ in self.frontier]
+        found_targets: Sequence[Tensor | None] = [None] * len(asked)
+        if self.on_path and wanted:
+            hooks = [node.register_prehook(_capture(captured, node)) for node in self.frontier]
+            hooks += [node.register_hook(_returned(returned, node)) for node in self.whole_nodes]
             try:
-                found = gradients(
-                    [roots[k] for k in self.on_path],
-                    [seeds[k] for k in self.on_path],
-                    [*wanted, *captures],
-                    retain_graph=True,
-                )
+                with _in_group(group):
+                    found = gradients(
+                        [roots[k] for k in self.on_path],
+                        [seeds[k] for k in self.on_path],
+                        [*wanted, *asked],
+                        retain_graph=True,
+                    )
             finally:
                 for hook in hooks:
                     hook.remove()
             grads = list(found[: len(wanted)])
-            edge_grads = found[len(wanted) :]
-        # The weight gradient's seeds, grouped by the parts of the graph they reach.
-        groups = _Groups()
-        for node, off in self.frontier:
-            if node in captured:
-                groups.add_frontier(node, captured[node], off)
-        for edge, grad in zip(captures, edge_grads, strict=True):
-            if grad is not None:
-                groups.add_captured(edge, grad)
+            found_targets = found[len(wanted) :]
+        # The targets whose hooks ran at I: their whole input came from the input path
+        # (else one of their inputs waits for W, and autograd never reached them at I).
+        inputs_of: dict[Node, list[Tensor | None]] = {}
+        for edge, grad in zip(asked, found_targets, strict=True):
+            inputs_of.setdefault(edge.node, []).append(grad)
+        reached = {
+            node: tuple(slots)
+            for node, slots in inputs_of.items()
+            if any(grad is not None for grad in slots)
+        }
+        called: list[tuple[Node, _Grads, dict[int, GradientEdge]]] = []
+        for node in self.frontier:
+            grads_in = captured.get(node)
+            if grads_in is not None and any(grad is not None for grad in grads_in):
+                called.append((node, grads_in, _not_in(self.off[node], reached)))
+        for node, grads_in in reached.items():
+            children = {
+                k: GradientEdge(child, nr)
+                for k, (child, nr) in enumerate(self.graph.edges[node])
+                if child is not None and self.graph.leafward(child)
+            }
+            called.append((node, grads_in, _not_in(children, reached)))
+        weight_seeds: list[tuple[Tensor | GradientEdge, Tensor]] = []
+        for node in self.whole_nodes:
+            outputs = returned.get(node, ())
+            for k, edge in self.off[node].items():
+                grad = outputs[k] if k < len(outputs) else None
+                if grad is not None and edge.node not in reached:
+                    weight_seeds.append((edge, grad))
         for k in self.off_path:
-            groups.add(roots[k], seeds[k], self.nodes[k])
-        return grads, WeightGradient(groups.made())
+            weight_seeds.append((roots[k], seeds[k]))
+        return grads, WeightGradient(called, weight_seeds, self.leaves, group)
+
+
+def _not_in(edges: dict[int, GradientEdge], reached: dict[Node, _Grads]) -> dict[int, GradientEdge]:
+    """``edges`` less those into a node whose whole input was captured at ``I``."""
+    return {k: edge for k, edge in edges.items() if edge.node not in reached}
+
+
+def _in_group(group: object) -> AbstractContextManager[object]:
+    """Run backward calls under ``group`` (a :class:`torch.utils.checkpoint.GraphExecGroup`):
+    a non-reentrant checkpoint they reach recomputes its region once for all of them. Where
+    the thread is in a group already (the caller's), that group serves."""
+    if group is None or _EXEC_GROUP._get_current_group() is not None:
+        return nullcontext()
+    return group  # type: ignore[return-value]
+
+
+def _call_nodes(
+    called: list[tuple[Node, _Grads, dict[int, GradientEdge]]],
+) -> list[tuple[GradientEdge, Tensor]]:
+    """Call each node of ``called`` with its input, without its hooks (those ran at ``I``),
+    computing only its outputs along its edges listed; return them as seeds.
+
+    A node called outside an autograd call computes every output (a linear layer's input
+    gradient again); inside one, only those whose edge leads to a node autograd wants. So
+    the nodes are called inside an autograd call of a node of its own (from its pre-hook),
+    which wants the gradients into the edges' nodes: it never reaches them (nothing runs
+    there). A leaf's
+    node (``AccumulateGrad``) called so accumulates its input.
+    """
+    wanted: dict[Node, None] = {}
+    for _, _, edges in called:
+        for edge in edges.values():
+            wanted.setdefault(edge.node)
+    seeds: list[tuple[GradientEdge, Tensor]] = []
+
+    def call(*_: object) -> None:
+        with torch.no_grad():
+            for node, grads_in, edges in called:
+                if not edges and not _is_leaf_node(node):
+                    continue
+                outputs = node(*grads_in)  # type: ignore[operator]
+                if outputs is None or isinstance(outputs, Tensor):  # a node of one output
+                    outputs = (outputs,)
+                for k, edge in edges.items():
+                    grad = outputs[k] if k < len(outputs) else None
+                    if grad is not None:
+                        seeds.append((edge, grad))
+
+    if not wanted:
+        call()  # leaves' nodes only: they compute nothing to ask for
+        return seeds
+    leaf = torch.zeros((), requires_grad=True)
+    with torch.enable_grad():
+        start = leaf.view_as(leaf)
+    assert start.grad_fn is not None
+    handle = start.grad_fn.register_prehook(call)
+    try:
+        # The leaf among the inputs: else autograd sees that its root leads to none of
+        # them, and runs nothing.
+        gradients([start], [torch.ones(())], [leaf, *(GradientEdge(node, 0) for node in wanted)])
+    finally:
+        handle.remove()
+    return seeds
 
 
 def _node(tensor: Tensor) -> Node:
@@ -219,6 +345,32 @@ def _unsplittable(node: Node) -> bool:
     graph's ``CompiledFunctionBackward`` included): it returns every gradient it computes,
     whichever are asked for, so it runs once, at ``I``."""
     return isinstance(node, BackwardCFunction)
+
+
+#: The names of each node type's saved tensors (``_raw_saved_*``), read once per type.
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _checkpointed(node: Node) -> bool:
+    """Whether ``node`` saved a tensor through a non-reentrant ``torch.utils.checkpoint``:
+    unpacking it in another backward call than ``I``'s would recompute the region."""
+    if _HOLDER is None:
+        return False
+    kind = type(node)
+    names = _SAVED_NAMES.get(kind)
+    if names is None:
+        names = _SAVED_NAMES[kind] = tuple(
+            name for name in dir(node) if name.startswith("_raw_saved_")
+        )
+    for name in names:
+        try:
+            saved = getattr(node, name)
+        except RuntimeError:  # freed, or not a tensor here
+            continue
+        for one in saved if isinstance(saved, list | tuple) else (saved,):
+            if isinstance(getattr(one, "data", None), _HOLDER):
+                return True
+    return False
 
 
 def _accumulate_grad() -> type:
@@ -282,84 +434,6 @@ class _Graph:
         return not self.to_input.get(node, False) and self.to_leaf.get(node, False)
 
 
-class _Groups:
-    """The seeds of a weight gradient, grouped where their parts of the graph meet."""
-
-    def __init__(self) -> None:
-        self.owner: dict[Node, int] = {}  # a node off the input path -> its seed's index
-        self.parent: list[int] = []
-        self.seeds: list[tuple[Tensor | GradientEdge, Tensor]] = []
-        #: What each group's nodes are set back to, by a seed's index.
-        self.clamps: dict[int, tuple[Node, dict[int, Tensor | None]]] = {}
-
-    def _find(self, k: int) -> int:
-        while self.parent[k] != k:
-            self.parent[k] = self.parent[self.parent[k]]
-            k = self.parent[k]
-        return k
-
-    def _claim(self, k: int, starts: Sequence[Node]) -> None:
-        """Own the nodes reachable from ``starts``, joining the groups met on the way."""
-        stack = list(starts)
-        while stack:
-            node = stack.pop()
-            owner = self.owner.get(node)
-            if owner is not None:
-                a, b = self._find(owner), self._find(k)
-                if a != b:
-                    self.parent[a] = b
-                continue
-            self.owner[node] = k
-            stack.extend(child for child, _ in node.next_functions if child is not None)
-
-    def _new(self, seed: Tensor | GradientEdge, grad: Tensor) -> int:
-        k = len(self.seeds)
-        self.seeds.append((seed, grad))
-        self.parent.append(k)
-        return k
-
-    def add(self, seed: Tensor | GradientEdge, grad: Tensor, node: Node) -> None:
-        """A seed (a root, or an edge), whose gradient flows into ``node``."""
-        self._claim(self._new(seed, grad), [node])
-
-    def add_captured(self, edge: GradientEdge, grad: Tensor) -> None:
-        """An edge of a frontier node that does not split, with the gradient captured
-        into it at ``I`` (all that flowed there then: set back to it at ``W``)."""
-        k = self._new(edge, grad)
-        self.clamps[k] = (edge.node, {edge.output_nr: grad})
-        self._claim(k, [edge.node])
-
-    def add_frontier(self, node: Node, grads: _Grads, off: Sequence[Node]) -> None:
-        """A frontier node with the gradient captured into it, and its children off the
-        input path (its seeds: one per output that received a gradient, in one group)."""
-        made = [
-            self._new(GradientEdge(node, nr), grad)
-            for nr, grad in enumerate(grads)
-            if grad is not None
-        ]
-        if not made:
-            return
-        k = made[-1]
-        for j in made[:-1]:
-            self.parent[j] = k
-        self.clamps[k] = (node, dict(enumerate(grads)))
-        self._claim(k, off)
-
-    def made(self) -> list[_Group]:
-        groups: dict[int, _Group] = {}
-        for k, (seed, grad) in enumerate(self.seeds):
-            root = self._find(k)
-            group = groups.setdefault(root, _Group())
-            group.seeds.append(seed)
-            group.grads.append(grad)
-        for k, (node, grads) in self.clamps.items():
-            groups[self._find(k)].clamped.append((node, grads))
-        for node, k in self.owner.items():
-            if _is_leaf_node(node):
-                groups[self._find(k)].leaves.append(node.variable)  # type: ignore[attr-defined]
-        return list(groups.values())
-
-
 def _capture(captured: dict[Node, _Grads], node: Node) -> Callable[[Any], None]:
     def hook(grad_outputs: _Grads) -> None:
         captured[node] = tuple(grad_outputs)
@@ -367,8 +441,8 @@ def _capture(captured: dict[Node, _Grads], node: Node) -> Callable[[Any], None]:
     return hook
 
 
-def _replace(grads: dict[int, Tensor | None]) -> Callable[[Any], _Grads]:
-    def hook(grad_outputs: _Grads) -> _Grads:
-        return tuple(grads.get(nr, grad) for nr, grad in enumerate(grad_outputs))
+def _returned(returned: dict[Node, _Grads], node: Node) -> Callable[[Any, Any], None]:
+    def hook(grad_inputs: _Grads, grad_outputs: _Grads) -> None:
+        returned[node] = tuple(grad_inputs)
 
     return hook

@@ -199,6 +199,15 @@ class RunLock:
         self.lock.release()
 
 
+#: An action of a run in one turn (the calling thread runs every action, see
+#: :meth:`Transport.one_turn`) that has run this long (seconds) hands the rest of the run
+#: over to the workers: it may wait for something the serial order runs later (a layer
+#: waiting for another partition's layer). Longer than :data:`TAKE_OVER_AFTER`: a hand-over
+#: wakes every worker, and one turn's actions are short (a blocked one is measured long, and
+#: the next runs are no longer one turn).
+HAND_OVER_AFTER = 0.05
+
+
 class Transport(ABC):
     """Moves messages between partitions, and owns the lifecycle of the run that sends them
     (see the module's docstring). One run at a time."""
@@ -320,10 +329,16 @@ class Transport(ABC):
         """An action of ``kind`` on ``partition`` computed for ``seconds`` (its messages'
         waits excluded): what decides whether it takes turns next time."""
 
+    #: How long (seconds) an action of a run in one turn may run before the run is handed
+    #: over to the workers (:data:`HAND_OVER_AFTER`); None: never (for layers known never
+    #: to wait for another's, as tests make them).
+    hand_over_after: float | None = HAND_OVER_AFTER
+
     def one_turn(self, actions: Sequence[Sequence[Action]]) -> bool:
         """Whether the whole run may be one turn: every worker's ``actions`` run in the
         calling thread, in :func:`~gpipe_core._schedule.serial_order` (see
-        :class:`LocalTransport`); the default never."""
+        :class:`LocalTransport`), handed over to the workers if an action runs for
+        :attr:`hand_over_after`; the default never."""
         return False
 
     def end_turn(self) -> None:  # noqa: B027
@@ -394,9 +409,11 @@ class LocalTransport(Transport):
     run. An action that has kept the turn for :data:`TAKE_OVER_AFTER` loses it to a
     waiting worker, so a turn never waits on an action that waits for another worker.
     Once every action of a run is measured short (:meth:`one_turn`), the run is one turn:
-    the calling thread runs all of them, and no worker thread is woken (a first run, which
-    measures them, runs on the workers). Whatever the turns, every worker runs its own list
-    in order, so the results are those of any other interleaving.
+    the calling thread runs all of them, and no worker thread computes (a first run, which
+    measures them, runs on the workers; one worker's thread, asleep, watches for an action
+    that blocks, and hands the rest of the run to the workers after
+    :data:`HAND_OVER_AFTER`, see :mod:`gpipe_core._runner`). Whatever the turns, every
+    worker runs its own list in order, so the results are those of any other interleaving.
 
     Args:
         devices: the device of each partition.

@@ -24,7 +24,7 @@ from queue import SimpleQueue
 from types import TracebackType
 from typing import cast
 
-__all__ = ["ExcInfo", "WorkerPool"]
+__all__ = ["ExcInfo", "Jobs", "WorkerPool"]
 
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
 
@@ -91,6 +91,39 @@ class _Ended:
                     self.changed.wait()
             finally:
                 self.awaited = None
+
+
+class Jobs:
+    """Jobs started on a pool's workers one by one, while the calling thread holds the pool
+    (see :meth:`WorkerPool.run_here`); a job may start others."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+        self.ended = _Ended()
+        self.started = 0
+        self.lock = threading.Lock()
+
+    def start(
+        self, worker: int, function: Callable[[], object], failed: Callable[[ExcInfo], None]
+    ) -> None:
+        """Run ``function`` on ``worker``'s thread; what it raises goes to ``failed``."""
+        with self.lock:
+            self.started += 1
+        try:
+            self.pool._submit(worker, _Job(function, failed, self.ended))
+        except BaseException:
+            self.ended.add()  # never started: counted as ended
+            raise
+
+    def wait(self) -> None:
+        """Wait until every job started, those started by jobs included, has ended."""
+        while True:
+            with self.lock:
+                count = self.started
+            self.ended.wait(count)
+            with self.lock:
+                if self.started == count:
+                    return
 
 
 class _Starter:
@@ -237,6 +270,27 @@ class WorkerPool:
                 raise
             finally:
                 self.owner = None
+
+    def run_here(self, main: Callable[[Jobs], object]) -> None:
+        """Run ``main(jobs)`` in the calling thread, which holds the pool as a run of
+        :meth:`run_jobs` does; ``main`` may start jobs on the workers (``jobs.start``),
+        and they are waited for before this returns, also where ``main`` raises (it must
+        then make them end soon).
+
+        Raises:
+            RuntimeError: see :meth:`refuse_reentry`.
+        """
+        self.refuse_reentry()
+        with self.lock:
+            self.owner = threading.get_ident()
+            jobs = Jobs(self)
+            try:
+                main(jobs)
+            finally:
+                try:
+                    jobs.wait()
+                finally:
+                    self.owner = None
 
     def refuse_reentry(self) -> None:
         """Refuse a run started from inside a run of this pool.
