@@ -121,6 +121,32 @@ def mlp(
     return nn.Sequential(*[nn.Sequential(*layers[i : i + 2]) for i in range(0, len(layers), 2)])
 
 
+class Bottleneck(nn.Module):
+    """A ResNet bottleneck block (1x1, 3x3, 1x1 convolutions and a shortcut)."""
+
+    def __init__(self, inplanes: int, planes: int, stride: int) -> None:
+        super().__init__()
+        width = planes // 4
+        self.body = nn.Sequential(
+            nn.Conv2d(inplanes, width, 1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(width, width, 3, stride, 1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(width, planes, 1, bias=False),
+            nn.BatchNorm2d(planes),
+        )
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or inplanes != planes:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(inplanes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
 class ResBlock(nn.Module):
     """A basic residual block: two 3x3 convolutions with batch norm, identity shortcut."""
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import random
 import statistics
 import sys
@@ -29,6 +30,10 @@ import torch
 from torch import nn
 
 from gpipe_balance import profile_sizes, profile_times, solve
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _step_models import Bottleneck
 
 Splitter = Callable[[Sequence[float], int], list[int]]
 
@@ -148,32 +153,6 @@ def random_section(trials: int, seed: int) -> None:
 # --------------------------------------------------------------------------------------------
 # Model shapes
 # --------------------------------------------------------------------------------------------
-
-
-class Bottleneck(nn.Module):
-    """A ResNet bottleneck block (1x1, 3x3, 1x1 convolutions and a shortcut)."""
-
-    def __init__(self, inplanes: int, planes: int, stride: int) -> None:
-        super().__init__()
-        width = planes // 4
-        self.body = nn.Sequential(
-            nn.Conv2d(inplanes, width, 1, bias=False),
-            nn.BatchNorm2d(width),
-            nn.ReLU(inplace=True),
-            nn.Conv2d(width, width, 3, stride, 1, bias=False),
-            nn.BatchNorm2d(width),
-            nn.ReLU(inplace=True),
-            nn.Conv2d(width, planes, 1, bias=False),
-            nn.BatchNorm2d(planes),
-        )
-        self.shortcut: nn.Module = nn.Identity()
-        if stride != 1 or inplanes != planes:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(inplanes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes)
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.body(x) + self.shortcut(x))
 
 
 def resnet_like() -> tuple[nn.Sequential, torch.Tensor]:

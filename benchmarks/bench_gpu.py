@@ -43,7 +43,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _step_models import print_table
+from _step_models import Bottleneck, print_table
 from gpipe_balance import profile_times, solve
 from gpipe_core import GPipe
 
@@ -54,32 +54,6 @@ SCHEDULES = ("gpipe", "1f1b")
 # --------------------------------------------------------------------------------------------
 # The model
 # --------------------------------------------------------------------------------------------
-
-
-class Bottleneck(nn.Module):
-    """A ResNet bottleneck block (1x1, 3x3, 1x1 convolutions) with its shortcut inside."""
-
-    def __init__(self, inputs: int, width: int, stride: int) -> None:
-        super().__init__()
-        outputs = width * 4
-        self.body = nn.Sequential(
-            nn.Conv2d(inputs, width, 1, bias=False),
-            nn.BatchNorm2d(width),
-            nn.ReLU(inplace=True),
-            nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False),
-            nn.BatchNorm2d(width),
-            nn.ReLU(inplace=True),
-            nn.Conv2d(width, outputs, 1, bias=False),
-            nn.BatchNorm2d(outputs),
-        )
-        self.shortcut: nn.Module = nn.Identity()
-        if stride != 1 or inputs != outputs:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(inputs, outputs, 1, stride=stride, bias=False), nn.BatchNorm2d(outputs)
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.body(x) + self.shortcut(x))
 
 
 def resnet(blocks: Sequence[int], width: int = 64, classes: int = 1000) -> nn.Sequential:
@@ -95,7 +69,7 @@ def resnet(blocks: Sequence[int], width: int = 64, classes: int = 1000) -> nn.Se
         planes = width * 2**stage
         for index in range(count):
             stride = 2 if stage > 0 and index == 0 else 1
-            layers.append(Bottleneck(inputs, planes, stride))
+            layers.append(Bottleneck(inputs, planes * 4, stride))
             inputs = planes * 4
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(inputs, classes)]
     return nn.Sequential(*layers)
