@@ -1053,7 +1053,7 @@ def case_cuda(
 # -- ranks that disagree, and the other ways a run across processes goes wrong --------------
 
 AGREE_LAYERS = ("linear", "tanh", "linear", "bn", "linear", "linear")
-AGREE_BALANCE = {2: [3, 3], 4: [2, 1, 1, 2]}
+AGREE_BALANCE = {2: [3, 3], 3: [2, 2, 2], 4: [2, 1, 1, 2]}
 
 
 def _timed(call: Callable[[], Any]) -> dict[str, Any]:

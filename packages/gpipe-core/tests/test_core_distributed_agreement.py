@@ -31,6 +31,11 @@ def cluster4(new_cluster_module: Callable[[int], Any]) -> Any:
     return new_cluster_module(4)
 
 
+@pytest.fixture(scope="module")
+def cluster3(new_cluster_module: Callable[[int], Any]) -> Any:
+    return new_cluster_module(3)
+
+
 # -- the ranks agree when the pipeline is built ------------------------------------------------
 
 BUILD_MESSAGES = {
@@ -116,6 +121,33 @@ def test_the_first_rank_stepping_differently(cluster2: Any, cases: ModuleType, f
     message, the values the other way round."""
     results = cluster2.results("disagree_run", field=field, odd_rank=0)
     same_value_error(results, FIRST_RANK_MESSAGES[field])
+    assert all(result["no_grads_changed"] for result in results)
+    check_alike(cases, results)
+
+
+#: The odd rank's value, then the others', of the fields compared at every run.
+THREE_RANK_VALUES = {
+    "autocast": ("cpu bfloat16", "off"),
+    "chunks": ("4", "2"),
+    "the method called": ("'clip_grad_norm_'", "'step'"),
+}
+
+
+@pytest.mark.parametrize("odd_rank", [0, 2])
+@pytest.mark.parametrize("field", sorted(THREE_RANK_VALUES))
+def test_three_ranks_stepping_differently(
+    cluster3: Any, cases: ModuleType, field: str, odd_rank: int
+) -> None:
+    """On three ranks, the first partition's or the last one steps differently: every rank
+    raises the same error, naming each rank's value, and then steps alike."""
+    results = cluster3.results("disagree_run", field=field, odd_rank=odd_rank)
+    odd, even = THREE_RANK_VALUES[field]
+    values = (
+        f"rank 0: {odd}, ranks 1, 2: {even}"
+        if odd_rank == 0
+        else (f"ranks 0, 1: {even}, rank 2: {odd}")
+    )
+    same_value_error(results, f"{field} differs across ranks ({values})")
     assert all(result["no_grads_changed"] for result in results)
     check_alike(cases, results)
 
