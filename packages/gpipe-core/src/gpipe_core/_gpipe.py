@@ -708,14 +708,14 @@ class GPipe(LayersModule):
         averaged gradients already: the norm is over the pipeline's ranks, and the
         replicas are not counted twice.
 
+        ``max_norm`` and ``norm_type`` each take what torch's function takes: a Python or
+        NumPy number (``np.float32(1.0)``, ``np.int64(2)``), or a tensor or array of one
+        element (a 0-dim tensor).
+
         Args:
             max_norm: the largest total norm kept.
             norm_type: the order of the norm (``float('inf')`` or ``'inf'`` for the largest
                 absolute value).
-
-            Either takes what torch's function takes: a Python or NumPy number
-            (``np.float32(1.0)``, ``np.int64(2)``), or a tensor or array of one element
-            (a 0-dim tensor).
             error_if_nonfinite: raise if the total norm is ``nan`` or infinite (the
                 gradients are then unchanged); else scale by it, as torch does.
             foreach: use torch's ``foreach`` kernels (None: where they are supported).
