@@ -134,7 +134,8 @@ class Payloads:
 
     def count_sent(self, peer: int, count: int) -> None:
         """Count ``count`` payloads sent to ``peer``."""
-        self.sent[peer] = self.sent.get(peer, 0) + count
+        if count:
+            self.sent[peer] = self.sent.get(peer, 0) + count
 
     # -- receiving -----------------------------------------------------------------------
 
