@@ -246,11 +246,18 @@ def load_cases_fixture() -> Callable[[], ModuleType]:
 PAYLOAD_MODES = ("tagged", "strict")
 
 
-@pytest.fixture(scope="module", name="cluster2", params=PAYLOAD_MODES)
-def cluster2_fixture(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+@pytest.fixture(scope="module", name="payloads", params=PAYLOAD_MODES)
+def payloads_fixture(request: pytest.FixtureRequest) -> str:
+    """The payload channel of the clusters of a module's tests, one after the other (one
+    fixture for every cluster fixture, so that a test with two clusters has both on one)."""
+    return str(request.param)
+
+
+@pytest.fixture(scope="module", name="cluster2")
+def cluster2_fixture(payloads: str) -> Iterator[Cluster]:
     """Two ranks, shared by the tests of a module (each test's cases leave them ready),
     on each payload channel."""
-    cluster = Cluster(2, payloads=request.param)
+    cluster = Cluster(2, payloads=payloads)
     try:
         yield cluster
     finally:
@@ -271,17 +278,15 @@ def _clusters(payloads: str) -> Iterator[Callable[[int], Cluster]]:
             cluster.close()
 
 
-@pytest.fixture(name="new_cluster", params=PAYLOAD_MODES)
-def new_cluster_fixture(request: pytest.FixtureRequest) -> Iterator[Callable[[int], Cluster]]:
+@pytest.fixture(name="new_cluster")
+def new_cluster_fixture(payloads: str) -> Iterator[Callable[[int], Cluster]]:
     """Make clusters of a given size for one test, on each payload channel; they are
     closed after it."""
-    yield from _clusters(request.param)
+    yield from _clusters(payloads)
 
 
-@pytest.fixture(scope="module", name="new_cluster_module", params=PAYLOAD_MODES)
-def new_cluster_module_fixture(
-    request: pytest.FixtureRequest,
-) -> Iterator[Callable[[int], Cluster]]:
+@pytest.fixture(scope="module", name="new_cluster_module")
+def new_cluster_module_fixture(payloads: str) -> Iterator[Callable[[int], Cluster]]:
     """Make clusters of a given size for a test module, on each payload channel; they are
     closed after it."""
-    yield from _clusters(request.param)
+    yield from _clusters(payloads)
