@@ -157,15 +157,21 @@ class Cluster:
     when one raised or did not answer within ``timeout`` seconds. :meth:`close` ends
     every process (killing it if it must) and reaps it. The ranks see no GPU unless
     ``gpus`` is true (for the tests marked ``cuda``), as every other test runs as on a
-    machine without one.
+    machine without one. ``payloads`` is the payload channel the ranks' pipelines use on
+    gloo (one of :data:`PAYLOAD_MODES`: ``GPIPE_STRICT_PAYLOADS`` in their environment).
     """
 
-    def __init__(self, world: int, timeout: float = 120.0, *, gpus: bool = False) -> None:
+    def __init__(
+        self, world: int, timeout: float = 120.0, *, gpus: bool = False, payloads: str = "tagged"
+    ) -> None:
+        assert payloads in PAYLOAD_MODES, payloads
         self.world = world
         self.timeout = timeout
+        self.payloads = payloads
         self.cases = load_cases()
         port = _free_port()
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env["GPIPE_STRICT_PAYLOADS"] = "1" if payloads == "strict" else "0"
         if not gpus:
             env["CUDA_VISIBLE_DEVICES"] = ""
         self.processes = [
@@ -234,21 +240,35 @@ def load_cases_fixture() -> Callable[[], ModuleType]:
     return load_cases
 
 
+#: The payload channels every test with a cluster runs on (see ``gpipe_core._payloads``):
+#: tagged (tensors in the header when they fit), and strict (each tensor a payload of its
+#: exact size, in the headers' order, one tag: the protocol NCCL needs, on gloo).
+PAYLOAD_MODES = ("tagged", "strict")
+
+
+@pytest.fixture(scope="module", name="payloads", params=PAYLOAD_MODES)
+def payloads_fixture(request: pytest.FixtureRequest) -> str:
+    """The payload channel of the clusters of a module's tests, one after the other (one
+    fixture for every cluster fixture, so that a test with two clusters has both on one)."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module", name="cluster2")
-def cluster2_fixture() -> Iterator[Cluster]:
-    """Two ranks, shared by the tests of a module (each test's cases leave them ready)."""
-    cluster = Cluster(2)
+def cluster2_fixture(payloads: str) -> Iterator[Cluster]:
+    """Two ranks, shared by the tests of a module (each test's cases leave them ready),
+    on each payload channel."""
+    cluster = Cluster(2, payloads=payloads)
     try:
         yield cluster
     finally:
         cluster.close()
 
 
-def _clusters() -> Iterator[Callable[[int], Cluster]]:
+def _clusters(payloads: str) -> Iterator[Callable[[int], Cluster]]:
     made: list[Cluster] = []
 
     def make(world: int, *, gpus: bool = False) -> Cluster:
-        made.append(Cluster(world, gpus=gpus))
+        made.append(Cluster(world, gpus=gpus, payloads=payloads))
         return made[-1]
 
     try:
@@ -259,12 +279,14 @@ def _clusters() -> Iterator[Callable[[int], Cluster]]:
 
 
 @pytest.fixture(name="new_cluster")
-def new_cluster_fixture() -> Iterator[Callable[[int], Cluster]]:
-    """Make clusters of a given size for one test; they are closed after it."""
-    yield from _clusters()
+def new_cluster_fixture(payloads: str) -> Iterator[Callable[[int], Cluster]]:
+    """Make clusters of a given size for one test, on each payload channel; they are
+    closed after it."""
+    yield from _clusters(payloads)
 
 
 @pytest.fixture(scope="module", name="new_cluster_module")
-def new_cluster_module_fixture() -> Iterator[Callable[[int], Cluster]]:
-    """Make clusters of a given size for a test module; they are closed after it."""
-    yield from _clusters()
+def new_cluster_module_fixture(payloads: str) -> Iterator[Callable[[int], Cluster]]:
+    """Make clusters of a given size for a test module, on each payload channel; they are
+    closed after it."""
+    yield from _clusters(payloads)

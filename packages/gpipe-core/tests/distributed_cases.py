@@ -580,8 +580,8 @@ def case_step(rank: int, *, inline_limit: int | None = None, **spec: Any) -> dic
     sent: list[tuple[str, int, int]] = []
     real, limit = wire._message, wire.INLINE_LIMIT
 
-    def message(encoded: bytes, data: Any, capacity: int) -> list[torch.Tensor]:
-        parts = real(encoded, data, capacity)
+    def message(encoded: bytes, data: Any, capacity: int, **options: Any) -> list[torch.Tensor]:
+        parts = real(encoded, data, capacity, **options)
         sent.append((wire._LAYOUTS[int(parts[0][4])], len(parts[0]), capacity))
         return parts
 
@@ -802,6 +802,7 @@ def case_failure(
             "where": getattr(caught, "where", None),
             "notes": getattr(caught, "__notes__", []),
         }
+    after = payloads_state(pipe)
     for trap in traps:
         trap.armed = None
     for p in pipe.parameters():
@@ -810,9 +811,33 @@ def case_failure(
     losses = pipe.step(x, y, nn.MSELoss(), schedule=schedule)
     return {
         "error": error,
+        "after_failure": after,
         "reduced": losses.reduced().item(),
         "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
     }
+
+
+def payloads_state(pipe: GPipe) -> dict[str, Any]:
+    """The payload channel of ``pipe``'s transport: its mode, the point-to-point operations
+    still pending, and how many payloads it sent to and received from each peer."""
+    transport = pipe._placement.transport()
+    payloads = transport.payloads  # type: ignore[attr-defined]
+    return {
+        "mode": payloads.mode,
+        "pending": transport.pending(),  # type: ignore[attr-defined]
+        "sent": dict(payloads.sent),
+        "received": dict(payloads.received),
+    }
+
+
+def case_payloads(rank: int) -> dict[str, Any]:
+    """The payload channel of a pipeline across the ranks, after a step."""
+    pipe = GPipe(
+        build(("linear", "tanh", "linear"), 0), [2, 1], chunks=2, group=dist.group.WORLD, timeout=30
+    )
+    x, y = data(0, 4)
+    pipe.step(x, y, nn.MSELoss())
+    return payloads_state(pipe)
 
 
 def _fail_once(pipe: GPipe, path: str, phase: str, rank: int, trap_rank: int) -> str:

@@ -91,6 +91,11 @@ def test_message_buffers_grow_with_the_messages(cluster2: Any, cases: ModuleType
     results = cluster2.results("step", balance=[4, 4], inline_limit=limit, **spec)
     check_steps(cases, results, **spec)
     sent = [message for result in results for message in result["sent"]]
+    if cluster2.payloads == "strict":
+        # Never inline: every message with tensors says they follow on the payload channel.
+        assert {layout for layout, _, _ in sent} == {"none", "channel"}, sent
+        assert all(capacity <= limit for _, _, capacity in sent)
+        return
     assert all(capacity <= limit for _, _, capacity in sent)
     grown = [size for layout, size, _ in sent if layout == "inline" and size > HEADER_BYTES]
     assert grown, "no message travelled in one piece in a grown buffer"
@@ -212,6 +217,7 @@ def test_a_failing_rank_fails_every_rank_then_the_next_step_runs(
         schedule=schedule,
         timeout=60,
     )
+    check_nothing_left_posted(cluster2, [result["after_failure"] for result in results])
     for rank, result in enumerate(results):
         error = result["error"]
         if rank == trap_rank:
@@ -240,6 +246,28 @@ def test_a_failing_rank_fails_every_rank_then_the_next_step_runs(
         grads.update({plain_name(k): v for k, v in result["grads"].items()})
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+def check_nothing_left_posted(cluster: Any, states: list[dict[str, Any]]) -> None:
+    """After a run ended on every rank (``states``: each rank's ``payloads_state``): the
+    ranks use the cluster's payload channel, no operation is pending, and every payload a
+    rank sent to another was received there (on the strict channel, some were)."""
+    for rank, state in enumerate(states):
+        assert state["mode"] == cluster.payloads, state
+        assert state["pending"] == {"sends": 0, "receives": 0}, (rank, state)
+        for peer, other in enumerate(states):
+            if peer != rank:
+                assert state["sent"].get(peer, 0) == other["received"].get(rank, 0), states
+    if cluster.payloads == "strict":
+        assert any(state["sent"] for state in states), states
+    else:
+        assert not any(state["sent"] or state["received"] for state in states), states
+
+
+def test_the_ranks_use_the_payload_channel_asked(cluster2: Any) -> None:
+    """``GPIPE_STRICT_PAYLOADS=1`` in the ranks' environment (the ``strict`` clusters) puts
+    every tensor on the strict channel, each in its own payload; without it, none is."""
+    check_nothing_left_posted(cluster2, cluster2.results("payloads"))
 
 
 @pytest.mark.parametrize(

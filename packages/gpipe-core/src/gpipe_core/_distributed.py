@@ -9,11 +9,14 @@ pipeline makes for itself (see :mod:`gpipe_core._groups`), whatever the group's 
 message is, its tensors' dtypes and shapes), followed in the same piece by its tensors when
 they fit, in one ordered channel (the pipeline's tag); if they do not fit, the rest of the
 metadata and one payload (the tensor itself, or the tensors packed into one buffer) follow
-in a second channel (the next tag). A receiver thread per peer reads the headers in order
-and files each message under its key (:class:`MessageKey`); a partition waits for its key in
-that mailbox. So the order in which partitions send never has to match the order in which
-others receive, shapes may change from one run to the next, and every wait is a wait on a
-condition that a timeout, a cancellation or a failure ends.
+in a second channel (the next tag). On the strict payload channel (see
+:mod:`gpipe_core._payloads`: on gloo when asked, or on NCCL), the header never carries
+them: each tensor follows as a payload of its exact size. A receiver thread per peer reads
+the headers in order and files each message under its key (:class:`MessageKey`); a
+partition waits for its key in that mailbox. So the order in which partitions send never
+has to match the order in which others receive, shapes may change from one run to the
+next, and every wait is a wait on a condition that a timeout, a cancellation or a failure
+ends.
 
 **Buffers ahead.** gloo moves a message only once its receive is posted (the receiver
 tells the sender it is ready): a receive posted when the previous message is done costs a
@@ -43,15 +46,14 @@ and the run's lifecycle across ranks, for the ranks and tags the placement gives
 from __future__ import annotations
 
 import contextlib
-import datetime
 import pickle
 import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Any
 
 import torch
@@ -61,6 +63,7 @@ from torch import Tensor
 from ._agreement import Fields, RanksDisagree, compare
 from ._errors import add_note, describe_error
 from ._groups import Connections
+from ._payloads import Payloads, strict_requested
 from ._schedule import Action
 from ._transport import (
     Cancelled,
@@ -86,8 +89,9 @@ HEADER_BYTES = 4096
 INLINE_LIMIT = 1 << 20
 _PREFIX = 8  # the metadata's length (4 bytes, little-endian), the layout, 3 bytes of padding
 #: How a message's tensors travel: none, in the header, as one payload of the tensor
-#: itself, or packed into one payload (the header's fifth byte).
-_LAYOUTS = ("none", "inline", "single", "packed")
+#: itself, packed into one payload, or one payload per tensor on the strict payload channel
+#: (see :mod:`gpipe_core._payloads`) (the header's fifth byte).
+_LAYOUTS = ("none", "inline", "single", "packed", "channel")
 _ALIGN = 16
 #: Header receives each receiver thread keeps posted during a run (see "Headers ahead").
 HEADERS_AHEAD = 8
@@ -265,16 +269,21 @@ class _Capacity:
             self.size *= 2
 
 
-def _message(encoded: bytes, data: Sequence[Tensor], capacity: int) -> list[Tensor]:
+def _message(
+    encoded: bytes, data: Sequence[Tensor], capacity: int, *, channel: bool = False
+) -> list[Tensor]:
     """The parts of a message, to be received into a buffer of ``capacity`` bytes: the
     message in one piece when it fits; else its header (with the metadata ``encoded`` if it
     fits), the metadata if not, then the tensors ``data`` (flat uint8) as one payload: the
-    tensor itself, or the tensors packed."""
+    tensor itself, or the tensors packed. With ``channel``, the message's tensors travel
+    on the strict payload channel (``data`` is empty): the header says so."""
     sizes = [len(chunk) for chunk in data]
     fits = _PREFIX + len(encoded) <= capacity  # the metadata, in the header
     start = _PREFIX + len(encoded) if fits else _PREFIX
     offsets, end = _offsets(start, sizes)
-    if not data:
+    if channel:
+        layout = "channel"
+    elif not data:
         layout = "none"
     elif fits and end <= capacity:
         layout = "inline"
@@ -319,6 +328,9 @@ class DistributedTransport(Transport):
             waits for what (None: no bound).
         tag: the point-to-point tag of this pipeline's headers (``tag + 1``: its
             payloads).
+        payloads: the channel of the messages' tensors (see :mod:`gpipe_core._payloads`;
+            default: strict on ``connections`` where ``GPIPE_STRICT_PAYLOADS=1``, else
+            tagged).
     """
 
     def __init__(
@@ -330,6 +342,7 @@ class DistributedTransport(Transport):
         *,
         timeout: float | None,
         tag: int,
+        payloads: Payloads | None = None,
     ) -> None:
         higher, lower = connections
         size = higher.size()
@@ -341,6 +354,10 @@ class DistributedTransport(Transport):
         self.devices = list(devices)
         self.timeout = timeout
         self.tag = tag
+        if payloads is None:
+            mode = "strict" if strict_requested() else "tagged"
+            payloads = Payloads(mode, self.to_peer, self.from_peer, tag + 1)
+        self.payloads = payloads
         self.peers = [peer for peer in range(size) if peer != rank]
         self.cond = threading.Condition()
         self.run_lock = RunLock(wait=False)
@@ -674,8 +691,22 @@ class DistributedTransport(Transport):
         device = self.devices[key.target]
         if device.type != "cpu" and len(message.tensors):
             moved = [tensor.to(device, non_blocking=True) for tensor in message.tensors]
+            if device.type == "cuda" and self.payloads.mode == "nccl":
+                # Received on the channel's stream, used on this one from now on.
+                stream = torch.cuda.current_stream(device)
+                for tensor in moved:
+                    if tensor.device == device:
+                        tensor.record_stream(stream)
             message = message._replace(tensors=carried(moved, message.atomic))
         return message
+
+    def pending(self) -> dict[str, int]:
+        """The point-to-point operations of this transport not done yet: ``sends`` (this
+        run's, until :meth:`finish` waits for them) and payload ``receives`` posted.
+        Both are 0 once a run ended on every rank, whether it went well or not."""
+        with self.sends_lock:
+            sends = sum(not work.is_completed() for _, work, _ in self.sends)
+        return {"sends": sends, "receives": self.payloads.receiving}
 
     def tell(self, action: tuple[int, Action] | None, error: BaseException) -> None:
         """Tell every peer that this rank failed (once per run), and cancel the run."""
@@ -762,7 +793,10 @@ class DistributedTransport(Transport):
     def _post(self, peer: int, meta: _Meta, tensors: Sequence[Tensor]) -> None:
         """Send a message to ``peer``: in one piece when it fits the buffer posted for it,
         else its header, then what does not fit in it."""
-        data = [_bytes(tensor) for tensor in tensors]
+        strict = self.payloads.strict
+        # On the strict channel, the tensors travel apart from the header, on their device.
+        data = [] if strict else [_bytes(tensor) for tensor in tensors]
+        payloads = self.payloads.outgoing(tensors) if strict else []
         specs = [(tensor.dtype, tuple(tensor.shape)) for tensor in tensors]
         encoded = pickle.dumps((self.run, meta, specs), protocol=pickle.HIGHEST_PROTOCOL)
         whole = _whole(len(encoded), [len(chunk) for chunk in data])
@@ -770,14 +804,19 @@ class DistributedTransport(Transport):
         assert carrier is not None  # a peer: the group has two ranks or more
         with self.send_locks[peer]:  # the messages' order: the sizes of their buffers
             capacity = self.sent[peer]
-            parts = _message(encoded, data, capacity.size)
+            parts = _message(encoded, data, capacity.size, channel=strict and bool(tensors))
             counted = capacity.counted(whole)
             # The header on the pipeline's tag, what does not fit in it on the next one.
             tags = [self.tag] + [self.tag + 1] * (len(parts) - 1)
-            # Each part sent, and recorded for the end of the run, by C calls only.
-            sending = zip(
+            # Each part sent, and recorded for the end of the run, by C calls only; on the
+            # strict channel, the tensors' payloads right after (in the headers' order).
+            sending: Iterable[tuple[int, dist.Work, Tensor]] = zip(
                 repeat(peer), map(carrier.send, [[p] for p in parts], repeat(peer), tags), parts
             )
+            if payloads:
+                posting = self.payloads.sending(peer, payloads)
+                sending = chain(sending, zip(repeat(peer), posting, payloads))
+            expected = len(parts) + len(payloads)
             with self.sends_lock:
                 start = len(self.sends)
                 try:
@@ -785,6 +824,7 @@ class DistributedTransport(Transport):
                     # finds the message counted and sent whole, or neither.
                     self.sent[peer] = counted
                     self.sends.extend(sending)
+                    self.payloads.count_sent(peer, len(payloads))
                 except RuntimeError as error:  # the connection is closed
                     with self.cond:
                         self.dead.setdefault(peer, f"{type(error).__name__}: {error}")
@@ -794,7 +834,7 @@ class DistributedTransport(Transport):
                     ) from error
                 except BaseException:
                     sent = len(self.sends) - start
-                    if sent != (len(parts) if self.sent[peer] is counted else 0):
+                    if sent != (expected if self.sent[peer] is counted else 0):
                         with self.cond:  # the peer cannot read what would follow
                             self.dead.setdefault(peer, "a message to it was interrupted half-sent")
                     raise
@@ -832,11 +872,7 @@ class DistributedTransport(Transport):
     def _wait_sent(self, peer: int, work: dist.Work, deadline: float | None) -> None:
         """Wait until a send to ``peer`` has been received, or until ``deadline``."""
         try:
-            if deadline is None:
-                work.wait()
-            else:
-                remaining = max(deadline - time.monotonic(), 0.001)
-                work.wait(datetime.timedelta(seconds=remaining))
+            self.payloads.wait_sent(work, deadline)
         except RuntimeError as error:
             with self.cond:
                 # The receiver thread may have said so already (the peer died).
@@ -883,7 +919,7 @@ class DistributedTransport(Transport):
         if sent_run != run:
             raise RuntimeError(f"rank {peer} sent a message of run {sent_run} during run {run}")
         sizes = _nbytes(specs)
-        self.received[peer].count(_whole(length, sizes))
+        self.received[peer].count(_whole(length, [] if layout == "channel" else sizes))
         tensors: list[Tensor] = []
         if layout == "inline":
             tensors = _unpack(header, _PREFIX + length, specs)
@@ -900,6 +936,10 @@ class DistributedTransport(Transport):
             packed = torch.empty(total, dtype=torch.uint8)
             self._recv(packed, peer)
             tensors = _unpack(packed, 0, specs)
+        elif layout == "channel":
+            # Every payload a header announces is received, whatever the run's state here:
+            # none stays posted on the peer (see "Failures" in _payloads).
+            tensors = self.payloads.receive(peer, specs)
         kind = meta[0]
         with self.cond:
             if run != self.run or not self.active:
@@ -919,8 +959,8 @@ class DistributedTransport(Transport):
             elif kind == "plan":
                 self.plan, self.plan_fields = meta[1], meta[2]
             elif kind == "exchange":
-                if not self.cancelled:
-                    self.exchanged[peer].append((meta[1], tensors))
+                if not self.cancelled:  # the exchanges' tensors are on the CPU
+                    self.exchanged[peer].append((meta[1], [t.cpu() for t in tensors]))
             elif not self.cancelled:
                 _, key, atomic, present, requires_grad, others, kind = meta
                 batch = carried(tensors, atomic)

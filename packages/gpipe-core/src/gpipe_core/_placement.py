@@ -31,6 +31,7 @@ from gpipe_microbatch import Device
 from ._agreement import Construction
 from ._groups import Connections, connect
 from ._partition import resolve_devices
+from ._payloads import Payloads, choose_payloads
 from ._schedule import place_partitions
 from ._transport import LocalTransport, Transport
 
@@ -194,6 +195,7 @@ class Placement:
         self._transport: Transport | None = None
         self._tag = 0
         self._connections: Connections | None = None
+        self._payloads: Payloads | None = None
 
     @property
     def spans_processes(self) -> bool:
@@ -239,6 +241,9 @@ class Placement:
             return
         self._tag = tag
         self._connections = connect(self.group, tag, self.timeout)
+        self._payloads = choose_payloads(
+            self.group, self._connections, tag, self.local_devices(), self.timeout
+        )
 
     def transport(self) -> Transport:
         """The pipeline's transport, made on first use: between worker threads of this
@@ -257,6 +262,7 @@ class Placement:
                     self.devices,
                     timeout=self.timeout,
                     tag=self._tag,
+                    payloads=self._payloads,
                 )
         return self._transport
 
