@@ -382,6 +382,15 @@ def select_packages(args: list[str]) -> tuple[list[Package], list[str]]:
     return [p for p in packages if p.name in chosen] or list(packages), rest
 
 
+def payload_modes(torch: str) -> dict[str, str]:
+    """The payload channels gpipe-core's cluster tests run on in a cell: both with DEV_TORCH,
+    the tagged one with the other torch versions (the strict channel is torch's send and recv
+    as the tagged one is; running it once per CI run keeps the run short)."""
+    if torch == DEV_TORCH or "GPIPE_TEST_PAYLOADS" in os.environ:
+        return {}
+    return {"GPIPE_TEST_PAYLOADS": "tagged"}
+
+
 @nox.session
 @nox.parametrize("torch", TORCH_VERSIONS)
 @nox.parametrize("python", PYTHONS)
@@ -423,6 +432,7 @@ def tests(session: nox.Session, torch: str) -> None:
         session.run(
             "python", "-m", "pytest", f"{package.rel}/tests",
             "--doctest-modules", "--pyargs", package.import_name, *pytest_args,
+            env=payload_modes(torch),
         )  # fmt: skip
     uninstall_gpipe(session)
 

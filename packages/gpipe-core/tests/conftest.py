@@ -240,13 +240,27 @@ def load_cases_fixture() -> Callable[[], ModuleType]:
     return load_cases
 
 
-#: The payload channels every test with a cluster runs on (see ``gpipe_core._payloads``):
-#: tagged (tensors in the header when they fit), and strict (each tensor a payload of its
-#: exact size, in the headers' order, one tag: the protocol NCCL needs, on gloo).
+#: The payload channels (see ``gpipe_core.transport._payloads``): tagged (tensors in the
+#: header when they fit), and strict (each tensor a payload of its exact size, in the headers'
+#: order, one tag: the protocol NCCL needs, on gloo).
 PAYLOAD_MODES = ("tagged", "strict")
 
 
-@pytest.fixture(scope="module", name="payloads", params=PAYLOAD_MODES)
+def _tested_payload_modes() -> tuple[str, ...]:
+    """The channels every test with a cluster runs on: ``GPIPE_TEST_PAYLOADS`` (comma-separated),
+    both by default. nox's second torch cell sets ``tagged`` only, so that the cluster tests do
+    not run four times in a CI run."""
+    value = os.environ.get("GPIPE_TEST_PAYLOADS", ",".join(PAYLOAD_MODES))
+    modes = tuple(mode.strip() for mode in value.split(",") if mode.strip())
+    unknown = [mode for mode in modes if mode not in PAYLOAD_MODES]
+    if not modes or unknown:
+        raise pytest.UsageError(
+            f"GPIPE_TEST_PAYLOADS={value!r}: expected a comma-separated list of {PAYLOAD_MODES}"
+        )
+    return modes
+
+
+@pytest.fixture(scope="module", name="payloads", params=_tested_payload_modes())
 def payloads_fixture(request: pytest.FixtureRequest) -> str:
     """The payload channel of the clusters of a module's tests, one after the other (one
     fixture for every cluster fixture, so that a test with two clusters has both on one)."""
