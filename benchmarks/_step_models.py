@@ -1131,7 +1131,7 @@ def _gpipe_step(case: Case, way: Way, timeout: float, models: dict[str | None, A
     it."""
     import torch.distributed as dist
 
-    import gpipe_core._agreement as agreement
+    import gpipe_core.transport._agreement as agreement
     from gpipe_core import GPipe
 
     rank, world = dist.get_rank(), dist.get_world_size()

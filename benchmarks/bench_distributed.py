@@ -115,7 +115,7 @@ def check_work_per_task(tasks: int, repeats: int = 2000) -> float:
     compared once (what a build with the check turned off does not do)."""
     import pickle
 
-    from gpipe_core._agreement import run_fields
+    from gpipe_core.transport._agreement import run_fields
 
     fields = run_fields(
         "step", chunks=4, schedule="1f1b", reduction="mean", unpack_input=False, training=True

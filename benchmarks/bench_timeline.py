@@ -30,7 +30,7 @@ from torch import nn
 
 import gpipe_core._gpipe as gpipe_module
 from gpipe_core import GPipe
-from gpipe_core import _tracing as tracing
+from gpipe_core.trace import _tracing as tracing
 
 
 def mlp(width: int, partitions: int) -> nn.Sequential:

@@ -29,7 +29,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpipe_core import GPipe
-from gpipe_core._transport import LocalTransport, Message, MessageKey
+from gpipe_core.transport._transport import LocalTransport, Message, MessageKey
 
 #: Receives that found no message yet (so waited), since the last reset.
 message_waits = {"waits": 0}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpipe_core import GPipe
-from gpipe_core._transport import LocalTransport
+from gpipe_core.transport._transport import LocalTransport
 
 KINDS = ("forward", "backward", "input", "weight")
 

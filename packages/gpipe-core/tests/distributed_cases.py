@@ -575,7 +575,7 @@ def case_step(rank: int, *, inline_limit: int | None = None, **spec: Any) -> dic
     part, size of the buffer posted for it)``."""
     if inline_limit is None:
         return steps(rank, **spec)
-    import gpipe_core._distributed as wire
+    import gpipe_core.transport._distributed as wire
 
     sent: list[tuple[str, int, int]] = []
     real, limit = wire._message, wire.INLINE_LIMIT
@@ -613,7 +613,7 @@ def steps(
     ``backend``); each rank's losses, gradients and buffers. With ``record_wire``, the
     ``(kind, source, target)`` of every message handed to the transport, as ``"wire"``."""
     if record_wire:
-        from gpipe_core._distributed import DistributedTransport
+        from gpipe_core.transport._distributed import DistributedTransport
 
         wire: list[tuple[str, int, int]] = []
         real = DistributedTransport.send

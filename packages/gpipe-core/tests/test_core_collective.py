@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gpipe_core._collective import wait_collective
+from gpipe_core.transport._collective import wait_collective
 
 
 class Work:

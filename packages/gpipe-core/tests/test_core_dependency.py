@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from gpipe_core._dependency import Fork, Join, fork, join
+from gpipe_core.run._dependency import Fork, Join, fork, join
 
 
 def order(first: torch.Tensor, then: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

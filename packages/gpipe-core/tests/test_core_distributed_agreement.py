@@ -169,7 +169,7 @@ def test_fields_are_compared_in_order_while_the_ranks_name_the_same_ones() -> No
     """Ranks that call different methods differ in the first field, the method called,
     whatever fields follow; lists that name other fields at a place (a newer version on one
     rank) are shown whole."""
-    from gpipe_core._agreement import compare
+    from gpipe_core.transport._agreement import compare
 
     step = (("the method called", "step"), ("chunks", 2), ("schedule", "gpipe"))
     clip = (("the method called", "clip_grad_norm_"), ("max_norm", 1.0))

@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from gpipe_checkpoint import device_rng_lock
 from gpipe_core import GPipe
-from gpipe_core._draws import calls_plainly, draws_nothing
+from gpipe_core.run._draws import calls_plainly, draws_nothing
 
 TIMEOUT = 120.0
 

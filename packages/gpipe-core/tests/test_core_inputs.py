@@ -25,7 +25,7 @@ from torch import nn
 from core_strategies import compositions
 from gpipe_core import GPipe, NoChunk, PipeSequential
 from gpipe_core._stream import CPUStream
-from gpipe_core._transport import LocalTransport, MessageKey
+from gpipe_core.transport._transport import LocalTransport, MessageKey
 from gpipe_skip import current_skip_tracker, pop, skippable, stash
 
 MODES = ("always", "except_last", "never")

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from gpipe_core import GPipe, ScheduleError, check_actions, get_schedule, simulate
-from gpipe_core._schedule import Action, place_partitions
+from gpipe_core.schedule._schedule import Action, place_partitions
 from gpipe_skip import Namespace, pop, skippable, stash
 
 MODES = ("always", "except_last", "never")

@@ -20,10 +20,10 @@ import pytest
 import torch
 from torch import nn
 
-import gpipe_core._partition_run as core_partition_run
+import gpipe_core.run._partition_run as core_partition_run
 from gpipe_checkpoint import is_recomputing
 from gpipe_core import GPipe
-from gpipe_core._transport import LocalTransport, MessageKey
+from gpipe_core.transport._transport import LocalTransport, MessageKey
 from gpipe_skip import current_skip_tracker, pop, skippable, stash
 
 MODES = ("always", "except_last", "never")

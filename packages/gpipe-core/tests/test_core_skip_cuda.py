@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from gpipe_core import GPipe
-from gpipe_core._transport import LocalTransport, MessageKey
+from gpipe_core.transport._transport import LocalTransport, MessageKey
 from gpipe_skip import pop, skippable, stash
 
 pytestmark = [

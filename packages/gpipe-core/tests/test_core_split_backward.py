@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from gpipe_core import GPipe
-from gpipe_core._split_backward import SplitBackward, WeightGradient
+from gpipe_core.run._split_backward import SplitBackward, WeightGradient
 
 WIDTH = 3
 

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gpipe_core import Losses
-from gpipe_core._partition_run import LossSpec, PartitionRun
 from gpipe_core._stream import CPUStream
+from gpipe_core.run._partition_run import LossSpec, PartitionRun
 from gpipe_microbatch import Batch
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from gpipe_core import Action, GPipe, Phase, Timeline, get_schedule, task_label
-from gpipe_core import _tracing as tracing
+from gpipe_core.trace import _tracing as tracing
 
 N, M = 3, 5
 STOPS = {"always": M, "except_last": M - 1, "never": 0}

@@ -22,8 +22,8 @@ from torch import nn
 
 from core_turns import measured_short
 from gpipe_core import GPipe, Phase, TaskEvent, Timeline, task_label, theoretical_bubble
-from gpipe_core import _tracing as tracing
-from gpipe_core._transport import LocalTransport
+from gpipe_core.trace import _tracing as tracing
+from gpipe_core.transport._transport import LocalTransport
 from gpipe_skip import pop, skippable, stash
 
 MODES = ("always", "except_last", "never")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpipe_core._stream import CPUStream, new_stream, use_stream
-from gpipe_core._transfer import Copy, Wait, copy, wait
+from gpipe_core.transport._transfer import Copy, Wait, copy, wait
 from gpipe_microbatch import Batch
 
 cuda = pytest.mark.cuda

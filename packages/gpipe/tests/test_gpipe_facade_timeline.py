@@ -31,4 +31,4 @@ def test_import_gpipe_gives_gpipe_timeline() -> None:
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
                             check=False)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["gpipe_core._timeline", "True"]
+    assert result.stdout.split() == ["gpipe_core.trace._timeline", "True"]

@@ -12,13 +12,12 @@ Example:
 from gpipe_microbatch import BalanceError, NoChunk
 
 from .__about__ import __version__
-from ._agreement import RanksDisagree
 from ._arguments import CheckpointMode
-from ._distributed import RemoteStageError
 from ._gpipe import GPipe
-from ._losses import Losses
 from ._partition import WithDevice
-from ._schedule import (
+from ._sequential import PipeSequential
+from .run._losses import Losses
+from .schedule._schedule import (
     Action,
     GPipeSchedule,
     Interleaved1F1BSchedule,
@@ -34,8 +33,7 @@ from ._schedule import (
     schedules,
     simulate,
 )
-from ._sequential import PipeSequential
-from ._timeline import (
+from .trace._timeline import (
     PartitionSummary,
     Phase,
     TaskEvent,
@@ -44,6 +42,8 @@ from ._timeline import (
     task_label,
     theoretical_bubble,
 )
+from .transport._agreement import RanksDisagree
+from .transport._distributed import RemoteStageError
 
 __all__ = [
     "Action",

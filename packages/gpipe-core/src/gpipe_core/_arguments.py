@@ -20,12 +20,12 @@ from gpipe_checkpoint import is_checkpointing, is_recomputing
 from gpipe_microbatch import Device, check_chunks, check_module
 from gpipe_skip import verify_skippables
 
-from ._inputs import StepArguments, items, tensor_of
-from ._losses import LossFunction, Reduction
 from ._partition import balance_from_placement, placed_layers
 from ._placement import check_timeout
-from ._schedule import Schedule, get_schedule
-from ._threads import check_intra_op_threads
+from .run._inputs import StepArguments, items, tensor_of
+from .run._losses import LossFunction, Reduction
+from .run._threads import check_intra_op_threads
+from .schedule._schedule import Schedule, get_schedule
 
 __all__ = [
     "Checked",
@@ -112,7 +112,7 @@ def check_construction(
     seconds = check_timeout(timeout, group if group is not None else data_group)
     threads = check_intra_op_threads(intra_op_threads)
     if data_group is not None:
-        from ._distributed import check_group
+        from .transport._distributed import check_group
 
         check_group(data_group, "data_group")
     if group is not None and balance is None:

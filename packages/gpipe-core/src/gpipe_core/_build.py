@@ -18,13 +18,13 @@ from torch import nn
 from gpipe_bn import DeferredBatchNorm, convert_deferred_batch_norm
 from gpipe_skip import SkipLayout, inspect_skip_layout
 
-from ._agreement import Construction, layer_fields
 from ._arguments import Checked, CheckpointMode, check_data_group_devices
-from ._data_parallel import Replicas
 from ._partition import check_balance, check_split, layer_groups, placed_layers, split_module
 from ._placement import Placement
 from ._sequential import PipeSequential
 from ._shared import SharedReplicas, Ties, find_shared
+from .transport._agreement import Construction, layer_fields
+from .transport._data_parallel import Replicas
 
 __all__ = ["Built", "build"]
 

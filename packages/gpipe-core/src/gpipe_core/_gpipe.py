@@ -30,26 +30,26 @@ from gpipe_checkpoint import is_checkpointing, is_recomputing
 from gpipe_microbatch import Batch, Device, ThreadState, gather, scatter
 from gpipe_skip import SkipLayout
 
-from ._agreement import Fields, run_fields
 from ._arguments import CheckpointMode, check_construction, check_input_device, check_step
 from ._build import build
 from ._clip import check_clip_arguments, clip_by_norms, gradient_norms
-from ._inputs import UNSET, StepArguments, batch_sizes, positional, step_arguments
 from ._layers import LayersModule
-from ._losses import Losses, LossFunction, Reduction, from_numbers, to_numbers
 from ._moves import check_cpu, check_cuda, check_to
-from ._partition_run import LossSpec, PartitionRun, nested
 from ._placement import DEFAULT_TIMEOUT, construction_for
-from ._runner import run
-from ._schedule import Action, GPipeSchedule, Schedule, step_actions
-from ._session import run_session, share_plan
 from ._state_dict import PartitionKeys, map_keys
-from ._step import StepLeaves
 from ._stream import AbstractStream, current_stream, new_stream
-from ._timeline import Timeline
-from ._tracing import record, tracer_for
-from ._transport import Cancelled
-from ._worker import WorkerPool
+from .run._inputs import UNSET, StepArguments, batch_sizes, positional, step_arguments
+from .run._losses import Losses, LossFunction, Reduction, from_numbers, to_numbers
+from .run._partition_run import LossSpec, PartitionRun, nested
+from .run._runner import run
+from .run._step import StepLeaves
+from .run._worker import WorkerPool
+from .schedule._schedule import Action, GPipeSchedule, Schedule, step_actions
+from .trace._timeline import Timeline
+from .trace._tracing import record, tracer_for
+from .transport._agreement import Fields, run_fields
+from .transport._session import run_session, share_plan
+from .transport._transport import Cancelled
 
 __all__ = ["GPipe"]
 
@@ -431,7 +431,7 @@ class GPipe(LayersModule):
         """The micro-batches of ``value`` (named ``what`` in errors) and their sizes, on
         the first partition's rank (``first``); on other ranks, no micro-batches, and their
         sizes from that rank, which sends them with the run's ``fields`` (see
-        :func:`~gpipe_core._session.share_plan`)."""
+        :func:`~gpipe_core.transport._session.share_plan`)."""
         batches = scatter(value, self.chunks, what=what) if first else []
         plan = (batch_sizes(value, batches),) if first else None
         (sizes,) = share_plan(self._placement, plan, fields)
@@ -453,7 +453,7 @@ class GPipe(LayersModule):
         state: ThreadState | None = None,
         unpack_input: bool = False,
     ) -> list[Batch | None]:
-        """Run ``actions`` over the partitions (see :mod:`gpipe_core._runner`).
+        """Run ``actions`` over the partitions (see :mod:`gpipe_core.run._runner`).
 
         A pipeline nested in a checkpointed partition runs in the calling thread: the
         outer recomputation must replay its random draws in the same order, and its

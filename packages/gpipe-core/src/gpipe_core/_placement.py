@@ -5,7 +5,7 @@ A :class:`Placement` is built once, from ``balance``, ``devices``, ``group`` and
 for all its partitions), the rank (in ``group``) that runs each partition, each
 partition's device (``meta`` for another rank's), and, across processes, the process
 groups and the tag its messages travel on and the seconds any wait for another rank may
-last. It makes the pipeline's connections (see :mod:`gpipe_core._groups`) and its
+last. It makes the pipeline's connections (see :mod:`gpipe_core.transport._groups`) and its
 transport. It is the only place that knows whether a pipeline spans processes: the rest
 of gpipe-core asks it which partitions are local and which transport carries their
 messages.
@@ -28,12 +28,12 @@ import torch.distributed as dist
 
 from gpipe_microbatch import Device
 
-from ._agreement import Construction
-from ._groups import Connections, connect
 from ._partition import resolve_devices
-from ._payloads import Payloads, choose_payloads
-from ._schedule import place_partitions
-from ._transport import LocalTransport, Transport
+from .schedule._schedule import place_partitions
+from .transport._agreement import Construction
+from .transport._groups import Connections, connect
+from .transport._payloads import Payloads, choose_payloads
+from .transport._transport import LocalTransport, Transport
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -92,7 +92,7 @@ def construction_for(group: dist.ProcessGroup | None) -> Construction | None:
     if group is None:
         warn_without_process_group(stacklevel=4)
         return None
-    from ._distributed import check_group, pipeline_tag
+    from .transport._distributed import check_group, pipeline_tag
 
     check_group(group)
     return Construction(group, pipeline_tag(group))
@@ -135,7 +135,7 @@ class Placement:
         timeout: across processes, the seconds any wait for another rank may last (None:
             no bound).
         placement: None (each partition is a worker of its own), or several partitions per
-            worker (see :func:`~gpipe_core._schedule.place_partitions`): ``"loop"``,
+            worker (see :func:`~gpipe_core.schedule._schedule.place_partitions`): ``"loop"``,
             ``"v"`` or each partition's worker. A worker is an entry of ``devices`` in one
             process, a rank of ``group`` across processes.
 
@@ -231,8 +231,8 @@ class Placement:
     def connect(self, tag: int) -> None:
         """Make the gloo groups the messages travel on (collective over ``group``: every
         rank calls it, once the ranks agree on what they build; see
-        :func:`~gpipe_core._groups.connect`); ``tag`` is the pipeline's tag (see
-        :func:`~gpipe_core._distributed.pipeline_tag`).
+        :func:`~gpipe_core.transport._groups.connect`); ``tag`` is the pipeline's tag (see
+        :func:`~gpipe_core.transport._distributed.pipeline_tag`).
 
         Raises:
             TimeoutError: a rank did not come within the timeout (named).
@@ -252,7 +252,7 @@ class Placement:
             if self.group is None:
                 self._transport = LocalTransport(self.devices)
             else:
-                from ._distributed import DistributedTransport
+                from .transport._distributed import DistributedTransport
 
                 assert self._connections is not None, "connect() first"
                 self._transport = DistributedTransport(

@@ -55,7 +55,8 @@ __all__ = ["Exchange", "Shared", "SharedReplicas", "Ties", "find_shared", "views
 
 #: Within a run: send tensors to some ranks of the pipeline's group, and receive what some
 #: send this rank (``exchange(tensors, send_to, receive_from, what)``; see
-#: :meth:`DistributedTransport.exchange <gpipe_core._distributed.DistributedTransport.exchange>`).
+#: :meth:`DistributedTransport.exchange
+#: <gpipe_core.transport._distributed.DistributedTransport.exchange>`).
 Exchange = Callable[
     [Sequence[torch.Tensor], Sequence[int], Sequence[int], str], dict[int, list[torch.Tensor]]
 ]

@@ -38,7 +38,7 @@ from torch import nn
 
 from gpipe_microbatch import ThreadState
 
-from ._errors import describe_error
+from .._errors import describe_error
 
 __all__ = [
     "CHECK_RUNS",
@@ -51,7 +51,7 @@ __all__ = [
     "run_fields",
 ]
 
-#: Whether the ranks compare their run fields at every run (see :mod:`gpipe_core._agreement`);
+#: Whether the ranks compare their run fields at every run (see this module);
 #: the benchmarks turn it off to measure what the check costs.
 CHECK_RUNS = True
 

@@ -10,7 +10,8 @@ differ in one parameter, who drives the backward pass:
   the previous partition's graph, so the output's graph reaches the caller's input and every
   parameter; ``loss.backward()`` runs every partition's backward pass. A checkpointed
   micro-batch is recomputed by autograd right before its backward pass, and phony edges
-  (:func:`~gpipe_core._dependency.fork`, :func:`~gpipe_core._dependency.join`) make partition
+  (:func:`~gpipe_core.run._dependency.fork`,
+  :func:`~gpipe_core.run._dependency.join`) make partition
   ``j`` finish the backward pass of micro-batch ``i`` before that of ``i - 1``, so that
   each recomputation runs right before its own backward pass.
 * **the partition run** (``GPipe.step``): the partition's graph starts at leaves cut from what it
@@ -51,15 +52,15 @@ from gpipe_checkpoint import (
 from gpipe_microbatch import Batch, check_output
 from gpipe_skip import SkipKey, SkipLayout
 
+from .._sequential import call_partition
+from .._stream import AbstractStream
+from ..trace._timeline import Phase
+from ..trace._tracing import Tracer
 from ._dependency import fork, join
 from ._draws import calls_plainly, draws_nothing
 from ._losses import LossFunction
-from ._sequential import call_partition
 from ._skips import SkipCall
 from ._split_backward import SplitBackward, WeightGradient
-from ._stream import AbstractStream
-from ._timeline import Phase
-from ._tracing import Tracer
 
 __all__ = ["LossSpec", "PartitionRun", "clone", "nested"]
 
@@ -270,7 +271,7 @@ class PartitionRun:
         the generator (:func:`_no_replay`): a restore would drop the draws of other
         workers made meanwhile.
 
-        A partition whose layers cannot draw (:mod:`gpipe_core._draws`) takes no lock and
+        A partition whose layers cannot draw (:mod:`gpipe_core.run._draws`) takes no lock and
         is never replayed: its forward passes run beside the other workers'.
         """
         if self.rng_lock is None:
@@ -503,7 +504,7 @@ class PartitionRun:
 
         Autograd runs the paths from the outputs to the inputs only, capturing the
         gradients where the parameters' paths leave them (see
-        :mod:`gpipe_core._split_backward`); the weight gradient starts there. A partition
+        :mod:`gpipe_core.run._split_backward`); the weight gradient starts there. A partition
         whose backward cannot be split (compiled whole, or with a reentrant checkpoint)
         runs it whole here, traced as a backward task, and its weight gradient is empty.
         """

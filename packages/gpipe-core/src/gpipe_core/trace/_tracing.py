@@ -36,9 +36,9 @@ from torch.profiler import record_function
 from gpipe_checkpoint import is_checkpointing, is_differentiable, is_recomputing
 from gpipe_microbatch import Batch, get_phony
 
-from ._stream import AbstractStream
+from .._stream import AbstractStream
+from ..transport._transfer import copy
 from ._timeline import Phase, TaskEvent, Timeline, task_label
-from ._transfer import copy
 
 __all__ = ["Tracer", "record", "tracer_for"]
 
@@ -344,7 +344,7 @@ class Tracer:
         device: torch.device,
         backward: bool = False,
     ) -> None:
-        """Copy ``batch`` into partition ``j`` (as :func:`~gpipe_core._transfer.copy`), recorded.
+        """Copy ``batch`` into partition ``j`` (as ``transport._transfer.copy``), recorded.
 
         The copy is queued on ``next_stream``; when autograd carries its gradient back (on
         ``prev_stream``), that copy is recorded too, between two markers. ``backward``:

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._errors import add_note
 from ._collective import wait_collective
-from ._errors import add_note
 
 __all__ = ["Replicas"]
 

@@ -1,9 +1,9 @@
 """The runner: each worker's action list, executed on its worker thread, with one failure channel.
 
-A run executes action lists (see :mod:`gpipe_core._schedule`) over partitions
-(:mod:`gpipe_core._partition_run`): each worker's list on its worker thread, for all the
+A run executes action lists (see :mod:`gpipe_core.schedule._schedule`) over partitions
+(:mod:`gpipe_core.run._partition_run`): each worker's list on its worker thread, for all the
 partitions of that worker, each action as soon as the messages it needs have arrived through
-the transport (:mod:`gpipe_core._transport`). The forward action of micro-batch ``i`` on
+the transport (:mod:`gpipe_core.transport._transport`). The forward action of micro-batch ``i`` on
 partition ``j`` receives its activations from partition ``j - 1`` (the first partition takes
 the micro-batch itself) and the skips it pops, runs the partition, and sends its output and
 the skips it stashes on; the backward action (or the input gradient of a split one) receives
@@ -17,7 +17,7 @@ run, never the transport.
 (:meth:`Transport.take_turn`), and tells it how long the action computed
 (:meth:`Transport.took`): on the CPU, short actions of the workers run one at a time, so
 that threads do not hand each other the interpreter lock at every operator (see
-:class:`~gpipe_core._transport.LocalTransport`). A worker gives its turn up when its list
+:class:`~gpipe_core.transport._transport.LocalTransport`). A worker gives its turn up when its list
 ends, however it ends (:meth:`Transport.end_turn`).
 
 **Failures.** The first error of a run is kept (:class:`Failure`); it cancels the
@@ -55,12 +55,12 @@ from torch import Tensor
 from gpipe_microbatch import Batch, ThreadState, use_device
 from gpipe_skip import SkipKey
 
-from ._errors import add_note
+from .._errors import add_note
+from .._stream import is_cuda, use_stream
+from ..schedule._schedule import Action, serial_order, simulate
+from ..transport._transport import Cancelled, Message, MessageKey, Transport, outgoing
 from ._partition_run import PartitionRun
-from ._schedule import Action, serial_order, simulate
-from ._stream import is_cuda, use_stream
 from ._threads import NO_SHARE, ThreadShare
-from ._transport import Cancelled, Message, MessageKey, Transport, outgoing
 from ._worker import ExcInfo, Jobs, WorkerPool
 
 __all__ = ["Failure", "run"]
@@ -150,7 +150,7 @@ def run(
             calling thread (whose state is ``state``): every partition serially, or the one
             partition of this process.
         intra_op_threads: GPipe's ``intra_op_threads``: how the workers on the CPU share
-            the caller's intra-op threads (see :mod:`gpipe_core._threads`).
+            the caller's intra-op threads (see :mod:`gpipe_core.run._threads`).
         workers: the worker of each partition (default: partition ``j`` on worker ``j``).
     """
     outputs: list[Batch | None] = [None] * len({action.microbatch for action in actions[0]})

@@ -50,10 +50,10 @@ from torch import Tensor
 from gpipe_checkpoint import is_differentiable
 from gpipe_microbatch import Batch, make_tuple
 
+from .._stream import AbstractStream, is_cuda
+from ..schedule._schedule import Action, action_kinds
+from ..trace._tracing import Tracer
 from ._agreement import Fields
-from ._schedule import Action, action_kinds
-from ._stream import AbstractStream, is_cuda
-from ._tracing import Tracer
 from ._transfer import copy, wait
 
 __all__ = [
@@ -336,7 +336,7 @@ class Transport(ABC):
 
     def one_turn(self, actions: Sequence[Sequence[Action]]) -> bool:
         """Whether the whole run may be one turn: every worker's ``actions`` run in the
-        calling thread, in :func:`~gpipe_core._schedule.serial_order` (see
+        calling thread, in :func:`~gpipe_core.schedule._schedule.serial_order` (see
         :class:`LocalTransport`), handed over to the workers if an action runs for
         :attr:`hand_over_after`; the default never."""
         return False
@@ -412,7 +412,7 @@ class LocalTransport(Transport):
     the calling thread runs all of them, and no worker thread computes (a first run, which
     measures them, runs on the workers; one worker's thread, asleep, watches for an action
     that blocks, and hands the rest of the run to the workers after
-    :data:`HAND_OVER_AFTER`, see :mod:`gpipe_core._runner`). Whatever the turns, every
+    :data:`HAND_OVER_AFTER`, see :mod:`gpipe_core.run._runner`). Whatever the turns, every
     worker runs its own list in order, so the results are those of any other interleaving.
 
     Args:

@@ -1,7 +1,7 @@
 """The channel of a pipeline's payloads across processes: tagged, strict, or NCCL.
 
-Between two ranks, :class:`~gpipe_core._distributed.DistributedTransport` sends every message
-as a header on the pipeline's gloo groups (what the message is, its tensors' dtypes and
+Between two ranks, :class:`~gpipe_core.transport._distributed.DistributedTransport` sends every
+message as a header on the pipeline's gloo groups (what the message is, its tensors' dtypes and
 shapes). Where the message's tensors go is this module's choice, one :class:`Payloads` per
 pipeline:
 
@@ -296,7 +296,7 @@ def choose_payloads(
     there, else strict on gloo where :data:`STRICT_ENV` asks for it, else tagged.
 
     ``devices`` are this rank's partitions' devices; ``connections`` the pipeline's gloo
-    groups (see :func:`~gpipe_core._groups.connect`).
+    groups (see :func:`~gpipe_core.transport._groups.connect`).
     """
     higher, lower = connections
     me = group.rank()

@@ -5,7 +5,7 @@ its ``with`` block into a :class:`Timeline`. A task is partition ``j`` working o
 micro-batch ``i`` in one :class:`Phase`; each is also labelled for
 :mod:`torch.profiler` with :func:`task_label`.
 
-It must not know how tasks run or are recorded (:mod:`gpipe_core._tracing` builds a
+It must not know how tasks run or are recorded (:mod:`gpipe_core.trace._tracing` builds a
 timeline): a timeline is data.
 """
 

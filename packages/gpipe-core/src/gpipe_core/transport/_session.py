@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .._errors import add_note
+from .._placement import Placement
+from ..run._worker import WorkerPool
 from . import _agreement
 from ._agreement import Fields, RanksDisagree
-from ._errors import add_note
-from ._placement import Placement
 from ._transport import Cancelled, Plan
-from ._worker import WorkerPool
 
 __all__ = ["Session", "run_session", "share_plan"]
 
@@ -38,7 +38,7 @@ def run_session(placement: Placement, pool: WorkerPool) -> Iterator[Session]:
     """A run, begun and ended on the placement's transport (across processes: on every
     rank), refused from inside a run of ``pool``.
 
-    One run at a time (see :class:`~gpipe_core._transport.RunLock`). Across processes,
+    One run at a time (see :class:`~gpipe_core.transport._transport.RunLock`). Across processes,
     the ``with`` block's error is told to the other ranks, which raise a
     :class:`RemoteStageError` naming this rank; if another rank fails, the block's
     waits end and the ``with`` statement raises that error; ranks called with
@@ -67,7 +67,7 @@ def run_session(placement: Placement, pool: WorkerPool) -> Iterator[Session]:
 def share_plan(placement: Placement, plan: Plan | None, fields: Fields) -> Plan:
     """The run's ``plan``, given by the first partition's rank to every other rank; across
     processes the run's ``fields`` go with it, and the other ranks check that theirs are
-    the same (see :mod:`gpipe_core._agreement`)."""
+    the same (see :mod:`gpipe_core.transport._agreement`)."""
     transport = placement.transport()
     checked = fields if _agreement.CHECK_RUNS else ()
     if placement.is_local(0):

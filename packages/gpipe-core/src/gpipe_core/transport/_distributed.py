@@ -3,14 +3,14 @@
 With ``GPipe(..., group=group)``, partition ``s`` runs on rank ``s % group.size()`` of the
 process group, and :class:`DistributedTransport` carries the messages between partitions of
 different ranks with point-to-point sends on gloo groups of the group's ranks that the
-pipeline makes for itself (see :mod:`gpipe_core._groups`), whatever the group's backend.
+pipeline makes for itself (see :mod:`gpipe_core.transport._groups`), whatever the group's backend.
 
 **Channels.** Between two ranks, every message of a run starts with a header (what the
 message is, its tensors' dtypes and shapes), followed in the same piece by its tensors when
 they fit, in one ordered channel (the pipeline's tag); if they do not fit, the rest of the
 metadata and one payload (the tensor itself, or the tensors packed into one buffer) follow
 in a second channel (the next tag). On the strict payload channel (see
-:mod:`gpipe_core._payloads`: on gloo when asked, or on NCCL), the header never carries
+:mod:`gpipe_core.transport._payloads`: on gloo when asked, or on NCCL), the header never carries
 them: each tensor follows as a payload of its exact size. A receiver thread per peer reads
 the headers in order and files each message under its key (:class:`MessageKey`); a
 partition waits for its key in that mailbox. So the order in which partitions send never
@@ -60,11 +60,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._errors import add_note, describe_error
+from ..schedule._schedule import Action
 from ._agreement import Fields, RanksDisagree, compare
-from ._errors import add_note, describe_error
 from ._groups import Connections
 from ._payloads import Payloads, strict_requested
-from ._schedule import Action
 from ._transport import (
     Cancelled,
     Message,
@@ -90,7 +90,7 @@ INLINE_LIMIT = 1 << 20
 _PREFIX = 8  # the metadata's length (4 bytes, little-endian), the layout, 3 bytes of padding
 #: How a message's tensors travel: none, in the header, as one payload of the tensor
 #: itself, packed into one payload, or one payload per tensor on the strict payload channel
-#: (see :mod:`gpipe_core._payloads`) (the header's fifth byte).
+#: (see :mod:`gpipe_core.transport._payloads`) (the header's fifth byte).
 _LAYOUTS = ("none", "inline", "single", "packed", "channel")
 _ALIGN = 16
 #: Header receives each receiver thread keeps posted during a run (see "Headers ahead").
@@ -175,7 +175,7 @@ class _RemoteFailure:
 
 class _Differs(ValueError):
     """This rank's run fields differ from the first partition's rank's: the run fails on every
-    rank, which then raise the same :class:`~gpipe_core._agreement.RanksDisagree`."""
+    rank, which then raise the same :class:`~gpipe_core.transport._agreement.RanksDisagree`."""
 
 
 def _aligned(offset: int) -> int:
@@ -316,7 +316,7 @@ class DistributedTransport(Transport):
     """Messages between partitions on the ranks of a pipeline's group.
 
     Args:
-        connections: the pipeline's gloo groups (see :func:`~gpipe_core._groups.connect`):
+        connections: the pipeline's gloo groups (see :func:`~gpipe_core.transport._groups.connect`):
             messages to a higher rank go on the first, to a lower one on the second, so
             that each connection carries one direction (gloo's connection between two
             processes serves one message at a time in both directions: 1F1B sends both
@@ -328,7 +328,7 @@ class DistributedTransport(Transport):
             waits for what (None: no bound).
         tag: the point-to-point tag of this pipeline's headers (``tag + 1``: its
             payloads).
-        payloads: the channel of the messages' tensors (see :mod:`gpipe_core._payloads`;
+        payloads: the channel of the messages' tensors (see :mod:`gpipe_core.transport._payloads`;
             default: strict on ``connections`` where ``GPIPE_STRICT_PAYLOADS=1``, else
             tagged).
     """
@@ -606,7 +606,7 @@ class DistributedTransport(Transport):
         Raises:
             Cancelled: the run was cancelled (a peer failed) while waiting.
             ValueError: this rank's ``fields`` differ (the run then fails on every rank
-                with the same :class:`~gpipe_core._agreement.RanksDisagree`).
+                with the same :class:`~gpipe_core.transport._agreement.RanksDisagree`).
         """
         with self.cond:
             self.fields = fields

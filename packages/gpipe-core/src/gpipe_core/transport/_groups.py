@@ -2,10 +2,10 @@
 every rank.
 
 A pipeline across processes sends its messages on two gloo groups of its group's ranks
-(one per direction, see :class:`~gpipe_core._distributed.DistributedTransport`). gpipe
+(one per direction, see :class:`~gpipe_core.transport._distributed.DistributedTransport`). gpipe
 makes them itself, from the process group's store, under a name every rank of the group
 derives from what it agrees on: the group's ranks and the pipeline's tag (see
-:func:`~gpipe_core._distributed.pipeline_tag`). ``torch.distributed.new_group`` names a
+:func:`~gpipe_core.transport._distributed.pipeline_tag`). ``torch.distributed.new_group`` names a
 group by how many groups the calling process made before, so a group the program made on
 some ranks only (``new_group([0, 2])``, an earlier pipeline on a sub-group) would make
 the ranks name one group differently and wait for each other forever.

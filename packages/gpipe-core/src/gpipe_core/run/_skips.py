@@ -8,7 +8,7 @@ that flat function, so the recomputation stashes again for its own backward, and
 gradient of every skip tensor flows like any other.
 
 A skip stashed by partition ``j`` and popped by partition ``k`` is sent by the transport from
-``j`` straight to ``k`` (see :mod:`gpipe_core._transport`): once per micro-batch, and
+``j`` straight to ``k`` (see :mod:`gpipe_core.transport._transport`): once per micro-batch, and
 never through the partitions in between.
 
 It must not know the transport or the schedule: how a partition's skips arrive is the
@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from gpipe_microbatch import Batch, check_output, make_tuple
 from gpipe_skip import SkipKey, SkipTracker, use_skip_tracker
 
-from ._sequential import call_partition
+from .._sequential import call_partition
 
 __all__ = ["SkipCall"]
 

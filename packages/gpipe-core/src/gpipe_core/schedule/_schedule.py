@@ -70,6 +70,9 @@ _GRADIENT_KINDS = ("backward", "input")
 class ScheduleError(ValueError):
     """Action lists that cannot run: a missing or repeated action, or a deadlock."""
 
+    # Tracebacks name it where users import it from.
+    __module__ = "gpipe_core"
+
 
 @dataclass(frozen=True, slots=True)
 class Action:
@@ -855,7 +858,7 @@ def check_actions(
         >>> check_actions([[Action("backward", 0), Action("forward", 0)]], 1)
         Traceback (most recent call last):
           ...
-        gpipe_core._schedule.ScheduleError: partition 0 runs B0 before F0 (actions: ['B0', 'F0'])
+        gpipe_core.ScheduleError: partition 0 runs B0 before F0 (actions: ['B0', 'F0'])
     """
     if placement is None:
         result = _as_lists(lists, partitions, schedule)

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from gpipe_microbatch import Batch, use_device
 
-from ._stream import (
+from .._stream import (
     AbstractStream,
     current_stream,
     get_device,

@@ -1,0 +1,4 @@
+"""Moving tensors between partitions: in one process and across processes.
+
+Private to gpipe-core: its public names are imported from ``gpipe_core``.
+"""
