@@ -108,10 +108,10 @@ class Schedule(ABC):
         self, microbatches: int, partitions: int, placement: Sequence[int] | None = None
     ) -> list[list[Action]]:
         """The forward actions alone, in the same order (a step without backward)."""
-        where = place_partitions(placement, partitions)
+        worker_count = len(partitions_of(place_partitions(placement, partitions)))
         lists = as_lists(
             self.worker_actions(microbatches, partitions, placement),
-            len(partitions_of(where)),
+            worker_count,
             self,
         )
         return [[action for action in actions if action.kind is Phase.FORWARD] for actions in lists]
@@ -139,10 +139,10 @@ class Schedule(ABC):
             durations: the units each kind of action takes (see :func:`~gpipe_core.simulate`).
             workers: the former name of ``worker_count``, still accepted.
         """
-        where = place_partitions(placement, partitions, count_argument(worker_count, workers))
-        lists = self.worker_actions(microbatches, partitions, where)
-        rows = simulate(lists, durations, placement=where)
-        identity = is_identity(where)
+        placement = place_partitions(placement, partitions, count_argument(worker_count, workers))
+        lists = self.worker_actions(microbatches, partitions, placement)
+        rows = simulate(lists, durations, placement=placement)
+        identity = is_identity(placement)
         prefix = "p" if identity else "w"
         labels = [
             ["." if action is None else action_label(action, identity) for action in row]
@@ -171,9 +171,9 @@ class Schedule(ABC):
             >>> get_schedule("gpipe").bubble(6, 3)  # (n - 1) / (m + n - 1)
             0.25
         """
-        where = place_partitions(placement, partitions, count_argument(worker_count, workers))
-        lists = self.worker_actions(microbatches, partitions, where)
-        return idle_share(simulate(lists, durations, placement=where))
+        placement = place_partitions(placement, partitions, count_argument(worker_count, workers))
+        lists = self.worker_actions(microbatches, partitions, placement)
+        return idle_share(simulate(lists, durations, placement=placement))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -238,12 +238,12 @@ class OneFOneBSchedule(Schedule):
 def _loop_chunks(name: str, partitions: int, placement: Sequence[int] | None) -> int:
     """How many partitions each worker of a loop ``placement`` runs; a clear error if the
     placement is not a loop."""
-    where = place_partitions(placement, partitions)
-    count = max(where) + 1
-    if partitions % count or where != [j % count for j in range(partitions)]:
+    placement = place_partitions(placement, partitions)
+    count = max(placement) + 1
+    if partitions % count or placement != [j % count for j in range(partitions)]:
         raise ScheduleError(
             f"schedule {name!r} needs the loop placement, partition j on worker j % workers "
-            f"(placement: {where}, partitions: {partitions}, workers: {count})"
+            f"(placement: {placement}, partitions: {partitions}, workers: {count})"
         )
     return partitions // count
 
@@ -406,15 +406,15 @@ class ZeroBubbleVSchedule(Schedule):
         self, microbatches: int, partitions: int, placement: Sequence[int] | None = None
     ) -> list[list[Action]]:
         check_sizes(microbatches=microbatches, partitions=partitions)
-        where = place_partitions(placement, partitions)
-        count = max(where) + 1
-        if partitions != 2 * count or where != place_partitions("v", partitions, count):
+        placement = place_partitions(placement, partitions)
+        count = max(placement) + 1
+        if partitions != 2 * count or placement != place_partitions("v", partitions, count):
             raise ScheduleError(
                 f"schedule {self.name!r} needs the V placement, two partitions per worker "
-                f"(partitions j and 2 * workers - 1 - j on worker j) (placement: {where}, "
+                f"(partitions j and 2 * workers - 1 - j on worker j) (placement: {placement}, "
                 f"partitions: {partitions}, workers: {count})"
             )
-        return fill_weights(v_order(microbatches, count), where, cap=partitions)
+        return fill_weights(v_order(microbatches, count), placement, cap=partitions)
 
 
 _SCHEDULES: dict[str, type[Schedule]] = {
@@ -505,7 +505,7 @@ def step_actions(
     ``placement`` (the worker of each partition; default one each), forward ones only
     without ``backward``; checked (once per shape for the built-in schedules), every action
     naming its partition."""
-    where = tuple(range(n)) if placement is None else tuple(placement)
+    placement = tuple(range(n)) if placement is None else tuple(placement)
     if type(schedule) in _SCHEDULES.values():
-        return _builtin_actions(type(schedule), m, n, backward, where)
-    return _checked(schedule, m, n, backward, where)
+        return _builtin_actions(type(schedule), m, n, backward, placement)
+    return _checked(schedule, m, n, backward, placement)
