@@ -21,11 +21,11 @@ __all__ = ["Action", "Phase"]
 
 class Phase(str, Enum):
     """What a task does; the first, third, fourth and fifth are also the kinds of action
-    a schedule orders (:attr:`Action.kind`).
+    a schedule orders (an :class:`~gpipe_core.Action`'s ``kind``).
 
     Each member equals its value (``Phase.FORWARD == "forward"``), which is what a
     timeline's JSON and labels print. ``Phase("input")`` and ``Phase("weight")`` (the
-    action kinds' short names) are :attr:`INPUT_GRADIENT` and :attr:`WEIGHT_GRADIENT`.
+    action kinds' short names) are ``INPUT_GRADIENT`` and ``WEIGHT_GRADIENT``.
 
     Attributes:
         FORWARD: the forward pass of a partition on a micro-batch (without autograd
@@ -127,7 +127,7 @@ class Action:
     gradient of one micro-batch, on one partition (None: the worker's only partition).
 
     Written ``F3`` (``B``, ``I``, ``W``) without a partition, ``2F3`` (partition 2) with
-    one; :meth:`parse` reads that back. The kind is given as a :class:`Phase` member, its
+    one; ``Action.parse`` reads that back. The kind is given as a :class:`Phase` member, its
     value or its short name (``"forward"``, ``"backward"``, ``"input"``, ``"weight"``),
     and held as the member.
 

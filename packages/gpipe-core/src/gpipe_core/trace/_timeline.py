@@ -158,7 +158,8 @@ class TimelineSummary:
         span_s: seconds inside the passes.
         bubble: the measured idle fraction, averaged over the partitions.
         theoretical_bubble: ``(n - 1) / (m + n - 1)``, the fill-drain bubble with equal
-            tasks (averaged over the passes when they had different ``m``).
+            tasks (:func:`theoretical_bubble`; averaged over the passes when they had
+            different ``m``).
     """
 
     partitions: tuple[PartitionSummary, ...]
