@@ -80,9 +80,9 @@ def unit_durations(durations: Mapping[str, int] | None) -> dict[Phase, int]:
             raise ValueError(
                 f"durations must be positive integers (durations: {dict(durations)!r})"
             )
-    forward, input, weight = Phase.FORWARD, Phase.INPUT_GRADIENT, Phase.WEIGHT_GRADIENT
-    result = {kind: kinds.get(kind, 1) for kind in (forward, input, weight)}
-    result[Phase.BACKWARD] = kinds.get(Phase.BACKWARD, result[input] + result[weight])
+    result = {kind: kinds.get(kind, 1) for kind in (Phase.FORWARD, *_SPLIT)}
+    split = result[Phase.INPUT_GRADIENT] + result[Phase.WEIGHT_GRADIENT]
+    result[Phase.BACKWARD] = kinds.get(Phase.BACKWARD, split)
     return result
 
 
