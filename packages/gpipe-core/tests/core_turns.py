@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from gpipe_core import GPipe
+from gpipe_core import GPipe, Phase
 from gpipe_core.transport._transport import LocalTransport
 
-KINDS = ("forward", "backward", "input", "weight")
+KINDS = tuple(kind for kind in Phase if kind.is_action)
 
 
 def measured_short(pipe: GPipe, hand_over: bool = False) -> LocalTransport:

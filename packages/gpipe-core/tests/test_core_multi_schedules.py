@@ -19,8 +19,16 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from gpipe_core import GPipe, ScheduleError, check_actions, get_schedule, simulate
-from gpipe_core.schedule._schedule import Action, place_partitions
+from gpipe_core import (
+    Action,
+    GPipe,
+    Phase,
+    ScheduleError,
+    check_actions,
+    get_schedule,
+    place_partitions,
+    simulate,
+)
 from gpipe_skip import Namespace, pop, skippable, stash
 
 MODES = ("always", "except_last", "never")
@@ -46,7 +54,7 @@ def peak_held(actions: list[Action]) -> int:
     pass (or weight gradient) did not, at once."""
     live = peak = 0
     for action in actions:
-        live += {"forward": 1, "backward": -1, "weight": -1}.get(action.kind, 0)
+        live += {"forward": 1, "backward": -1, "weight-gradient": -1}.get(action.kind, 0)
         peak = max(peak, live)
     return peak
 
@@ -85,7 +93,7 @@ def test_every_schedule_gives_valid_lists_on_its_placements(
         mine = {j for j in range(n) if placement[j] == w}
         named = {a.partition for a in actions}
         assert named == mine or (named == {None} and len(mine) == 1)
-        split = {a.kind for a in actions} & {"input", "weight"}
+        split = {a.kind for a in actions} & {Phase.INPUT_GRADIENT, Phase.WEIGHT_GRADIENT}
         assert bool(split) == name.startswith("zb")
     if name.startswith("zb"):
         # zbv: 1F1B's memory, no worker holding more partition micro-batches than there
@@ -93,9 +101,9 @@ def test_every_schedule_gives_valid_lists_on_its_placements(
         # micro-batch); zb-h1: what its interleaved order holds (1F1B's on one partition
         # per worker).
         bound = n if name == "zbv" else peak_held(
-            [Action("backward" if a.kind == "input" else a.kind, a.microbatch)
+            [Action("backward" if a.kind is Phase.INPUT_GRADIENT else a.kind, a.microbatch)
              for a in get_schedule("interleaved-1f1b").worker_actions(m, n, placement)[0]
-             if a.kind != "weight"]
+             if a.kind is not Phase.WEIGHT_GRADIENT]
         )  # fmt: skip
         assert max(peak_held(actions) for actions in lists) <= bound
 
@@ -735,7 +743,7 @@ def test_each_worker_holds_at_most_what_its_list_holds(schedule: str, placement:
         held = peak = 0
         for a in actions:
             size = per_partition[cast(int, a.partition)]
-            held += {"forward": size, "backward": -size, "weight": -size}.get(a.kind, 0)
+            held += {"forward": size, "backward": -size, "weight-gradient": -size}.get(a.kind, 0)
             peak = max(peak, held)
         bounds.append(peak)
 

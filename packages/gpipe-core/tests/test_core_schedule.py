@@ -328,7 +328,8 @@ def test_serial_order_runs_simulate_column_by_column(name: str, placement: str |
     """A run in one thread takes the actions column by column of the simulation, the
     workers in order; the order is cached for the built-in (tuple) lists and computed
     alike for lists."""
-    from gpipe_core.schedule._schedule import serial_order, step_actions
+    from gpipe_core.run._order import serial_order
+    from gpipe_core.schedule._schedules import step_actions
 
     m, n, workers = 4, 4, 2
     where = place_partitions(placement, n, workers) if placement else list(range(n))

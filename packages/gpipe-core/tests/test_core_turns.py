@@ -16,9 +16,8 @@ import torch
 from torch import nn
 
 from core_turns import measured_short
-from gpipe_core import GPipe
+from gpipe_core import Action, GPipe
 from gpipe_core._stream import CPUStream
-from gpipe_core.schedule._schedule import Action
 from gpipe_core.transport import _transport
 from gpipe_core.transport._transport import (
     LONG_AFTER,

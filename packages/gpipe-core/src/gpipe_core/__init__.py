@@ -17,25 +17,23 @@ from ._gpipe import GPipe
 from ._partition import WithDevice
 from ._sequential import PipeSequential
 from .run._losses import Losses
-from .schedule._schedule import (
-    Action,
+from .schedule._action import Action, Phase
+from .schedule._check import ScheduleError, check_actions
+from .schedule._placement import place_partitions
+from .schedule._schedules import (
     GPipeSchedule,
     Interleaved1F1BSchedule,
     OneFOneBSchedule,
     Schedule,
-    ScheduleError,
     ZeroBubbleH1Schedule,
     ZeroBubbleVSchedule,
-    check_actions,
     clock_cycles,
     get_schedule,
-    place_partitions,
     schedules,
-    simulate,
 )
+from .schedule._simulate import simulate
 from .trace._timeline import (
     PartitionSummary,
-    Phase,
     TaskEvent,
     Timeline,
     TimelineSummary,

@@ -25,7 +25,7 @@ from ._placement import check_timeout
 from .run._inputs import StepArguments, items, tensor_of
 from .run._losses import LossFunction, Reduction
 from .run._threads import check_intra_op_threads
-from .schedule._schedule import Schedule, get_schedule
+from .schedule._schedules import Schedule, get_schedule
 
 __all__ = [
     "Checked",

@@ -44,7 +44,8 @@ from .run._partition_run import LossSpec, PartitionRun, nested
 from .run._runner import run
 from .run._step import StepLeaves
 from .run._worker import WorkerPool
-from .schedule._schedule import Action, GPipeSchedule, Schedule, step_actions
+from .schedule._action import Action
+from .schedule._schedules import GPipeSchedule, Schedule, step_actions
 from .trace._timeline import Timeline
 from .trace._tracing import record, tracer_for
 from .transport._agreement import Fields, run_fields

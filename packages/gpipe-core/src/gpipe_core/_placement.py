@@ -29,7 +29,7 @@ import torch.distributed as dist
 from gpipe_microbatch import Device
 
 from ._partition import resolve_devices
-from .schedule._schedule import place_partitions
+from .schedule._placement import place_partitions
 from .transport._agreement import Construction
 from .transport._groups import Connections, connect
 from .transport._payloads import Payloads, choose_payloads
@@ -135,7 +135,7 @@ class Placement:
         timeout: across processes, the seconds any wait for another rank may last (None:
             no bound).
         placement: None (each partition is a worker of its own), or several partitions per
-            worker (see :func:`~gpipe_core.schedule._schedule.place_partitions`): ``"loop"``,
+            worker (see :func:`~gpipe_core.place_partitions`): ``"loop"``,
             ``"v"`` or each partition's worker. A worker is an entry of ``devices`` in one
             process, a rank of ``group`` across processes.
 

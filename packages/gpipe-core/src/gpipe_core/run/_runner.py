@@ -1,6 +1,6 @@
 """The runner: each worker's action list, executed on its worker thread, with one failure channel.
 
-A run executes action lists (see :mod:`gpipe_core.schedule._schedule`) over partitions
+A run executes action lists (see :mod:`gpipe_core.schedule`) over partitions
 (:mod:`gpipe_core.run._partition_run`): each worker's list on its worker thread, for all the
 partitions of that worker, each action as soon as the messages it needs have arrived through
 the transport (:mod:`gpipe_core.transport._transport`). The forward action of micro-batch ``i`` on
@@ -57,8 +57,10 @@ from gpipe_skip import SkipKey
 
 from .._errors import add_note
 from .._stream import is_cuda, use_stream
-from ..schedule._schedule import Action, serial_order, simulate
+from ..schedule._action import Action, Phase
+from ..schedule._simulate import simulate
 from ..transport._transport import Cancelled, Message, MessageKey, Transport, outgoing
+from ._order import serial_order
 from ._partition_run import PartitionRun
 from ._threads import NO_SHARE, ThreadShare
 from ._worker import ExcInfo, Jobs, WorkerPool
@@ -408,13 +410,13 @@ class _Executor:
 
     def act(self, j: int, action: Action) -> None:
         try:
-            if action.kind == "forward":
+            if action.kind is Phase.FORWARD:
                 self.forward(j, action.microbatch)
-            elif action.kind == "weight":
-                with self.computing(j, "weight"):
+            elif action.kind is Phase.WEIGHT_GRADIENT:
+                with self.computing(j, Phase.WEIGHT_GRADIENT):
                     self.partition(j).backward_weight(action.microbatch)
             else:
-                self.backward(j, action.microbatch, split=action.kind == "input")
+                self.backward(j, action.microbatch, split=action.kind is Phase.INPUT_GRADIENT)
         except Cancelled:
             raise
         except Exception as error:
@@ -442,7 +444,7 @@ class _Executor:
             message = self.receive(MessageKey("skips", i, source, j))
             values = partition.accept(message.values(), message.requires_grad)
             skips.update(zip(keys, cast(list[Tensor | None], values), strict=True))
-        with self.computing(j, "forward"):
+        with self.computing(j, Phase.FORWARD):
             output, stashed, needs_grad = partition.forward(i, batch, skips)
         if j == self.last:
             # A step's output is not returned (its loss is kept, detached): holding it would
@@ -473,7 +475,7 @@ class _Executor:
         for target, keys in partition.stashes.items():
             message = self.receive(MessageKey("skip-gradients", i, target, j))
             skip_grads.update(zip(keys, cast(list[Tensor | None], message.values()), strict=True))
-        with self.computing(j, "input" if split else "backward"):
+        with self.computing(j, Phase.INPUT_GRADIENT if split else Phase.BACKWARD):
             if split:
                 input_grads, popped = partition.backward_input(i, grads, skip_grads)
             else:

@@ -1,7 +1,7 @@
 """The backward pass split in two: the input gradient now, the weight gradient later.
 
 A zero-bubble schedule runs a micro-batch's backward pass in two actions (see
-:mod:`gpipe_core.schedule._schedule`): the input gradient ``I`` (sent upstream at once) and the
+:mod:`gpipe_core.schedule._action`): the input gradient ``I`` (sent upstream at once) and the
 weight gradient ``W`` (deferred). :meth:`SplitBackward.input_gradient` runs ``I`` and
 returns the :class:`WeightGradient` that runs ``W``; together they compute what one
 backward pass does, each node of the autograd graph computes once, and each hook on a

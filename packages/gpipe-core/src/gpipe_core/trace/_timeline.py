@@ -11,13 +11,16 @@ timeline): a timeline is data.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from importlib import import_module
 from typing import Any
+
+from ..schedule._action import Phase
+from ..schedule._schedules import GPipeSchedule
 
 __all__ = [
     "PartitionSummary",
@@ -28,35 +31,6 @@ __all__ = [
     "task_label",
     "theoretical_bubble",
 ]
-
-
-class Phase(str, Enum):
-    """What a task does.
-
-    Attributes:
-        FORWARD: the forward pass of a partition on a micro-batch (without autograd
-            history when the micro-batch is checkpointed).
-        RECOMPUTE: the forward pass re-run, with autograd, right before the backward pass
-            of a checkpointed micro-batch.
-        BACKWARD: the backward pass of a partition on a micro-batch.
-        INPUT_GRADIENT: the first half of a split backward pass: the gradient of the
-            partition's input, sent upstream at once.
-        WEIGHT_GRADIENT: the second half: the gradients of the partition's parameters.
-        COPY: a micro-batch (or its gradient, in backward) copied between the devices of
-            two neighbouring partitions.
-        LOSS: the loss of a micro-batch on the last partition, in a step.
-    """
-
-    FORWARD = "forward"
-    RECOMPUTE = "recompute"
-    BACKWARD = "backward"
-    INPUT_GRADIENT = "input-gradient"
-    WEIGHT_GRADIENT = "weight-gradient"
-    COPY = "copy"
-    LOSS = "loss"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 #: The phases that keep a partition busy; copies run on their own streams.
@@ -91,11 +65,22 @@ def task_label(phase: Phase | str, partition: int, microbatch: int) -> str:
 def theoretical_bubble(partitions: int, microbatches: int) -> float:
     """The idle fraction of the fill-drain schedule with equal tasks: ``(n - 1) / (m + n - 1)``.
 
+    It is :meth:`GPipeSchedule().bubble(m, n) <gpipe_core.Schedule.bubble>`, every action
+    taking one unit of time: the one definition of a bubble gpipe-core has.
+
+    Raises:
+        ValueError: ``partitions`` or ``microbatches`` is not a positive integer.
+
     Example:
         >>> theoretical_bubble(4, 8)
         0.2727272727272727
     """
-    return (partitions - 1) / (microbatches + partitions - 1)
+    return _fill_drain_bubble(partitions, microbatches)
+
+
+@functools.lru_cache(maxsize=64)
+def _fill_drain_bubble(partitions: int, microbatches: int) -> float:
+    return GPipeSchedule().bubble(microbatches, partitions)
 
 
 @dataclass(frozen=True)
@@ -173,7 +158,8 @@ class TimelineSummary:
         span_s: seconds inside the passes.
         bubble: the measured idle fraction, averaged over the partitions.
         theoretical_bubble: ``(n - 1) / (m + n - 1)``, the fill-drain bubble with equal
-            tasks (averaged over the passes when they had different ``m``).
+            tasks (:func:`theoretical_bubble`; averaged over the passes when they had
+            different ``m``).
     """
 
     partitions: tuple[PartitionSummary, ...]

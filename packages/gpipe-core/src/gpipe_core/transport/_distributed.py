@@ -61,7 +61,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._errors import add_note, describe_error
-from ..schedule._schedule import Action
+from ..schedule._action import Action
 from ._agreement import Fields, RanksDisagree, compare
 from ._groups import Connections
 from ._payloads import Payloads, strict_requested

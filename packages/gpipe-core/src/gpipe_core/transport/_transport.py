@@ -51,7 +51,8 @@ from gpipe_checkpoint import is_differentiable
 from gpipe_microbatch import Batch, make_tuple
 
 from .._stream import AbstractStream, is_cuda
-from ..schedule._schedule import Action, action_kinds
+from ..run._order import action_kinds
+from ..schedule._action import Action
 from ..trace._tracing import Tracer
 from ._agreement import Fields
 from ._transfer import copy, wait
@@ -336,7 +337,7 @@ class Transport(ABC):
 
     def one_turn(self, actions: Sequence[Sequence[Action]]) -> bool:
         """Whether the whole run may be one turn: every worker's ``actions`` run in the
-        calling thread, in :func:`~gpipe_core.schedule._schedule.serial_order` (see
+        calling thread, in :func:`~gpipe_core.run._order.serial_order` (see
         :class:`LocalTransport`), handed over to the workers if an action runs for
         :attr:`hand_over_after`; the default never."""
         return False
