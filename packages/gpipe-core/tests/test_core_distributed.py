@@ -235,6 +235,9 @@ def test_a_failing_rank_fails_every_rank_then_the_next_step_runs(
             assert error["type"] == "RemotePartitionError", error
             assert error["rank"] == trap_rank
             assert "micro-batch" in error["where"], error
+            # The one failure record names the failing rank and partition across ranks.
+            assert " on partition " in error["where"], error
+            assert f"rank {trap_rank} of the pipeline failed in" in error["message"], error
             assert "Fail" in error["message"]
     # The next step on the same pipeline: the plain model's numbers.
     model = cases.build(TRAPPED, 4)
