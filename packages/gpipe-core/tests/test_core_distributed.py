@@ -84,7 +84,7 @@ def test_message_buffers_grow_with_the_messages(cluster2: Any, cases: ModuleType
     """The buffers posted ahead grow to the messages' size, up to a limit (here 8 KiB):
     messages that did not fit their header then travel in one piece, messages over the
     limit still travel with a payload, and small messages land in the grown buffers."""
-    from gpipe_core.transport._distributed import HEADER_BYTES
+    from gpipe_core.transport._wire import HEADER_BYTES
 
     limit = 8192
     spec = {"layers": SKIPS_AND_TUPLES, "seed": 7, "batches": [2048, 4096, 7, 2048], "chunks": 16}

@@ -40,7 +40,7 @@ from torch import Tensor
 from .._errors import Failure
 from . import _wire
 from ._agreement import Differs, compare, disagreement
-from ._groups import Connections, check_group, pipeline_tag
+from ._groups import Connections
 from ._links import Links
 from ._payloads import Payloads, strict_requested
 from ._transport import (
@@ -54,11 +54,7 @@ from ._transport import (
 )
 from ._wire import Meta
 
-__all__ = [
-    "DistributedTransport",
-    "check_group",
-    "pipeline_tag",
-]
+__all__ = ["DistributedTransport"]
 
 
 class DistributedTransport(Links, Transport):
