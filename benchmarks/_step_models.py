@@ -1131,7 +1131,6 @@ def _gpipe_step(case: Case, way: Way, timeout: float, models: dict[str | None, A
     it."""
     import torch.distributed as dist
 
-    import gpipe_core.transport._agreement as agreement
     from gpipe_core import GPipe
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -1153,11 +1152,9 @@ def _gpipe_step(case: Case, way: Way, timeout: float, models: dict[str | None, A
     loss_fn = case.loss_fn()
 
     def run() -> object:
-        agreement.CHECK_RUNS = way.checked
-        try:
-            return model.step(*inputs, loss_fn, schedule=way.schedule)
-        finally:
-            agreement.CHECK_RUNS = True
+        # Whether the ranks compare their run fields: a setting of this pipeline's placement.
+        model._placement.check_runs = way.checked
+        return model.step(*inputs, loss_fn, schedule=way.schedule)
 
     return model, run
 

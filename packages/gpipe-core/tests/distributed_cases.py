@@ -575,21 +575,21 @@ def case_step(rank: int, *, inline_limit: int | None = None, **spec: Any) -> dic
     part, size of the buffer posted for it)``."""
     if inline_limit is None:
         return steps(rank, **spec)
-    import gpipe_core.transport._distributed as wire
+    import gpipe_core.transport._wire as wire
 
     sent: list[tuple[str, int, int]] = []
-    real, limit = wire._message, wire.INLINE_LIMIT
+    real, limit = wire.message, wire.INLINE_LIMIT
 
     def message(encoded: bytes, data: Any, capacity: int, **options: Any) -> list[torch.Tensor]:
         parts = real(encoded, data, capacity, **options)
-        sent.append((wire._LAYOUTS[int(parts[0][4])], len(parts[0]), capacity))
+        sent.append((wire.LAYOUTS[int(parts[0][4])], len(parts[0]), capacity))
         return parts
 
-    wire._message, wire.INLINE_LIMIT = message, inline_limit
+    wire.message, wire.INLINE_LIMIT = message, inline_limit
     try:
         result = steps(rank, **spec)
     finally:
-        wire._message, wire.INLINE_LIMIT = real, limit
+        wire.message, wire.INLINE_LIMIT = real, limit
     return {**result, "sent": sent}
 
 
@@ -619,7 +619,7 @@ def steps(
         real = DistributedTransport.send
 
         def send(self: DistributedTransport, key: Any, *args: Any, **kwargs: Any) -> None:
-            wire.append((key.kind, key.source, key.target))
+            wire.append((key.contents, key.source, key.target))
             real(self, key, *args, **kwargs)
 
         DistributedTransport.send = send  # type: ignore[method-assign]

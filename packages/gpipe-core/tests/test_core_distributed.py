@@ -84,7 +84,7 @@ def test_message_buffers_grow_with_the_messages(cluster2: Any, cases: ModuleType
     """The buffers posted ahead grow to the messages' size, up to a limit (here 8 KiB):
     messages that did not fit their header then travel in one piece, messages over the
     limit still travel with a payload, and small messages land in the grown buffers."""
-    from gpipe_core.transport._distributed import HEADER_BYTES
+    from gpipe_core.transport._wire import HEADER_BYTES
 
     limit = 8192
     spec = {"layers": SKIPS_AND_TUPLES, "seed": 7, "batches": [2048, 4096, 7, 2048], "chunks": 16}
@@ -232,9 +232,12 @@ def test_a_failing_rank_fails_every_rank_then_the_next_step_runs(
                 or phase == "loss"
             ), error
         else:
-            assert error["type"] == "RemoteStageError", error
+            assert error["type"] == "RemotePartitionError", error
             assert error["rank"] == trap_rank
             assert "micro-batch" in error["where"], error
+            # The one failure record names the failing rank and partition across ranks.
+            assert " on partition " in error["where"], error
+            assert f"rank {trap_rank} of the pipeline failed in" in error["message"], error
             assert "Fail" in error["message"]
     # The next step on the same pipeline: the plain model's numbers.
     model = cases.build(TRAPPED, 4)
@@ -288,7 +291,7 @@ def test_a_failed_run_frees_its_tensors_on_every_rank(
         "failure_frees", path=path, phase=phase, trap_rank=trap_rank, checkpoint=checkpoint
     )
     for rank, result in enumerate(results):
-        expected = "Fail" if rank == trap_rank else "RemoteStageError"
+        expected = "Fail" if rank == trap_rank else "RemotePartitionError"
         assert result["error"] == expected, (rank, result)
         assert result["watched"] > 1, (rank, result)
         assert result["alive"] == 0, (rank, result)
@@ -300,7 +303,7 @@ def test_a_dying_rank_fails_the_others_and_later_steps(new_cluster: Callable[[in
     assert replies[1][0] == "gone"
     status, result = replies[0][0], replies[0][1]
     assert status == "ok", replies[0]
-    assert result["first"]["type"] == "RemoteStageError", result
+    assert result["first"]["type"] == "RemotePartitionError", result
     assert "rank 1" in result["first"]["message"] and "died" in result["first"]["message"]
     assert result["second"]["type"] == "RuntimeError", result
     assert "rank 1 of the pipeline's group is gone" in result["second"]["message"]
@@ -466,7 +469,7 @@ def test_a_sparse_tensor_between_ranks_is_refused_naming_the_partition(cluster2:
     assert sender["type"] == "TypeError", sender
     assert "from partition 0 to partition 1" in sender["message"]
     assert "layout torch.sparse_coo" in sender["message"]
-    assert receiver["type"] == "RemoteStageError", receiver
+    assert receiver["type"] == "RemotePartitionError", receiver
     assert "layout torch.sparse_coo" in receiver["message"]
 
 

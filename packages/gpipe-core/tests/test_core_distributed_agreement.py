@@ -206,7 +206,7 @@ def test_a_constructor_failing_on_one_rank_fails_every_rank(
         assert "chunks" in failed["error"]["message"]
     else:
         assert failed["error"]["type"] == "Fail", failed
-    assert other["error"]["type"] == "RemoteStageError", other
+    assert other["error"]["type"] == "RemotePartitionError", other
     assert other["error"]["rank"] == 1
     assert other["error"]["message"].startswith("rank 1 of the pipeline failed in building")
     for result in results:
@@ -218,7 +218,7 @@ def test_an_exception_that_cannot_be_printed_still_reaches_every_rank(cluster2: 
     results = cluster2.results("fail_unprintable", odd_rank=1)
     assert results[1]["error"]["type"] == "Unprintable", results[1]
     error = results[0]["error"]
-    assert error["type"] == "RemoteStageError", error
+    assert error["type"] == "RemotePartitionError", error
     assert "Unprintable: <the message could not be printed: RuntimeError>" in error["message"]
     assert results[0]["seconds"] < PROMPT
     assert results[0]["reduced"] == results[1]["reduced"]
@@ -241,7 +241,7 @@ def test_a_hook_calling_the_pipeline_again_fails_the_run_not_the_pipeline(
     results = cluster2.results("reentrant", odd_rank=0)
     assert results[0]["error"]["type"] == "RuntimeError", results[0]
     assert "called from inside its own run" in results[0]["error"]["message"]
-    assert results[1]["error"]["type"] == "RemoteStageError", results[1]
+    assert results[1]["error"]["type"] == "RemotePartitionError", results[1]
     assert results[1]["error"]["rank"] == 0
     check_alike(cases, results)
 

@@ -161,7 +161,7 @@ def test_a_step_interrupted_on_one_rank_leaves_every_rank_able_to_step(
             for outcome in phase["outcomes"]:
                 # A step either ran, or says which rank failed (the interrupted one).
                 assert outcome in ("ok", "interrupted") or outcome.startswith(
-                    f"RemoteStageError: rank {odd_rank} of the pipeline failed"
+                    f"RemotePartitionError: rank {odd_rank} of the pipeline failed"
                 ), (delay, rank, outcome)
             for step in phase["after"]:
                 check_step(cases, world, step["reduced"], copy.copy(step["grads"]))

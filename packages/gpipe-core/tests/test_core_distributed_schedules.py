@@ -220,7 +220,7 @@ def test_a_failing_partition_fails_every_rank_then_the_next_step_runs(
         placement=placement, timeout=60,
     )  # fmt: skip
     for rank, result in enumerate(results):
-        expected = "Fail" if rank == trap_rank else "RemoteStageError"
+        expected = "Fail" if rank == trap_rank else "RemotePartitionError"
         assert result["error"]["type"] == expected, (rank, result["error"])
     # The next step: the plain model's loss and gradients.
     model = cases.build(TRAPPED, seed)

@@ -25,7 +25,7 @@ from torch import nn
 from core_strategies import compositions
 from gpipe_core import GPipe, NoChunk, PipeSequential
 from gpipe_core._stream import CPUStream
-from gpipe_core.transport._transport import LocalTransport, MessageKey
+from gpipe_core.transport._transport import LocalTransport, MessageKey, outgoing
 from gpipe_skip import current_skip_tracker, pop, skippable, stash
 
 MODES = ("always", "except_last", "never")
@@ -418,14 +418,12 @@ def test_the_transport_carries_values_that_are_not_tensors(keep_graph: bool) -> 
     cpu = torch.device("cpu")
     transport = LocalTransport([cpu, cpu])
     transport.begin()
-    transport.prepare(
-        [CPUStream, CPUStream], [[CPUStream], [CPUStream]], keep_graph=keep_graph, tracer=None
-    )
+    transport.prepare([CPUStream, CPUStream], [[CPUStream], [CPUStream]], tracer=None)
     a = torch.randn(2, requires_grad=True)
     b = torch.arange(3)
     options = {"k": [1, 2]}
     key = MessageKey("activations", 0, 0, 1)
-    transport.send(key, (a, None, "x", b, options, 3))
+    transport.send(key, outgoing((a, None, "x", b, options, 3), detach=not keep_graph))
     message = transport.receive(key)
     assert message.present == (True, False, False, True, False, False)
     assert message.others == (None, "x", options, 3)
@@ -436,10 +434,10 @@ def test_the_transport_carries_values_that_are_not_tensors(keep_graph: bool) -> 
     assert torch.equal(values[0], a) and torch.equal(values[3], b)  # type: ignore[arg-type]
     assert values[0].requires_grad is keep_graph  # type: ignore[union-attr]
     # An atomic message of one tensor, and gradients with None among them.
-    transport.send(key, [a], atomic=True)
+    transport.send(key, outgoing([a], atomic=True, detach=not keep_graph))
     assert transport.receive(key).atomic
     back = MessageKey("gradients", 0, 1, 0)
-    transport.send(back, [None, torch.ones(2)])
+    transport.send(back, outgoing([None, torch.ones(2)], detach=not keep_graph))
     message = transport.receive(back)
     assert message.present == (False, True) and message.others == (None,)
     assert message.values()[0] is None

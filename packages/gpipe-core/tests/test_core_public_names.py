@@ -29,6 +29,7 @@ PUBLIC_NAMES = [
     "Phase",
     "PipeSequential",
     "RanksDisagree",
+    "RemotePartitionError",
     "RemoteStageError",
     "Schedule",
     "ScheduleError",

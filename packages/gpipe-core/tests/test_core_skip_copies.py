@@ -23,7 +23,7 @@ from torch import nn
 import gpipe_core.run._partition_run as core_partition_run
 from gpipe_checkpoint import is_recomputing
 from gpipe_core import GPipe
-from gpipe_core.transport._transport import LocalTransport, MessageKey
+from gpipe_core.transport._transport import LocalTransport, Message, MessageKey
 from gpipe_skip import current_skip_tracker, pop, skippable, stash
 
 MODES = ("always", "except_last", "never")
@@ -98,14 +98,14 @@ def long_skip_model(seen: list[list[tuple[int, ...]]] | None = None) -> nn.Seque
 def count_sends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> list[tuple[str, int, int, list[tuple[int, ...]]]]:
-    """Every message the in-process transport sends: (kind, source, target, shapes)."""
+    """Every message the in-process transport sends: (contents, source, target, shapes)."""
     sends: list[tuple[str, int, int, list[tuple[int, ...]]]] = []
     real_send = LocalTransport.send
 
-    def counting_send(self: LocalTransport, key: MessageKey, values: Any, **kwargs: Any) -> None:
-        shapes = [tuple(t.shape) for t in values if t is not None]
-        sends.append((key.kind, key.source, key.target, shapes))
-        real_send(self, key, values, **kwargs)
+    def counting_send(self: LocalTransport, key: MessageKey, message: Message) -> None:
+        shapes = [tuple(t.shape) for t in message.tensors]
+        sends.append((key.contents, key.source, key.target, shapes))
+        real_send(self, key, message)
 
     monkeypatch.setattr(LocalTransport, "send", counting_send)
     return sends

@@ -22,8 +22,8 @@ from torch import nn
 
 from core_turns import measured_short
 from gpipe_core import GPipe, Phase, TaskEvent, Timeline, task_label, theoretical_bubble
+from gpipe_core.run._turns import Turns
 from gpipe_core.trace import _tracing as tracing
-from gpipe_core.transport._transport import LocalTransport
 from gpipe_skip import pop, skippable, stash
 
 MODES = ("always", "except_last", "never")
@@ -584,7 +584,7 @@ def test_profiler_of_all_threads_sees_every_task() -> None:
 def test_plain_profiler_sees_autograd_tasks_and_warns(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tracing, "_warned", False)
     # The workers run the forward tasks (as where some action is long): not one turn.
-    monkeypatch.setattr(LocalTransport, "one_turn", lambda self, actions: False)
+    monkeypatch.setattr(Turns, "one_turn", lambda self, actions: False)
     with pytest.warns(UserWarning, match="profile_all_threads"):
         labels = profiled_labels(p3m4())
     assert labels == expected_labels((Phase.RECOMPUTE, Phase.BACKWARD), M - 1)

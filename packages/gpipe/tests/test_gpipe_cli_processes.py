@@ -270,7 +270,7 @@ def test_failing_rank_fails_the_demo_with_its_error(tmp_path: Path) -> None:
     assert err.count("error: rank 1 of 2 failed") == 1, err
     assert "ValueError: boom on rank 1" in err
     assert "Traceback (most recent call last)" in err
-    assert "RemoteStageError" not in err
+    assert "RemotePartitionError" not in err
 
 
 def test_killed_rank_fails_the_demo() -> None:
@@ -323,7 +323,7 @@ def test_ranks_end_when_the_launcher_is_killed() -> None:
 RANKS = """
     import os, sys, time
     from gpipe._launch import report_error
-    from gpipe_core import RemoteStageError
+    from gpipe_core import RemotePartitionError
     rank = int(os.environ["RANK"])
     assert os.environ["WORLD_SIZE"] == "3" and os.environ["MASTER_ADDR"] == "127.0.0.1"
     assert os.environ["OMP_NUM_THREADS"] == "1"
@@ -332,7 +332,7 @@ RANKS = """
             time.sleep(1.0)  # the others are told first: still this one is shown
             raise ValueError("rank {failing}'s own error")
         if rank == 0:
-            raise RemoteStageError({failing}, "the step", "ValueError: told", "")
+            raise RemotePartitionError({failing}, "the step", "ValueError: told", "")
     except Exception as error:
         assert report_error(error)
         sys.exit(1)
@@ -369,7 +369,7 @@ def test_launcher_prefers_a_rank_own_error_to_the_told_ones() -> None:
             self.message = {"message": message, "extraInfo": {"py_callstack": message + "\n"}}
 
     failures = {
-        0: Failure(1, "RemoteStageError: rank 1 failed in the step"),
+        0: Failure(1, "RemotePartitionError: rank 1 failed in the step"),
         1: Failure(1, "ValueError: boom"),
     }
     assert _failure(failures, 2) == "error: rank 1 of 2 failed:\nValueError: boom"

@@ -24,6 +24,7 @@ NAMES = [
     "NoChunk",
     "PipeSequential",
     "RanksDisagree",
+    "RemotePartitionError",
     "RemoteStageError",
     "WithDevice",
     "__version__",

@@ -13,6 +13,7 @@ from gpipe_microbatch import BalanceError, NoChunk
 
 from .__about__ import __version__
 from ._arguments import CheckpointMode
+from ._errors import RemotePartitionError, RemoteStageError
 from ._gpipe import GPipe
 from ._partition import WithDevice
 from ._sequential import PipeSequential
@@ -41,7 +42,6 @@ from .trace._timeline import (
     theoretical_bubble,
 )
 from .transport._agreement import RanksDisagree
-from .transport._distributed import RemoteStageError
 
 __all__ = [
     "Action",
@@ -57,6 +57,7 @@ __all__ = [
     "Phase",
     "PipeSequential",
     "RanksDisagree",
+    "RemotePartitionError",
     "RemoteStageError",
     "Schedule",
     "ScheduleError",

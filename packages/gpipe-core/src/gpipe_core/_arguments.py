@@ -26,6 +26,7 @@ from .run._inputs import StepArguments, items, tensor_of
 from .run._losses import LossFunction, Reduction
 from .run._threads import check_intra_op_threads
 from .schedule._schedules import Schedule, get_schedule
+from .transport._groups import check_group
 
 __all__ = [
     "Checked",
@@ -112,8 +113,6 @@ def check_construction(
     seconds = check_timeout(timeout, group if group is not None else data_group)
     threads = check_intra_op_threads(intra_op_threads)
     if data_group is not None:
-        from .transport._distributed import check_group
-
         check_group(data_group, "data_group")
     if group is not None and balance is None:
         raise TypeError(

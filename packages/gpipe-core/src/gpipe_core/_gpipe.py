@@ -484,9 +484,7 @@ class GPipe(LayersModule):
             for j, partition in enumerate(self._partition_list())
         ]
         transport = self._placement.transport()
-        transport.prepare(
-            streams, self._ensure_copy_streams(m), keep_graph=autograd_backward, tracer=tracer
-        )
+        transport.prepare(streams, self._ensure_copy_streams(m), tracer=tracer)
         threaded = self._placement.threaded(nested() or is_checkpointing() or is_recomputing())
         if state is None:
             state = ThreadState.capture()

@@ -31,7 +31,8 @@ from gpipe_microbatch import Device
 from ._partition import resolve_devices
 from .schedule._placement import place_partitions
 from .transport._agreement import Construction
-from .transport._groups import Connections, connect
+from .transport._distributed import DistributedTransport
+from .transport._groups import Connections, check_group, connect, pipeline_tag
 from .transport._payloads import Payloads, choose_payloads
 from .transport._transport import LocalTransport, Transport
 
@@ -92,8 +93,6 @@ def construction_for(group: dist.ProcessGroup | None) -> Construction | None:
     if group is None:
         warn_without_process_group(stacklevel=4)
         return None
-    from .transport._distributed import check_group, pipeline_tag
-
     check_group(group)
     return Construction(group, pipeline_tag(group))
 
@@ -192,6 +191,10 @@ class Placement:
             self.devices = [own[w] for w in self.workers]
         else:
             self.devices = resolve_devices(devices, n)
+        #: Whether the ranks compare their run fields at every run (see
+        #: :mod:`gpipe_core.transport._agreement`); a benchmark turns it off for its
+        #: pipeline to measure what the check costs.
+        self.check_runs = True
         self._transport: Transport | None = None
         self._tag = 0
         self._connections: Connections | None = None
@@ -232,7 +235,7 @@ class Placement:
         """Make the gloo groups the messages travel on (collective over ``group``: every
         rank calls it, once the ranks agree on what they build; see
         :func:`~gpipe_core.transport._groups.connect`); ``tag`` is the pipeline's tag (see
-        :func:`~gpipe_core.transport._distributed.pipeline_tag`).
+        :func:`~gpipe_core.transport._groups.pipeline_tag`).
 
         Raises:
             TimeoutError: a rank did not come within the timeout (named).
@@ -252,8 +255,6 @@ class Placement:
             if self.group is None:
                 self._transport = LocalTransport(self.devices)
             else:
-                from .transport._distributed import DistributedTransport
-
                 assert self._connections is not None, "connect() first"
                 self._transport = DistributedTransport(
                     self._connections,

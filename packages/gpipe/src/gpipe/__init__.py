@@ -2,8 +2,8 @@
 
 This is the facade over the gpipe distributions: everything a user needs, under one name.
 ``gpipe.GPipe``, ``gpipe.NoChunk``, ``gpipe.PipeSequential``, ``gpipe.WithDevice``,
-``gpipe.BalanceError``, ``gpipe.RanksDisagree``, ``gpipe.RemoteStageError``,
-``gpipe.is_checkpointing`` and
+``gpipe.BalanceError``, ``gpipe.RanksDisagree``, ``gpipe.RemotePartitionError`` (also
+``gpipe.RemoteStageError``, its former name), ``gpipe.is_checkpointing`` and
 ``gpipe.is_recomputing`` are here; ``gpipe.skip``, ``gpipe.bn``, ``gpipe.balance``,
 ``gpipe.timeline`` and ``gpipe.schedule`` re-export the rest, and ``python -m gpipe demo``
 runs the demo.
@@ -25,6 +25,7 @@ from gpipe_core import (
     NoChunk,
     PipeSequential,
     RanksDisagree,
+    RemotePartitionError,
     RemoteStageError,
     WithDevice,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "NoChunk",
     "PipeSequential",
     "RanksDisagree",
+    "RemotePartitionError",
     "RemoteStageError",
     "WithDevice",
     "__version__",

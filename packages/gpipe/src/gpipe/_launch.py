@@ -12,7 +12,7 @@ protocol, see :func:`report_error`).
 What torch lacks, kept here:
 
 - **The failing rank's error first.** The agent stops every other rank as soon as it sees
-  one exit with an error. A rank told of another's failure (``RemoteStageError``) would
+  one exit with an error. A rank told of another's failure (``RemotePartitionError``) would
   often exit before the rank that failed has written its error, which the agent would
   then stop before it could. So a told rank waits (:func:`report_error`, up to
   ``grace`` seconds) and the agent sees the failing rank first; and of the errors the
@@ -39,7 +39,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from gpipe_core import RemoteStageError
+from gpipe_core import RemotePartitionError
 
 __all__ = [
     "GRACE",
@@ -81,14 +81,14 @@ class RankError:
 
     @property
     def remote(self) -> bool:
-        """Whether it is another rank's failure, told to this one (``RemoteStageError``)."""
-        return self.message.startswith(f"{RemoteStageError.__name__}:")
+        """Whether it is another rank's failure, told to this one (``RemotePartitionError``)."""
+        return self.message.startswith(f"{RemotePartitionError.__name__}:")
 
 
 def report_error(error: BaseException) -> bool:
     """In a rank, inside the ``except`` block that caught ``error``: write it to torch's
     error file (where the launcher, or ``torchrun``, reads it); a told rank
-    (``RemoteStageError``) then waits up to ``GPIPE_TOLD_RANK_GRACE`` seconds, so that the
+    (``RemotePartitionError``) then waits up to ``GPIPE_TOLD_RANK_GRACE`` seconds, so that the
     rank that failed ends first and its error is the one reported.
 
     Returns whether it was written: not outside a launched rank (no
@@ -99,7 +99,7 @@ def report_error(error: BaseException) -> bool:
     if not os.environ.get(_ERROR_FILE):
         return False
     ErrorHandler().record_exception(error)
-    if isinstance(error, RemoteStageError):
+    if isinstance(error, RemotePartitionError):
         time.sleep(float(os.environ.get(GRACE, "0")))  # the agent stops it sooner
     return True
 
@@ -147,7 +147,7 @@ def launch(
     otherwise the failure of the rank that caused it is printed on ``stderr``, and the
     status is 1 (130 after ``KeyboardInterrupt``, 143 after ``SIGTERM``): a rank that died
     without reporting an error (killed, crashed) if any, else a rank's own error with its
-    traceback rather than the others' reports of it (``RemoteStageError``, which names
+    traceback rather than the others' reports of it (``RemotePartitionError``, which names
     it). Call it from the main thread (the agent handles the signals there).
 
     Args:

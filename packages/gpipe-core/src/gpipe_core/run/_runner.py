@@ -13,25 +13,24 @@ back; a weight gradient sends nothing.
 Messages between two partitions of one worker stay in that worker's thread: a mailbox of the
 run, never the transport.
 
-**Turns.** Before each action a worker asks the transport for its turn
-(:meth:`Transport.take_turn`), and tells it how long the action computed
-(:meth:`Transport.took`): on the CPU, short actions of the workers run one at a time, so
-that threads do not hand each other the interpreter lock at every operator (see
-:class:`~gpipe_core.transport._transport.LocalTransport`). A worker gives its turn up when its list
-ends, however it ends (:meth:`Transport.end_turn`).
+**Turns.** Before each action a worker asks for its turn (:meth:`Turns.take_turn`), and
+tells how long the action computed (:meth:`Turns.took`): on the CPU, short actions of the
+workers run one at a time, so that threads do not hand each other the interpreter lock at
+every operator (see :mod:`gpipe_core.run._turns`). A worker gives its turn up when its
+list ends, however it ends (:meth:`Turns.end_turn`).
 
-**Failures.** The first error of a run is kept (:class:`Failure`); it cancels the
+**Failures.** The first error of a run is kept (:class:`FailureChannel`); it cancels the
 transport, so that every wait for a message ends, and every worker stops after its
 current action. The caller gets the error with its traceback; among errors raised at
 about the same time, the one of the earliest action in unit time (:func:`simulate`), then
 the first partition, so that the outcome does not depend on thread timing.
 
 **Serially.** With one partition, inside a checkpointed partition (a nested pipeline), or
-where the transport makes the whole run one turn (every action short,
-:meth:`Transport.one_turn`), the actions run in the calling thread, in the order of
-:func:`simulate`: no wait for a message ever blocks. In one turn, an action that blocks on
-something else (a layer waiting for another partition's layer) hands the run over to the
-workers after :attr:`Transport.hand_over_after` (see :meth:`_Executor.run_one_turn`).
+where the turns make the whole run one turn (every action short, :meth:`Turns.one_turn`),
+the actions run in the calling thread, in the order of :func:`simulate`: no wait for a
+message ever blocks. In one turn, an action that blocks on something else (a layer
+waiting for another partition's layer) hands the run over to the workers after
+:attr:`Turns.hand_over_after` (see :meth:`_Executor.run_one_turn`).
 
 It must not know which transport carries the messages (threads or processes), nor what a
 partition computes: a partition of another process is None here, and a transport is its
@@ -63,13 +62,15 @@ from ..transport._transport import Cancelled, Message, MessageKey, Transport, ou
 from ._order import serial_order
 from ._partition_run import PartitionRun
 from ._threads import NO_SHARE, ThreadShare
+from ._turns import Turns
 from ._worker import ExcInfo, Jobs, WorkerPool
 
-__all__ = ["Failure", "run"]
+__all__ = ["FailureChannel", "run"]
 
 
-class Failure:
-    """The failure channel of one run: the first error, and the cancellation it causes."""
+class FailureChannel:
+    """The failure channel of one run: the first error, and the cancellation it causes
+    (what a rank tells the others of its failure is :class:`gpipe_core._errors.Failure`)."""
 
     def __init__(
         self,
@@ -96,7 +97,10 @@ class Failure:
             partition = action.partition
         else:
             partition = w if self.workers is None else list(self.workers).index(w)
-        self.transport.fail(partition, action, exc_info[1])
+        where = None
+        if action is not None:
+            where = f"{action.kind} of micro-batch {action.microbatch} on partition {partition}"
+        self.transport.fail(where, exc_info[1])
 
     def cancel(self) -> None:
         """Stop every worker after its current action; wake every wait."""
@@ -157,16 +161,17 @@ def run(
     """
     outputs: list[Batch | None] = [None] * len({action.microbatch for action in actions[0]})
     local_run = all(partition is not None for partition in partitions)
-    one_turn = threaded and local_run and transport.one_turn(actions)
+    turns = Turns.of(transport)
+    one_turn = threaded and local_run and turns.one_turn(actions)
     if one_turn:
         # Every action is short: the run is one turn, in this thread (no worker to wake),
         # unless an action blocks (see _Executor.run_one_turn).
         threaded = False
-    failure = Failure(transport, actions, workers)
+    failure = FailureChannel(transport, actions, workers)
     # Workers divide the caller's intra-op threads; a run in the calling thread keeps them.
     share = ThreadShare(intra_op_threads, torch.get_num_threads()) if threaded else NO_SHARE
     where = list(range(len(partitions))) if workers is None else list(workers)
-    executor = _Executor(partitions, transport, inputs, outputs, failure, share, where)
+    executor = _Executor(partitions, transport, turns, inputs, outputs, failure, share, where)
     local = sorted({where[j] for j, partition in enumerate(partitions) if partition is not None})
     try:
         if threaded:
@@ -230,14 +235,14 @@ def _on_device(partition: PartitionRun) -> AbstractContextManager[object]:
 
 class _Computing:
     """Around partition ``j``'s computation of an action of ``kind``: its share of the
-    cores, and its time told to the transport (see :meth:`_Executor.computing`)."""
+    cores, and its time told to the turns (see :meth:`_Executor.computing`)."""
 
-    __slots__ = ("j", "kind", "share", "start", "transport")
+    __slots__ = ("j", "kind", "share", "start", "turns")
 
     def __init__(
-        self, transport: Transport, j: int, kind: str, share: AbstractContextManager[object]
+        self, turns: Turns, j: int, kind: str, share: AbstractContextManager[object]
     ) -> None:
-        self.transport, self.j, self.kind, self.share = transport, j, kind, share
+        self.turns, self.j, self.kind, self.share = turns, j, kind, share
 
     def __enter__(self) -> None:
         self.share.__enter__()
@@ -245,14 +250,14 @@ class _Computing:
 
     def __exit__(
         self,
-        kind: type[BaseException] | None,
+        error_type: type[BaseException] | None,
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
         seconds = time.perf_counter() - self.start
-        self.share.__exit__(kind, error, traceback)
-        if kind is None:
-            self.transport.took(self.j, self.kind, seconds)
+        self.share.__exit__(error_type, error, traceback)
+        if error_type is None:
+            self.turns.took(self.j, self.kind, seconds)
 
 
 class _Executor:
@@ -262,9 +267,10 @@ class _Executor:
         self,
         partitions: Sequence[PartitionRun | None],
         transport: Transport,
+        turns: Turns,
         inputs: Sequence[Batch],
         outputs: list[Batch | None],
-        failure: Failure,
+        failure: FailureChannel,
         share: ThreadShare = NO_SHARE,
         workers: Sequence[int] | None = None,
     ) -> None:
@@ -274,6 +280,7 @@ class _Executor:
         #: The messages between partitions of one worker (each read by the thread that wrote it).
         self.mailbox: dict[MessageKey, Message] = {}
         self.transport = transport
+        self.turns = turns
         self.inputs = inputs
         self.outputs = outputs
         self.failure = failure
@@ -298,7 +305,7 @@ class _Executor:
                         return
                     try:
                         j = cast(int, action.partition)
-                        self.transport.take_turn(j, action.kind)
+                        self.turns.take_turn(j, action.kind)
                         if self.partition(j).device == partition.device:
                             self.act(j, action)
                         else:
@@ -310,7 +317,7 @@ class _Executor:
                         failure.fail(w, position, cast(ExcInfo, sys.exc_info()))
                         return
             finally:
-                self.transport.end_turn()
+                self.turns.end_turn()
 
     def run_serially(self, actions: Sequence[Sequence[Action]]) -> None:
         """Run every action in the calling thread, in :func:`serial_order`."""
@@ -333,13 +340,13 @@ class _Executor:
         The serial order assumes that an action needs only what earlier ones produced. A
         layer that waits for another partition's layer (for a later micro-batch, say)
         would wait there forever. So a watcher on one worker's thread, asleep meanwhile,
-        looks at the calling thread's action every :attr:`Transport.hand_over_after`; once
+        looks at the calling thread's action every :attr:`Turns.hand_over_after`; once
         one has run that long, every other worker's list goes on from where it stands on its own
         thread (taking turns, as in a threaded run), and the calling thread, once its
         action returns, goes on with the rest of that worker's list. Each worker's list
         still runs in order, so the results are those of the serial order.
         """
-        patience = self.transport.hand_over_after
+        patience = self.turns.hand_over_after
         if patience is None:
             self.run_serially(actions)
             return
@@ -427,9 +434,9 @@ class _Executor:
 
     def computing(self, j: int, kind: str) -> _Computing:
         """Around partition ``j``'s computation of an action of ``kind`` (its messages
-        received, none sent yet): its share of the cores, and its time told to the
-        transport, which decides from it whether the action takes turns."""
-        return _Computing(self.transport, j, kind, self.share.computing(self.partition(j).device))
+        received, none sent yet): its share of the cores, and its time told to the turns,
+        which decide from it whether the action takes turns."""
+        return _Computing(self.turns, j, kind, self.share.computing(self.partition(j).device))
 
     def forward(self, j: int, i: int) -> None:
         partition = self.partition(j)
@@ -457,7 +464,7 @@ class _Executor:
                 output.values,
                 atomic=output.atomic,
                 needs_grad=needs_grad,
-                kind=output.kind,
+                tuple_type=output.kind,
             )
         for target, keys in partition.stashes.items():
             values = [stashed[key] for key in keys]
@@ -493,15 +500,20 @@ class _Executor:
         *,
         atomic: bool = False,
         needs_grad: bool = False,
-        kind: type[tuple[Any, ...]] = tuple,
+        tuple_type: type[tuple[Any, ...]] = tuple,
     ) -> None:
-        """Send a message: into the mailbox between partitions of one worker (one device,
-        one compute stream: nothing to wait for), else through the transport."""
-        if self.workers[key.source] != self.workers[key.target]:
-            self.transport.send(key, values, atomic=atomic, needs_grad=needs_grad, kind=kind)
-            return
+        """Send a message (see :func:`outgoing`): into the mailbox between partitions of
+        one worker (one device, one compute stream: nothing to wait for), else through the
+        transport. Its tensors keep their graph where autograd drives the backward pass
+        (``forward()``): each partition of a step starts its own."""
         detach = not self.partition(key.source).autograd_backward
-        self.mailbox[key] = outgoing(values, atomic, needs_grad, detach=detach, kind=kind)
+        message = outgoing(
+            values, atomic=atomic, needs_grad=needs_grad, detach=detach, tuple_type=tuple_type
+        )
+        if self.workers[key.source] != self.workers[key.target]:
+            self.transport.send(key, message)
+        else:
+            self.mailbox[key] = message
 
     def receive(self, key: MessageKey) -> Message:
         """The message ``key``: from the mailbox between partitions of one worker (sent

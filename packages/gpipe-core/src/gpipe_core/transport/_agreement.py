@@ -9,8 +9,8 @@ So the ranks compare:
   parameter shapes), ``balance``, ``chunks``, ``checkpoint``, ``deferred_batch_norm``,
   which rank runs which partition, and the types of this rank's devices. The values go
   through the process group's store, which needs no collective call, so a rank whose
-  constructor fails tells the others (they raise :class:`RemoteStageError` naming it)
-  instead of leaving them waiting in a collective it never joins;
+  constructor fails tells the others (they raise :class:`~gpipe_core.RemotePartitionError`
+  naming it) instead of leaving them waiting in a collective it never joins;
 - **at every run** (:func:`run_fields`): the method (``step`` or ``forward``), ``chunks``,
   the schedule, training and grad mode, autocast (the device types it is on for, and its
   dtype), the reduction and ``unpack_input``. They travel inside the run's
@@ -38,25 +38,20 @@ from torch import nn
 
 from gpipe_microbatch import ThreadState
 
-from .._errors import describe_error
+from .._errors import Failure, describe_error
+from ._transport import Fields
 
 __all__ = [
-    "CHECK_RUNS",
     "Construction",
+    "Differs",
     "Fields",
     "RanksDisagree",
     "autocast_field",
     "compare",
+    "disagreement",
     "layer_fields",
     "run_fields",
 ]
-
-#: Whether the ranks compare their run fields at every run (see this module);
-#: the benchmarks turn it off to measure what the check costs.
-CHECK_RUNS = True
-
-#: What one rank says of itself: ``(field, value)`` pairs in the order they are compared.
-Fields = tuple[tuple[str, Any], ...]
 
 
 class RanksDisagree(ValueError):
@@ -167,11 +162,23 @@ def autocast_field() -> str:
     return _Text(" and ".join(on) if on else "off")
 
 
-class _Failed:
-    """What a rank whose constructor failed tells the others."""
+class Differs(ValueError):
+    """This rank's run fields differ from the first partition's rank's: the run fails on every
+    rank, which then raise the same :class:`RanksDisagree` (see :func:`disagreement`)."""
 
-    def __init__(self, error: BaseException) -> None:
-        self.summary = describe_error(error)
+
+def disagreement(
+    fields: Mapping[int, Fields | None], first: int, first_fields: Fields | None
+) -> RanksDisagree | None:
+    """The error every rank raises when a rank found that its run fields differ from the
+    plan's (None when none differ): it names every rank's value, from the ``fields`` each
+    sent with its last message of the run (ranks that failed before they had their fields
+    aside), and the ``first_fields`` the first partition's rank ``first`` sent with the
+    plan."""
+    known = {rank: values for rank, values in sorted(fields.items()) if values}
+    if first_fields is not None:
+        known.setdefault(first, first_fields)
+    return compare(known)
 
 
 class Construction:
@@ -180,7 +187,7 @@ class Construction:
     ``checked``: every rank has checked its arguments and compares what it would build,
     before anything is changed. ``built``: every rank has built its partitions. A rank
     whose constructor fails in either step says so (:meth:`failed`), and the others raise
-    :class:`RemoteStageError` naming it, rather than waiting for it.
+    :class:`~gpipe_core.RemotePartitionError` naming it, rather than waiting for it.
 
     The values travel through the process group's store (keys under ``gpipe/``, one per
     rank and step of each pipeline ``tag``), which needs no collective call.
@@ -212,7 +219,9 @@ class Construction:
         """Tell the other ranks that this rank's constructor raised ``error`` (unless
         this rank already published its step: then the others learn from that)."""
         if self.step is not None:
-            self._publish(_Failed(error))
+            self._publish(
+                Failure(self.group.rank(), "building the pipeline", describe_error(error))
+            )
             self.step = None
 
     def agree(self, mine: Fields, timeout: float | None) -> None:
@@ -221,11 +230,9 @@ class Construction:
 
         Raises:
             RanksDisagree: the ranks' fields differ (on every rank alike).
-            RemoteStageError: another rank failed (naming the first such rank).
+            RemotePartitionError: another rank failed (naming the first such rank).
             TimeoutError: a rank did not come within ``timeout`` seconds (None: no bound).
         """
-        from ._distributed import RemoteStageError
-
         step = self._publish(mine)
         me, size = self.group.rank(), self.group.size()
         if size == 1:
@@ -251,8 +258,8 @@ class Construction:
         fields: dict[int, Fields] = {}
         for rank in range(size):
             value = mine if rank == me else pickle.loads(store.get(self._key(step, rank)))
-            if isinstance(value, _Failed):
-                raise RemoteStageError(rank, "building the pipeline", value.summary, "")
+            if isinstance(value, Failure):
+                raise value.error()
             fields[rank] = value
         disagreement = compare(fields)
         if disagreement is not None:

@@ -5,36 +5,18 @@ process group, and :class:`DistributedTransport` carries the messages between pa
 different ranks with point-to-point sends on gloo groups of the group's ranks that the
 pipeline makes for itself (see :mod:`gpipe_core.transport._groups`), whatever the group's backend.
 
-**Channels.** Between two ranks, every message of a run starts with a header (what the
-message is, its tensors' dtypes and shapes), followed in the same piece by its tensors when
-they fit, in one ordered channel (the pipeline's tag); if they do not fit, the rest of the
-metadata and one payload (the tensor itself, or the tensors packed into one buffer) follow
-in a second channel (the next tag). On the strict payload channel (see
-:mod:`gpipe_core.transport._payloads`: on gloo when asked, or on NCCL), the header never carries
-them: each tensor follows as a payload of its exact size. A receiver thread per peer reads
-the headers in order and files each message under its key (:class:`MessageKey`); a
-partition waits for its key in that mailbox. So the order in which partitions send never
-has to match the order in which others receive, shapes may change from one run to the
-next, and every wait is a wait on a condition that a timeout, a cancellation or a failure
-ends.
-
-**Buffers ahead.** gloo moves a message only once its receive is posted (the receiver
-tells the sender it is ready): a receive posted when the previous message is done costs a
-round trip between the processes per message, however many are queued. So each receiver
-thread keeps :data:`HEADERS_AHEAD` receives posted while a run lasts, and a burst of
-messages streams; only a payload that did not fit waits for its header. gloo accepts a
-message shorter than the buffer posted for it, and the buffers grow with the messages
-(:class:`_Capacity`, up to :data:`INLINE_LIMIT`): once a message of some size has passed,
-the next ones of that size (the activations and gradients of the following micro-batches)
-travel in one piece, with no round trip.
+The messages travel as :mod:`gpipe_core.transport._wire` lays them out: a header per
+message, in order, on the pipeline's tag, with receives posted ahead; a receiver thread
+per peer files each message under its key (:class:`MessageKey`), where a partition waits
+for it.
 
 **A run** is bracketed on every rank by :meth:`DistributedTransport.begin` and
 :meth:`DistributedTransport.finish`. The last message of a run from each rank to each
 other rank says the run is finished there, and whether it went well (it carries the
 losses, from the last partition's rank). A rank whose action raises tells every other rank at
 once (a ``failed`` message), which cancels their waits; every rank then finishes the run,
-and raises: the failing rank its own error, the others a :class:`RemoteStageError` naming
-the failing rank and its action. A rank that dies closes its connections:
+and raises: the failing rank its own error, the others a :class:`~gpipe_core.RemotePartitionError`
+naming the failing rank and its action. A rank that dies closes its connections:
 the others fail at once with an error naming it, and refuse later runs. Between runs the
 header receives posted ahead stay posted, but nothing waits on them, so an idle pipeline
 never runs into the process group's timeout.
@@ -45,274 +27,37 @@ and the run's lifecycle across ranks, for the ranks and tags the placement gives
 
 from __future__ import annotations
 
-import contextlib
-import pickle
 import threading
 import time
-import traceback
 from collections import deque
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from itertools import chain, repeat
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._errors import add_note, describe_error
-from ..schedule._action import Action
-from ._agreement import Fields, RanksDisagree, compare
+from .._errors import Failure
+from . import _wire
+from ._agreement import Differs, compare, disagreement
 from ._groups import Connections
+from ._links import Links
 from ._payloads import Payloads, strict_requested
 from ._transport import (
     Cancelled,
+    Fields,
     Message,
     MessageKey,
     RunLock,
     Transport,
     carried,
-    outgoing,
 )
+from ._wire import Meta
 
-__all__ = [
-    "DistributedTransport",
-    "RemoteStageError",
-    "check_group",
-    "pipeline_tag",
-]
-
-#: Bytes of the smallest buffer a receiver posts for a message: the header (the length and
-#: layout, the pickled metadata) and, when they fit, the tensors.
-HEADER_BYTES = 4096
-#: The largest buffer a receiver posts for a message (see :class:`_Capacity`).
-INLINE_LIMIT = 1 << 20
-_PREFIX = 8  # the metadata's length (4 bytes, little-endian), the layout, 3 bytes of padding
-#: How a message's tensors travel: none, in the header, as one payload of the tensor
-#: itself, packed into one payload, or one payload per tensor on the strict payload channel
-#: (see :mod:`gpipe_core.transport._payloads`) (the header's fifth byte).
-_LAYOUTS = ("none", "inline", "single", "packed", "channel")
-_ALIGN = 16
-#: Header receives each receiver thread keeps posted during a run (see "Headers ahead").
-HEADERS_AHEAD = 8
-#: The first point-to-point tag gpipe uses; each pipeline on a group takes the next two
-#: (headers, then payloads).
-TAG_BASE = 0x47500000
-
-_Meta = tuple[Any, ...]
+__all__ = ["DistributedTransport"]
 
 
-_tags: dict[tuple[int, ...], int] = {}
-
-
-def pipeline_tag(group: dist.ProcessGroup) -> int:
-    """The point-to-point tag of the next pipeline made on ``group`` in this process
-    (every rank makes its pipelines in the same order, so they agree). The pipeline uses
-    this tag for its headers and the next one for its payloads."""
-    ranks = tuple(dist.get_process_group_ranks(group))
-    count = _tags.get(ranks, 0)
-    _tags[ranks] = count + 1
-    return TAG_BASE + 2 * count
-
-
-def check_group(group: object, name: str = "group") -> dist.ProcessGroup:
-    """``group`` (the argument ``name``) as a process group this process belongs to, or a
-    clear error.
-
-    Raises:
-        TypeError: ``group`` is not a process group.
-        RuntimeError: torch.distributed is not initialized.
-        ValueError: this process is not in ``group``.
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            f"{name} needs torch.distributed to be initialized first, for example "
-            f"torch.distributed.init_process_group('gloo') ({name}: {group!r})"
-        )
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"{name} must be a torch.distributed process group, such as "
-            f"torch.distributed.group.WORLD or one made by new_group() ({name}: {group!r})"
-        )
-    if group.rank() < 0:
-        raise ValueError(
-            f"{name} must be a process group this process belongs to (rank: {dist.get_rank()})"
-        )
-    return group
-
-
-class RemoteStageError(RuntimeError):
-    """Another rank of the pipeline failed: raised on every rank but the failing one.
-
-    Attributes:
-        rank: the failing rank (in the pipeline's group).
-        where: what it was doing (``'backward of micro-batch 2 on partition 1'``).
-        remote_traceback: the failing rank's traceback, as text.
-    """
-
-    def __init__(self, rank: int, where: str, summary: str, remote_traceback: str) -> None:
-        super().__init__(f"rank {rank} of the pipeline failed in {where}: {summary}")
-        self.rank = rank
-        self.where = where
-        self.remote_traceback = remote_traceback
-        if remote_traceback:
-            add_note(self, f"The traceback on rank {rank}:\n{remote_traceback.rstrip()}")
-
-
-@dataclass
-class _RemoteFailure:
-    rank: int
-    where: str
-    summary: str
-    text: str
-    #: Whether it failed because its run fields differ from the plan's (every rank then
-    #: compares the fields that each sent with its last message of the run).
-    disagrees: bool = False
-
-    def error(self) -> RemoteStageError:
-        return RemoteStageError(self.rank, self.where, self.summary, self.text)
-
-
-class _Differs(ValueError):
-    """This rank's run fields differ from the first partition's rank's: the run fails on every
-    rank, which then raise the same :class:`~gpipe_core.transport._agreement.RanksDisagree`."""
-
-
-def _aligned(offset: int) -> int:
-    return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _bytes(tensor: Tensor) -> Tensor:
-    """``tensor``'s data as a flat uint8 tensor (a view of a contiguous CPU copy)."""
-    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-
-
-_Specs = Sequence[tuple[torch.dtype, tuple[int, ...]]]
-
-
-def _offsets(start: int, sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Where chunks of ``sizes`` bytes go in a buffer from ``start`` on (each aligned),
-    and where the last one ends."""
-    offsets = []
-    end = start
-    for size in sizes:
-        end = _aligned(end)
-        offsets.append(end)
-        end += size
-    return offsets, end
-
-
-def _nbytes(specs: _Specs) -> list[int]:
-    return [torch.Size(shape).numel() * dtype.itemsize for dtype, shape in specs]
-
-
-def _pack(buffer: Tensor, offsets: Sequence[int], chunks: Sequence[Tensor]) -> None:
-    """Copy ``chunks`` (flat uint8 tensors) into ``buffer`` at ``offsets``."""
-    for offset, chunk in zip(offsets, chunks, strict=True):
-        buffer[offset : offset + len(chunk)].copy_(chunk)
-
-
-def _unpack(buffer: Tensor, start: int, specs: _Specs) -> list[Tensor]:
-    """Tensors of ``specs``, views of ``buffer`` placed from ``start`` on."""
-    sizes = _nbytes(specs)
-    offsets, _ = _offsets(start, sizes)
-    return [
-        buffer[offset : offset + size].view(dtype).view(shape)
-        for offset, size, (dtype, shape) in zip(offsets, sizes, specs, strict=True)
-    ]
-
-
-def _whole(length: int, sizes: Sequence[int]) -> int:
-    """The bytes of a message in one piece: the header with ``length`` bytes of metadata,
-    then tensors of ``sizes`` bytes, each aligned."""
-    return _offsets(_PREFIX + length, sizes)[1]
-
-
-class _Capacity:
-    """The size of the buffer posted for each message that one rank sends another, which
-    the two ends work out alike from the messages before it.
-
-    The receiver posts the buffer of message ``k`` once it has read message
-    ``k - HEADERS_AHEAD``: the smallest power of two from :data:`HEADER_BYTES` that holds
-    each of the messages up to that one whole (one larger than :data:`INLINE_LIMIT` does not
-    count). The sender counts the same messages (all it sent but its last
-    ``HEADERS_AHEAD - 1``), so it knows the size of the buffer each message lands in, and
-    sends the message in one piece when it fits.
-
-    Args:
-        lag: how many of the latest messages counted do not count yet: the sender's
-            ``HEADERS_AHEAD - 1``, the receiver's 0.
-    """
-
-    __slots__ = ("lag", "largest", "recent", "size")
-
-    def __init__(self, lag: int) -> None:
-        self.lag = lag
-        self.recent: deque[int] = deque()
-        self.largest = 0
-        #: The size of the next buffer.
-        self.size = HEADER_BYTES
-
-    def counted(self, whole: int) -> _Capacity:
-        """A copy, with a message of ``whole`` bytes counted."""
-        copy = _Capacity(self.lag)
-        copy.recent, copy.largest, copy.size = deque(self.recent), self.largest, self.size
-        copy.count(whole)
-        return copy
-
-    def count(self, whole: int) -> None:
-        """Count a message of ``whole`` bytes in one piece."""
-        self.recent.append(whole if whole <= INLINE_LIMIT else 0)
-        while len(self.recent) > self.lag:
-            self.largest = max(self.largest, self.recent.popleft())
-        while self.size < self.largest:
-            self.size *= 2
-
-
-def _message(
-    encoded: bytes, data: Sequence[Tensor], capacity: int, *, channel: bool = False
-) -> list[Tensor]:
-    """The parts of a message, to be received into a buffer of ``capacity`` bytes: the
-    message in one piece when it fits; else its header (with the metadata ``encoded`` if it
-    fits), the metadata if not, then the tensors ``data`` (flat uint8) as one payload: the
-    tensor itself, or the tensors packed. With ``channel``, the message's tensors travel
-    on the strict payload channel (``data`` is empty): the header says so."""
-    sizes = [len(chunk) for chunk in data]
-    fits = _PREFIX + len(encoded) <= capacity  # the metadata, in the header
-    start = _PREFIX + len(encoded) if fits else _PREFIX
-    offsets, end = _offsets(start, sizes)
-    if channel:
-        layout = "channel"
-    elif not data:
-        layout = "none"
-    elif fits and end <= capacity:
-        layout = "inline"
-    elif len(data) == 1:
-        layout = "single"
-    else:
-        layout = "packed"
-    raw = bytearray(end if layout == "inline" else start)
-    raw[0:4] = len(encoded).to_bytes(4, "little")
-    raw[4] = _LAYOUTS.index(layout)
-    header = torch.frombuffer(raw, dtype=torch.uint8)
-    parts = [header]
-    if fits:
-        raw[_PREFIX:start] = encoded
-    else:
-        parts.append(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
-    if layout == "inline":
-        _pack(header, offsets, data)
-    elif layout == "single":
-        parts.append(data[0])
-    elif layout == "packed":
-        offsets, total = _offsets(0, sizes)
-        packed = torch.empty(total, dtype=torch.uint8)
-        _pack(packed, offsets, data)
-        parts.append(packed)
-    return parts
-
-
-class DistributedTransport(Transport):
+class DistributedTransport(Links, Transport):
     """Messages between partitions on the ranks of a pipeline's group.
 
     Args:
@@ -346,7 +91,6 @@ class DistributedTransport(Transport):
     ) -> None:
         higher, lower = connections
         size = higher.size()
-        # The group of the messages to each peer, and of those from it.
         self.to_peer = {peer: higher if peer > rank else lower for peer in range(size)}
         self.from_peer = {peer: higher if peer < rank else lower for peer in range(size)}
         self.rank = rank
@@ -369,7 +113,7 @@ class DistributedTransport(Transport):
         self.cancelled = False
         self.told = False  # whether this rank has told the others of its failure
         self.mailbox: dict[MessageKey, Message] = {}
-        self.plan: _Meta | None = None
+        self.plan: Meta | None = None
         #: The run's fields on the first partition's rank (sent with the plan), on this rank,
         #: and on each peer (sent with its last message of the run).
         self.plan_fields: Fields | None = None
@@ -377,12 +121,12 @@ class DistributedTransport(Transport):
         self.peer_fields: dict[int, Fields | None] = {}
         #: When each peer was last heard from in this run (the run's start at first).
         self.heard = dict.fromkeys(self.peers, 0.0)
-        self.failures: list[_RemoteFailure] = []
+        self.failures: list[Failure] = []
         self.finished: dict[int, Any] = {}  # peer -> its payload
         self.unfinished: set[int] = set()  # the peers that ended the run failed or cancelled
         #: The peers this rank told that it ended the run, and what it told them.
         self.ended: set[int] = set()
-        self.ending: _Meta | None = None
+        self.ending: Meta | None = None
         #: The tensors each peer gave this rank in the run's exchanges, in order.
         self.exchanged: dict[int, deque[tuple[str, list[Tensor]]]] = {
             peer: deque() for peer in self.peers
@@ -397,8 +141,8 @@ class DistributedTransport(Transport):
             peer: deque() for peer in self.peers
         }
         # The sizes of the buffers posted for the messages to each peer, and from it.
-        self.sent = {peer: _Capacity(HEADERS_AHEAD - 1) for peer in self.peers}
-        self.received = {peer: _Capacity(0) for peer in self.peers}
+        self.sent = {peer: _wire.Capacity(_wire.HEADERS_AHEAD - 1) for peer in self.peers}
+        self.received = {peer: _wire.Capacity(0) for peer in self.peers}
 
     # -- a run ----------------------------------------------------------------------
 
@@ -482,7 +226,7 @@ class DistributedTransport(Transport):
         Raises:
             RanksDisagree: the ranks were called with different run fields (on every
                 rank, whatever else failed).
-            RemoteStageError: this rank raised nothing, and a peer failed.
+            RemotePartitionError: this rank raised nothing, and a peer failed.
             TimeoutError: a peer did not end the run within the timeout.
         """
         try:
@@ -559,9 +303,10 @@ class DistributedTransport(Transport):
             failures = sorted(self.failures, key=lambda failure: failure.rank)
             payloads = dict(self.finished)
             fields = {self.rank: self.fields, **self.peer_fields}
-        disagreement = self._disagreement(error, failures, fields)
-        if disagreement is not None:
-            raise disagreement
+        if isinstance(error, Differs) or any(failure.disagrees for failure in failures):
+            disagrees = disagreement(fields, self.partition_ranks[0], self.plan_fields)
+            if disagrees is not None:
+                raise disagrees
         if error is None and failures:
             raise failures[0].error()
         return payloads
@@ -575,31 +320,14 @@ class DistributedTransport(Transport):
         with self.cond:
             return {peer: self.heard[peer] + self.timeout for peer in self.peers}
 
-    def _disagreement(
-        self,
-        error: BaseException | None,
-        failures: Sequence[_RemoteFailure],
-        fields: dict[int, Fields | None],
-    ) -> RanksDisagree | None:
-        """The error every rank raises when a rank found that its run fields differ from
-        the plan's (None when none did): it names every rank's value, from the fields each
-        sent with its last message of the run (ranks that failed before they had their
-        fields aside)."""
-        if not isinstance(error, _Differs) and not any(f.disagrees for f in failures):
-            return None
-        known = {rank: values for rank, values in sorted(fields.items()) if values}
-        if self.plan_fields is not None:
-            known.setdefault(self.partition_ranks[0], self.plan_fields)
-        return compare(known)
-
-    def send_plan(self, plan: _Meta, fields: Fields) -> None:
+    def send_plan(self, plan: Meta, fields: Fields) -> None:
         """Give every peer the run's plan (its micro-batches' sizes) and this rank's run
         fields, from the first partition's rank."""
         self.plan_fields = self.fields = fields
         for peer in self.peers:
             self._post(peer, ("plan", plan, fields), [])
 
-    def receive_plan(self, fields: Fields) -> _Meta:
+    def receive_plan(self, fields: Fields) -> Meta:
         """Wait for the run's plan from the first partition's rank, and check that this rank's
         run ``fields`` are the same as there.
 
@@ -618,7 +346,7 @@ class DistributedTransport(Transport):
         if theirs != fields:
             disagreement = compare({self.partition_ranks[0]: theirs, self.rank: fields})
             if disagreement is not None:
-                raise _Differs(str(disagreement))
+                raise Differs(str(disagreement))
         return plan
 
     def exchange(
@@ -661,16 +389,8 @@ class DistributedTransport(Transport):
 
     # -- the Transport interface ----------------------------------------------------
 
-    def send(
-        self,
-        key: MessageKey,
-        values: Sequence[object],
-        *,
-        atomic: bool = False,
-        needs_grad: bool = False,
-        kind: type[tuple[Any, ...]] = tuple,
-    ) -> None:
-        message = outgoing(values, atomic, needs_grad, detach=True, kind=kind)
+    def send(self, key: MessageKey, message: Message) -> None:
+        message = message.detached()  # no graph crosses ranks
         target = self.partition_ranks[key.target]
         if target == self.rank:
             with self.cond:
@@ -679,14 +399,15 @@ class DistributedTransport(Transport):
             return
         if self.cancelled:
             return  # the run is over: nobody waits for it
-        _check_strided(key, message.tensors.tensors)
-        meta = ("data", key, atomic, message.present, message.requires_grad, message.others, kind)
-        self._post(target, meta, message.tensors.tensors)
+        tensors = message.tensors.tensors
+        _wire.check_strided(key, tensors)
+        meta = ("data", key, message.atomic, message.present, message.requires_grad)
+        self._post(target, (*meta, message.others, message.tuple_type), tensors)
 
     def receive(self, key: MessageKey) -> Message:
         source = self.partition_ranks[key.source]
         with self.cond:
-            self._wait(lambda: key in self.mailbox, _describe(key), source)
+            self._wait(lambda: key in self.mailbox, _wire.describe(key), source)
             message = self.mailbox.pop(key)
         device = self.devices[key.target]
         if device.type != "cpu" and len(message.tensors):
@@ -708,31 +429,27 @@ class DistributedTransport(Transport):
             sends = sum(not work.is_completed() for _, work, _ in self.sends)
         return {"sends": sends, "receives": self.payloads.receiving}
 
-    def tell(self, action: tuple[int, Action] | None, error: BaseException) -> None:
-        """Tell every peer that this rank failed (once per run), and cancel the run."""
+    def tell(self, where: str | None, error: BaseException) -> None:
+        """Tell every peer that this rank failed in ``where`` (None: outside any action;
+        once per run), and cancel the run."""
         with self.cond:
             told, self.told = self.told, True
             self.cancelled = True
             self.cond.notify_all()
         if told:
             return
-        if action is None:
-            where = "its step, outside the pipeline's actions"
-        else:
-            j, act = action
-            where = f"{act.kind} of micro-batch {act.microbatch} on partition {j}"
-        summary = describe_error(error)
-        try:
-            text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        except Exception:  # an exception that cannot be printed still travels
-            text = "".join(traceback.format_tb(error.__traceback__)) + summary
-        disagrees = isinstance(error, _Differs)
+        failure = Failure.of(
+            self.rank,
+            where or "its step, outside the pipeline's actions",
+            error,
+            disagrees=isinstance(error, Differs),
+        )
         for peer in self.peers:
             if peer not in self.ended:  # a peer told the run ended serves the next one
-                self._post_if_alive(peer, ("failed", where, summary, text, disagrees))
+                self._post_if_alive(peer, ("failed", failure))
 
-    def fail(self, partition: int, action: Action | None, error: BaseException) -> None:
-        self.tell((partition, action) if action is not None else None, error)
+    def fail(self, where: str | None, error: BaseException) -> None:
+        self.tell(where, error)
 
     def cancel(self) -> None:
         with self.cond:
@@ -788,96 +505,7 @@ class DistributedTransport(Transport):
                 )
             self.cond.wait(remaining)
 
-    # -- the wire ------------------------------------------------------------------------
-
-    def _post(self, peer: int, meta: _Meta, tensors: Sequence[Tensor]) -> None:
-        """Send a message to ``peer``: in one piece when it fits the buffer posted for it,
-        else its header, then what does not fit in it."""
-        strict = self.payloads.strict
-        # On the strict channel, the tensors travel apart from the header, on their device.
-        data = [] if strict else [_bytes(tensor) for tensor in tensors]
-        payloads = self.payloads.outgoing(tensors) if strict else []
-        specs = [(tensor.dtype, tuple(tensor.shape)) for tensor in tensors]
-        encoded = pickle.dumps((self.run, meta, specs), protocol=pickle.HIGHEST_PROTOCOL)
-        whole = _whole(len(encoded), [len(chunk) for chunk in data])
-        carrier = self.to_peer[peer]
-        assert carrier is not None  # a peer: the group has two ranks or more
-        with self.send_locks[peer]:  # the messages' order: the sizes of their buffers
-            capacity = self.sent[peer]
-            parts = _message(encoded, data, capacity.size, channel=strict and bool(tensors))
-            counted = capacity.counted(whole)
-            # The header on the pipeline's tag, what does not fit in it on the next one.
-            tags = [self.tag] + [self.tag + 1] * (len(parts) - 1)
-            # Each part sent, and recorded for the end of the run, by C calls only; on the
-            # strict channel, the tensors' payloads right after (in the headers' order).
-            sending: Iterable[tuple[int, dist.Work, Tensor]] = zip(
-                repeat(peer), map(carrier.send, [[p] for p in parts], repeat(peer), tags), parts
-            )
-            if payloads:
-                posting = self.payloads.sending(peer, payloads)
-                sending = chain(sending, zip(repeat(peer), posting, payloads))
-            expected = len(parts) + len(payloads)
-            with self.sends_lock:
-                start = len(self.sends)
-                try:
-                    # An interrupt (KeyboardInterrupt) lands between Python instructions: it
-                    # finds the message counted and sent whole, or neither.
-                    self.sent[peer] = counted
-                    self.sends.extend(sending)
-                    self.payloads.count_sent(peer, len(payloads))
-                except RuntimeError as error:  # the connection is closed
-                    with self.cond:
-                        self.dead.setdefault(peer, f"{type(error).__name__}: {error}")
-                    raise RuntimeError(
-                        f"rank {self.rank} cannot send to rank {peer}, which died or left the "
-                        f"group ({error})"
-                    ) from error
-                except BaseException:
-                    sent = len(self.sends) - start
-                    if sent != (expected if self.sent[peer] is counted else 0):
-                        with self.cond:  # the peer cannot read what would follow
-                            self.dead.setdefault(peer, "a message to it was interrupted half-sent")
-                    raise
-
-    def _post_if_alive(self, peer: int, meta: _Meta) -> None:
-        """Send a message without tensors to ``peer`` unless it is gone (a dead peer is
-        recorded, and its receiver thread here reports it)."""
-        if peer in self.dead:
-            return
-        with contextlib.suppress(RuntimeError):
-            self._post(peer, meta, [])
-
-    def _drain_sends(self, deadlines: dict[int, float | None]) -> None:
-        """Wait until this run's sends have been received, their peer is gone, or the
-        peer's deadline has passed (then the peer counts as gone: gloo closes a
-        connection whose wait timed out)."""
-        with self.sends_lock:
-            sends, self.sends = self.sends, []
-        sends.reverse()  # drained from the end: what is left is kept if interrupted
-        try:
-            while sends:
-                peer, work, _ = sends[-1]
-                if peer not in self.dead:
-                    self._wait_sent(peer, work, deadlines[peer])
-                sends.pop()
-        finally:
-            # Interrupted (KeyboardInterrupt): the next run waits for the sends not waited
-            # for yet (a wait that returned counts the send's completion: gloo's next wait
-            # on it would wait for another).
-            left = [send for send in reversed(sends) if not send[1].is_completed()]
-            if left:
-                with self.sends_lock:
-                    self.sends[:0] = left
-
-    def _wait_sent(self, peer: int, work: dist.Work, deadline: float | None) -> None:
-        """Wait until a send to ``peer`` has been received, or until ``deadline``."""
-        try:
-            self.payloads.wait_sent(work, deadline)
-        except RuntimeError as error:
-            with self.cond:
-                # The receiver thread may have said so already (the peer died).
-                self.dead.setdefault(peer, f"{type(error).__name__}: {error}")
-                self.cond.notify_all()
+    # -- receiving (the sends: see Links) -------------------------------------------------
 
     def _receive_loop(self, peer: int) -> None:
         """Receive ``peer``'s messages, run after run, and file them."""
@@ -896,7 +524,7 @@ class DistributedTransport(Transport):
                     self.dead[peer] = f"{type(error).__name__}: {error}"
                     if self.active:
                         self.failures.append(
-                            _RemoteFailure(
+                            Failure(
                                 peer, "its run", f"the process died or left the group ({error})", ""
                             )
                         )
@@ -907,116 +535,45 @@ class DistributedTransport(Transport):
     def _receive_one(self, peer: int, run: int) -> bool:
         """Receive one message from ``peer``; False once it said the run is finished."""
         raw, header = self._next_header(peer)
-        length = int.from_bytes(raw[0:4], "little")
-        layout = _LAYOUTS[raw[4]]
-        if _PREFIX + length <= len(raw):
-            encoded = bytes(raw[_PREFIX : _PREFIX + length])
-        else:
-            extra = bytearray(length)
-            self._recv(torch.frombuffer(extra, dtype=torch.uint8), peer)
-            encoded = bytes(extra)
-        sent_run, meta, specs = pickle.loads(encoded)
-        if sent_run != run:
-            raise RuntimeError(f"rank {peer} sent a message of run {sent_run} during run {run}")
-        sizes = _nbytes(specs)
-        self.received[peer].count(_whole(length, [] if layout == "channel" else sizes))
-        tensors: list[Tensor] = []
-        if layout == "inline":
-            tensors = _unpack(header, _PREFIX + length, specs)
-            if 2 * sum(sizes) < len(raw) and len(raw) > HEADER_BYTES:
-                # Views would keep the whole buffer, grown for larger messages, alive.
-                tensors = [tensor.clone() for tensor in tensors]
-        elif layout == "single":
-            dtype, shape = specs[0]
-            tensor = torch.empty(shape, dtype=dtype)
-            self._recv(tensor.reshape(-1).view(torch.uint8), peer)
-            tensors = [tensor]
-        elif layout == "packed":
-            _, total = _offsets(0, sizes)
-            packed = torch.empty(total, dtype=torch.uint8)
-            self._recv(packed, peer)
-            tensors = _unpack(packed, 0, specs)
-        elif layout == "channel":
-            # Every payload a header announces is received, whatever the run's state here:
-            # none stays posted on the peer (see "Failures" in _payloads).
-            tensors = self.payloads.receive(peer, specs)
-        kind = meta[0]
+
+        def check(sent: tuple[Any, ...]) -> None:
+            if sent[0] != run:
+                raise RuntimeError(f"rank {peer} sent a message of run {sent[0]} during run {run}")
+
+        (_, meta, _), tensors = _wire.read(
+            raw,
+            header,
+            lambda tensor: self._recv(tensor, peer),
+            lambda specs: self.payloads.receive(peer, specs),
+            self.received[peer],
+            check,
+        )
+        what = meta[0]
         with self.cond:
             if run != self.run or not self.active:
                 # A run this rank ended without waiting for the peer (it was interrupted):
                 # its messages are dropped, up to the one that ends it.
-                return bool(kind != "finished")
+                return bool(what != "finished")
             self.heard[peer] = time.monotonic()
-            if kind == "finished":
+            if what == "finished":
                 self.finished[peer], self.peer_fields[peer] = meta[2], meta[3]
                 if not meta[1]:
                     self.unfinished.add(peer)
                 self.cond.notify_all()
                 return False
-            if kind == "failed":
-                self.failures.append(_RemoteFailure(peer, *meta[1:]))
+            if what == "failed":
+                self.failures.append(meta[1])
                 self.cancelled = True
-            elif kind == "plan":
+            elif what == "plan":
                 self.plan, self.plan_fields = meta[1], meta[2]
-            elif kind == "exchange":
+            elif what == "exchange":
                 if not self.cancelled:  # the exchanges' tensors are on the CPU
                     self.exchanged[peer].append((meta[1], [t.cpu() for t in tensors]))
             elif not self.cancelled:
-                _, key, atomic, present, requires_grad, others, kind = meta
+                _, key, atomic, present, requires_grad, others, tuple_type = meta
                 batch = carried(tensors, atomic)
-                self.mailbox[key] = Message(atomic, present, requires_grad, batch, others, kind)
+                self.mailbox[key] = Message(
+                    atomic, present, requires_grad, batch, others, tuple_type
+                )
             self.cond.notify_all()
         return True
-
-    def _next_header(self, peer: int) -> tuple[bytearray, Tensor]:
-        """``peer``'s next message (or its header), with :data:`HEADERS_AHEAD` receives
-        posted ahead of it (each into a buffer of its own, of the size
-        :class:`_Capacity` agrees on: the tensors inline in a message are views of it)."""
-        posted = self.headers[peer]
-        while len(posted) < HEADERS_AHEAD:
-            raw = bytearray(self.received[peer].size)
-            header = torch.frombuffer(raw, dtype=torch.uint8)
-            carrier = self.from_peer[peer]
-            assert carrier is not None  # a peer: the group has two ranks or more
-            work = carrier.recv([header], peer, self.tag)
-            posted.append((work, raw, header))
-        work, raw, header = posted[0]
-        work.wait()
-        posted.popleft()
-        return raw, header
-
-    def _recv(self, tensor: Tensor, peer: int) -> None:
-        """Receive the next payload (or metadata that did not fit in its header)."""
-        carrier = self.from_peer[peer]
-        assert carrier is not None  # a peer: the group has two ranks or more
-        carrier.recv([tensor], peer, self.tag + 1).wait()
-
-
-def _check_strided(key: MessageKey, tensors: Sequence[Tensor]) -> None:
-    """Refuse a message to another rank holding a tensor that is not dense (a sparse
-    tensor, say), which travels as the bytes of its storage.
-
-    Raises:
-        TypeError: such a tensor, named by the partition that sends it and its layout.
-    """
-    for k, tensor in enumerate(tensors):
-        if tensor.layout != torch.strided:
-            raise TypeError(
-                f"{_describe(key)} hold a tensor of layout {tensor.layout}, which cannot be "
-                "sent to another rank (only dense, torch.strided tensors cross ranks); make "
-                "it dense (.to_dense()) at the end of the partition "
-                f"(tensor {k} of the message: layout {tensor.layout}, shape {tuple(tensor.shape)})"
-            )
-
-
-def _describe(key: MessageKey) -> str:
-    what = {
-        "activations": "the activations",
-        "gradients": "the gradients",
-        "skips": "the skips",
-        "skip-gradients": "the skips' gradients",
-    }[key.kind]
-    return (
-        f"{what} of micro-batch {key.microbatch} from partition {key.source} to partition "
-        f"{key.target}"
-    )

@@ -5,7 +5,7 @@ A pipeline across processes sends its messages on two gloo groups of its group's
 (one per direction, see :class:`~gpipe_core.transport._distributed.DistributedTransport`). gpipe
 makes them itself, from the process group's store, under a name every rank of the group
 derives from what it agrees on: the group's ranks and the pipeline's tag (see
-:func:`~gpipe_core.transport._distributed.pipeline_tag`). ``torch.distributed.new_group`` names a
+:func:`pipeline_tag`). ``torch.distributed.new_group`` names a
 group by how many groups the calling process made before, so a group the program made on
 some ranks only (``new_group([0, 2])``, an earlier pipeline on a sub-group) would make
 the ranks name one group differently and wait for each other forever.
@@ -15,7 +15,8 @@ says it is there (a key in the store), and waits at most ``timeout`` for the oth
 rank that never comes is named. The groups belong to the pipeline: they are closed with it,
 and a pipeline built again gets new ones.
 
-This module knows nothing of messages or runs: it makes connections.
+This module knows nothing of messages or runs: it checks process groups, gives each
+pipeline its tags and makes connections.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Protocol, cast
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Carrier", "Connections", "connect"]
+__all__ = ["Carrier", "Connections", "check_group", "connect", "pipeline_tag"]
 
 _Store = dist.distributed_c10d.Store
 
@@ -111,3 +112,46 @@ def _meet(store: _Store, name: str, me: int, size: int, timeout: float | None) -
 def _missing(store: _Store, keys: Sequence[str]) -> list[int]:
     """The ranks whose key is not in ``store``."""
     return [rank for rank, key in enumerate(keys) if not store.check([key])]
+
+
+#: The first point-to-point tag gpipe uses; each pipeline on a group takes the next two
+#: (headers, then payloads).
+TAG_BASE = 0x47500000
+
+_tags: dict[tuple[int, ...], int] = {}
+
+
+def pipeline_tag(group: dist.ProcessGroup) -> int:
+    """The point-to-point tag of the next pipeline made on ``group`` in this process
+    (every rank makes its pipelines in the same order, so they agree). The pipeline uses
+    this tag for its headers and the next one for its payloads."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    count = _tags.get(ranks, 0)
+    _tags[ranks] = count + 1
+    return TAG_BASE + 2 * count
+
+
+def check_group(group: object, name: str = "group") -> dist.ProcessGroup:
+    """``group`` (the argument ``name``) as a process group this process belongs to, or a
+    clear error.
+
+    Raises:
+        TypeError: ``group`` is not a process group.
+        RuntimeError: torch.distributed is not initialized.
+        ValueError: this process is not in ``group``.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{name} needs torch.distributed to be initialized first, for example "
+            f"torch.distributed.init_process_group('gloo') ({name}: {group!r})"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{name} must be a torch.distributed process group, such as "
+            f"torch.distributed.group.WORLD or one made by new_group() ({name}: {group!r})"
+        )
+    if group.rank() < 0:
+        raise ValueError(
+            f"{name} must be a process group this process belongs to (rank: {dist.get_rank()})"
+        )
+    return group

@@ -16,9 +16,8 @@ from typing import Any
 from .._errors import add_note
 from .._placement import Placement
 from ..run._worker import WorkerPool
-from . import _agreement
-from ._agreement import Fields, RanksDisagree
-from ._transport import Cancelled, Plan
+from ._agreement import RanksDisagree
+from ._transport import Cancelled, Fields, Plan
 
 __all__ = ["Session", "run_session", "share_plan"]
 
@@ -40,7 +39,7 @@ def run_session(placement: Placement, pool: WorkerPool) -> Iterator[Session]:
 
     One run at a time (see :class:`~gpipe_core.transport._transport.RunLock`). Across processes,
     the ``with`` block's error is told to the other ranks, which raise a
-    :class:`RemoteStageError` naming this rank; if another rank fails, the block's
+    :class:`~gpipe_core.RemotePartitionError` naming this rank; if another rank fails, the block's
     waits end and the ``with`` statement raises that error; ranks called with
     different run fields all raise the same :class:`RanksDisagree`.
     """
@@ -67,9 +66,10 @@ def run_session(placement: Placement, pool: WorkerPool) -> Iterator[Session]:
 def share_plan(placement: Placement, plan: Plan | None, fields: Fields) -> Plan:
     """The run's ``plan``, given by the first partition's rank to every other rank; across
     processes the run's ``fields`` go with it, and the other ranks check that theirs are
-    the same (see :mod:`gpipe_core.transport._agreement`)."""
+    the same (see :mod:`gpipe_core.transport._agreement`), unless the placement's
+    ``check_runs`` is off."""
     transport = placement.transport()
-    checked = fields if _agreement.CHECK_RUNS else ()
+    checked = fields if placement.check_runs else ()
     if placement.is_local(0):
         assert plan is not None
         transport.send_plan(plan, checked)
