@@ -1,4 +1,4 @@
-"""The gpipe-core tests' fixtures: the payload channels and the test clusters.
+"""The gpipe-core tests' fixtures: the payload channels, the test clusters and their cases.
 
 Only fixtures live here; what test modules share otherwise they import from the
 :mod:`core_support` package beside this file.

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from core_support.checks import assert_matches_plain
+from core_support.models import Pop, Stash
 from gpipe_core import GPipe, WithDevice
 from gpipe_core._partition import balance_from_placement
-from gpipe_skip import pop, skippable, stash
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 needs_no_cuda = pytest.mark.skipif(
@@ -43,20 +43,6 @@ class AddScaled(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
         return x + scale * y
-
-
-@skippable(stash=["skip"])
-class Stash(nn.Module):
-    def forward(self, x: torch.Tensor) -> Any:
-        yield stash("skip", x)
-        return x
-
-
-@skippable(pop=["skip"])
-class Pop(nn.Module):
-    def forward(self, x: torch.Tensor) -> Any:
-        skip = yield pop("skip")
-        return x + skip
 
 
 def plain_model() -> nn.Sequential:

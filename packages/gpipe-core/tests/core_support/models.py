@@ -1,9 +1,9 @@
 """The test models that several of gpipe-core's test modules build.
 
 ``MODES`` (every checkpoint mode), ``Scale`` and ``TrainableScale``, the ``Stash``/``Pop``
-pair of one skip, the U-Net's ``Encoder``/``Decoder`` pairs (:func:`unet_layers`), and
-:func:`count_and_retain` for layers that count the hooks on an activation and retain its
-gradient.
+pair of one skip, the ``MaybeStash``/``MaybePop`` pair of a skip that may be ``None``, the
+U-Net's ``Encoder``/``Decoder`` pairs (:func:`unet_layers`), and :func:`count_and_retain`
+for layers that count the hooks on an activation and retain its gradient.
 """
 
 from __future__ import annotations
@@ -59,6 +59,28 @@ class Pop(nn.Module):
     def forward(self, x: torch.Tensor) -> Generator[Any, Any, torch.Tensor]:
         skip = yield pop("skip")
         return x + skip
+
+
+@skippable(stash=["maybe"])
+class MaybeStash(nn.Module):
+    """Stashes ``x * 2`` as ``maybe`` while ``active``, else ``None``; returns ``x + 1``."""
+
+    def __init__(self, active: bool = True) -> None:
+        super().__init__()
+        self.active = active
+
+    def forward(self, x: torch.Tensor) -> Generator[Any, Any, torch.Tensor]:
+        yield stash("maybe", x * 2 if self.active else None)
+        return x + 1
+
+
+@skippable(pop=["maybe"])
+class MaybePop(nn.Module):
+    """Multiplies its input by ``maybe`` where that is not ``None``."""
+
+    def forward(self, x: torch.Tensor) -> Generator[Any, Any, torch.Tensor]:
+        skip = yield pop("maybe")
+        return x if skip is None else x * skip
 
 
 @skippable(stash=["skip"])

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from core_support.models import MODES, TrainableScale, unet_layers
+from core_support.models import MODES, MaybePop, MaybeStash, TrainableScale, unet_layers
 from core_support.strategies import compositions
 from core_support.turns import measured_short
 from gpipe_bn import DeferredBatchNorm
@@ -441,24 +441,6 @@ def test_deferred_batch_norm(
 
 
 # -- skips ---------------------------------------------------------------------------------
-
-
-@skippable(stash=["maybe"])
-class MaybeStash(nn.Module):
-    def __init__(self, active: bool) -> None:
-        super().__init__()
-        self.active = active
-
-    def forward(self, x):
-        yield stash("maybe", x * 2 if self.active else None)
-        return x + 1
-
-
-@skippable(pop=["maybe"])
-class MaybePop(nn.Module):
-    def forward(self, x):
-        skip = yield pop("maybe")
-        return x if skip is None else x * skip
 
 
 @skippable(stash=["long"])

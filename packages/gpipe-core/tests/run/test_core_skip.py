@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from core_support.checks import assert_matches_plain
-from core_support.models import MODES, unet_layers
+from core_support.models import MODES, MaybePop, MaybeStash, unet_layers
 from core_support.strategies import compositions
 from gpipe_core import GPipe
 from gpipe_skip import (
@@ -189,24 +189,6 @@ def test_isolate_only(checkpoint: str) -> None:
     pipe = GPipe(model, [2, 2, 2, 2], chunks=2, checkpoint=checkpoint)
     assert len(pipe.skip_layout.routes) == 6
     assert_matches_plain(pipe, plain, torch.randn(4, 3, dtype=torch.float64), weighted=True)
-
-
-@skippable(stash=["maybe"])
-class MaybeStash(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.active = True
-
-    def forward(self, x):
-        yield stash("maybe", x * 2 if self.active else None)
-        return x + 1
-
-
-@skippable(pop=["maybe"])
-class MaybePop(nn.Module):
-    def forward(self, x):
-        skip = yield pop("maybe")
-        return x if skip is None else x * skip
 
 
 @pytest.mark.parametrize("active", [True, False])
