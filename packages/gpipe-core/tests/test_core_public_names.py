@@ -10,9 +10,6 @@ import inspect
 import pickle
 import pkgutil
 
-import pytest
-from torch import nn
-
 import gpipe_core
 
 PUBLIC_NAMES = [
@@ -100,9 +97,3 @@ def test_the_package_has_no_public_submodules() -> None:
     modules = [info.name for info in pkgutil.iter_modules(gpipe_core.__path__)]
     assert modules, "no modules found: the package path is wrong"
     assert [name for name in modules if not name.startswith("_")] == []
-
-
-def test_stage_ranks_is_a_deprecated_name_of_partition_ranks() -> None:
-    pipe = gpipe_core.GPipe(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), balance=[1, 1], chunks=1)
-    with pytest.warns(DeprecationWarning, match="partition_ranks"):
-        assert pipe.stage_ranks == pipe.partition_ranks == [0, 0]

@@ -208,11 +208,6 @@ class Placement:
         return self.local[j] if self.local else True
 
     @property
-    def local_count(self) -> int:
-        """How many partitions this process runs."""
-        return sum(self.local)
-
-    @property
     def local_workers(self) -> int:
         """How many workers (worker threads) this process runs."""
         return len({w for w, here in zip(self.workers, self.local, strict=True) if here})
