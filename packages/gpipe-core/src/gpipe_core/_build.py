@@ -86,7 +86,9 @@ class Configuration:
         """
         m, placement = len(given.sizes), self.placement
         backward = grad and not autograd_backward
-        actions = step_actions(given.schedule, m, len(self.partitions), backward, placement.workers)
+        actions = step_actions(
+            given.schedule, m, len(self.partitions), backward, placement.placement
+        )
         with torch.set_grad_enabled(grad):
             state = ThreadState.capture()
         # In eval mode a forward's output still has a graph (when grad mode is on);
@@ -100,7 +102,7 @@ class Configuration:
             unpack_input=given.unpack,
             unpacks=self.unpacks,
             skip_layout=self.skip_layout,
-            placement=placement.workers,
+            placement=placement.placement,
             threaded=placement.threaded(nested() or is_checkpointing() or is_recomputing()),
             intra_op_threads=self.intra_op_threads,
             state=state,
@@ -140,7 +142,7 @@ def build(arguments: Arguments, construction: Construction | None) -> Configurat
             ("chunks", checked.chunks),
             ("checkpoint", checked.checkpoint),
             ("deferred_batch_norm", deferred_batch_norm),
-            ("placement", placement.workers if placement_spec is not None else None),
+            ("placement", placement.placement if placement_spec is not None else None),
             ("the rank of each partition", placement.ranks),
             ("the uses of each shared parameter or buffer", [s.uses for s in shared]),
             (

@@ -96,8 +96,8 @@ class PlainLayers:
     def unwrap(self, unpacks: bool) -> nn.Sequential:
         """The layers as one Sequential (a PipeSequential where the partitions ``unpacks``),
         with each deferred batch norm as a plain one (see ``GPipe.unwrap``)."""
-        kind = PipeSequential if unpacks else nn.Sequential
-        return kind(
+        container = PipeSequential if unpacks else nn.Sequential
+        return container(
             OrderedDict(
                 (name, convert_plain_batch_norm(layer))
                 for partition in self.partitions
