@@ -6,8 +6,9 @@ module's, called from here: the construction and its checks, into one configurat
 (``_build``, ``_arguments``), the run's session on the transport (``_session``), a run's
 inputs parsed, checked and split (``run._inputs``), its description (``run._description``)
 and execution (``run._run``), the layers under the plain module's names with the
-:class:`~torch.nn.Module` protocol over them (``_layers``, whose ``LayersModule`` is GPipe's
-base), device moves (``_moves``), the gradient norm (``_clip``).
+:class:`~torch.nn.Module` protocol over them (``_layers``), the methods every rank calls
+together outside a run, ``clip_grad_norm_`` and ``shared_drift`` (``_collectives``, whose
+``Collectives`` is GPipe's base), device moves (``_moves``).
 Whether the pipeline spans processes it does not know beyond what its placement
 (``_placement.Placement``) answers.
 """

@@ -132,7 +132,7 @@ def named_modules(
 class LayersModule(nn.Module):
     """A module whose layers are the plain module's, under its names, held by partitions.
 
-    The base of :class:`~gpipe_core.GPipe`, which sets the attributes below; what it adds
+    A base of :class:`~gpipe_core.GPipe`, which sets the attributes below; what it adds
     is how the layers run.
     """
 
