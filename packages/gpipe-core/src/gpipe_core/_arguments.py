@@ -23,6 +23,7 @@ from gpipe_skip import verify_skippables
 from ._partition import balance_from_placement, placed_layers
 from ._placement import check_timeout
 from .run._threads import check_intra_op_threads
+from .transport._distributed import check_group
 
 __all__ = [
     "Arguments",
@@ -84,8 +85,6 @@ def check_construction(arguments: Arguments) -> Arguments:
     seconds = check_timeout(arguments.timeout, group if group is not None else data_group)
     threads = check_intra_op_threads(arguments.intra_op_threads)
     if data_group is not None:
-        from .transport._distributed import check_group
-
         check_group(data_group, "data_group")
     if group is not None and balance is None:
         raise TypeError(

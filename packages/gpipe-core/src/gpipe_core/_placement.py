@@ -31,6 +31,7 @@ from gpipe_microbatch import Device
 from ._partition import resolve_devices
 from .schedule._schedule import place_partitions
 from .transport._agreement import Construction
+from .transport._distributed import DistributedTransport, check_group, pipeline_tag
 from .transport._groups import Connections, connect
 from .transport._payloads import Payloads, choose_payloads
 from .transport._transport import LocalTransport, Transport
@@ -92,8 +93,6 @@ def construction_for(group: dist.ProcessGroup | None) -> Construction | None:
     if group is None:
         warn_without_process_group(stacklevel=4)
         return None
-    from .transport._distributed import check_group, pipeline_tag
-
     check_group(group)
     return Construction(group, pipeline_tag(group))
 
@@ -247,8 +246,6 @@ class Placement:
             if self.group is None:
                 self._transport = LocalTransport(self.devices)
             else:
-                from .transport._distributed import DistributedTransport
-
                 assert self._connections is not None, "connect() first"
                 self._transport = DistributedTransport(
                     self._connections,
