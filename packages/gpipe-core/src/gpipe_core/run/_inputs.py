@@ -184,17 +184,26 @@ class RunInputs:
     """
 
     def __init__(
-        self, batches: list[Batch], sizes: list[int], unpack: bool, schedule: Schedule
+        self,
+        batches: list[Batch],
+        sizes: list[int],
+        unpack: bool,
+        schedule: Schedule,
+        *,
+        reduction: Reduction = "mean",
+        backward: bool = False,
+        input: Leaves | None = None,
     ) -> None:
         self.batches = batches
         self.sizes = sizes
         self.unpack = unpack
         self.schedule = schedule
+        self.reduction = reduction
+        #: Whether the step differentiates (training with grad enabled).
+        self.backward = backward
         self.loss: LossSpec | None = None
         self.output: object = None
-        self.reduction: Reduction = "mean"
-        self.backward = False
-        self._input: Leaves | None = None
+        self._input = input
         self._target: Leaves | None = None
 
     def identity(self) -> None:
@@ -314,7 +323,7 @@ def step_inputs(
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (loss_fn: {type(loss_fn).__name__})")
     checked = check_reduction(loss_fn, reduction)
-    actions = get_schedule(schedule)
+    resolved = get_schedule(schedule)
     if is_checkpointing() or is_recomputing():
         raise RuntimeError(
             "GPipe.step cannot run inside a checkpointed or recomputed function "
@@ -326,8 +335,9 @@ def step_inputs(
     )
     cut = Leaves(value, backward) if first else None
     batches, sizes = _split(cut.value if cut else None, what, chunks, share, fields, first=first)
-    given = RunInputs(batches, sizes, unpack, actions)
-    given.reduction, given.backward, given._input = checked, backward, cut
+    given = RunInputs(
+        batches, sizes, unpack, resolved, reduction=checked, backward=backward, input=cut
+    )
     if last:
         given._target = Leaves(target, backward)
         device = devices[-1] if devices else None
