@@ -117,9 +117,7 @@ def check_work_per_task(tasks: int, repeats: int = 2000) -> float:
 
     from gpipe_core.transport._agreement import run_fields
 
-    fields = run_fields(
-        "step", chunks=4, schedule="1f1b", reduction="mean", unpack_input=False, training=True
-    )
+    fields = run_fields("step", chunks=4, schedule="1f1b", reduction="mean", training=True)
     start = time.perf_counter()
     for _ in range(repeats):
         for _message in range(2):  # the plan, and the last message of the run

@@ -1,6 +1,7 @@
-"""The checks of :class:`~gpipe_core.GPipe`'s arguments: each refusal of an argument of the
-constructor, :meth:`~gpipe_core.GPipe.forward` or :meth:`~gpipe_core.GPipe.step`, made
-before anything changes, saying what was wrong and the value seen.
+"""The checks of :class:`~gpipe_core.GPipe`'s constructor arguments: each refusal of an
+argument, made before anything changes, saying what was wrong and the value seen (those of
+:meth:`~gpipe_core.GPipe.forward` and :meth:`~gpipe_core.GPipe.step` are
+:mod:`gpipe_core.run._inputs`').
 
 This module owns what an argument may be. It must not know partitions, runs or transports:
 a process group is only checked to be one this process belongs to.
@@ -16,27 +17,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpipe_checkpoint import is_checkpointing, is_recomputing
 from gpipe_microbatch import Device, check_chunks, check_module
 from gpipe_skip import verify_skippables
 
 from ._partition import balance_from_placement, placed_layers
 from ._placement import check_timeout
-from .run._inputs import StepArguments, items, tensor_of
-from .run._losses import LossFunction, Reduction
 from .run._threads import check_intra_op_threads
-from .schedule._schedules import Schedule, get_schedule
 from .transport._groups import check_group
 
 __all__ = [
-    "Checked",
+    "Arguments",
     "CheckpointMode",
     "check_checkpoint",
     "check_construction",
     "check_data_group_devices",
-    "check_input_device",
-    "check_reduction",
-    "check_step",
 ]
 
 CheckpointMode = Literal["always", "except_last", "never"]
@@ -52,54 +46,32 @@ def check_checkpoint(checkpoint: object) -> CheckpointMode:
     return cast(CheckpointMode, checkpoint)
 
 
-def check_reduction(loss_fn: object, reduction: object) -> Reduction:
-    if reduction is None:
-        reduction = getattr(loss_fn, "reduction", "mean")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(
-                "loss_fn must reduce each micro-batch's loss to a scalar by 'mean' or 'sum' "
-                f"(loss_fn.reduction: {reduction!r})"
-            )
-    elif reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum' (reduction: {reduction!r})")
-    else:
-        declared = getattr(loss_fn, "reduction", reduction)
-        if declared != reduction:
-            # The gradients would be scaled for one reduction and computed with the other.
-            raise ValueError(
-                "reduction must match loss_fn.reduction when loss_fn has one "
-                f"(reduction: {reduction!r}, loss_fn.reduction: {declared!r})"
-            )
-    return "sum" if reduction == "sum" else "mean"
+class Arguments(NamedTuple):
+    """The constructor's arguments (see :class:`~gpipe_core.GPipe`), as given or checked
+    (:func:`check_construction`)."""
 
-
-class Checked(NamedTuple):
-    """The constructor's arguments, checked (and ``balance`` and ``devices`` found from
-    where the layers are, when neither is given)."""
-
-    balance: Iterable[int]
+    module: nn.Sequential
+    balance: Iterable[int] | None
     devices: Iterable[Device] | None
     chunks: int
     checkpoint: CheckpointMode
-    timeout: float | None
+    deferred_batch_norm: bool
+    group: dist.ProcessGroup | None
+    data_group: dist.ProcessGroup | None
+    #: The bound of any wait for another rank; in seconds once checked (None: none).
+    timeout: float | datetime.timedelta | None
     intra_op_threads: int | None
+    placement: str | Sequence[int] | None
 
 
-def check_construction(
-    module: nn.Sequential,
-    balance: Iterable[int] | None,
-    devices: Iterable[Device] | None,
-    chunks: int,
-    checkpoint: CheckpointMode,
-    deferred_batch_norm: bool,
-    group: dist.ProcessGroup | None,
-    data_group: dist.ProcessGroup | None,
-    timeout: float | datetime.timedelta | None,
-    intra_op_threads: int | None,
-    placement: str | Sequence[int] | None,
-) -> Checked:
-    """The constructor's checks of its arguments one by one, which change nothing (the
-    checks of ``balance`` and ``devices`` against the module are the placement's)."""
+def check_construction(arguments: Arguments) -> Arguments:
+    """The constructor's checks of its ``arguments`` one by one, which change nothing (the
+    checks of ``balance`` and ``devices`` against the module are the placement's): the
+    arguments checked, ``timeout`` in seconds, and ``balance`` and ``devices`` found from
+    where the layers are when neither is given."""
+    module, balance, devices = arguments.module, arguments.balance, arguments.devices
+    group, data_group, placement = arguments.group, arguments.data_group, arguments.placement
+    deferred_batch_norm = arguments.deferred_batch_norm
     check_module(module)
     if not isinstance(deferred_batch_norm, bool):
         raise TypeError(
@@ -108,10 +80,10 @@ def check_construction(
         )
     # The skippable layers as the partitions will hold them: without WithDevice wrappers.
     verify_skippables(placed_layers(module))
-    chunks = check_chunks(chunks)
-    checkpoint = check_checkpoint(checkpoint)
-    seconds = check_timeout(timeout, group if group is not None else data_group)
-    threads = check_intra_op_threads(intra_op_threads)
+    chunks = check_chunks(arguments.chunks)
+    checkpoint = check_checkpoint(arguments.checkpoint)
+    seconds = check_timeout(arguments.timeout, group if group is not None else data_group)
+    threads = check_intra_op_threads(arguments.intra_op_threads)
     if data_group is not None:
         check_group(data_group, "data_group")
     if group is not None and balance is None:
@@ -129,7 +101,10 @@ def check_construction(
             "balance must be given with devices (balance: None, devices: "
             f"{devices!r}); without both, partitions follow where the layers are"
         )
-    return Checked(balance, devices, chunks, checkpoint, seconds, threads)
+    return arguments._replace(
+        balance=balance, devices=devices, chunks=chunks, checkpoint=checkpoint,
+        timeout=seconds, intra_op_threads=threads,
+    )  # fmt: skip
 
 
 def check_data_group_devices(
@@ -147,49 +122,3 @@ def check_data_group_devices(
             f"devices of this rank: {on_host}); use a gloo group, or one of "
             "init_process_group('cpu:gloo,cuda:nccl')"
         )
-
-
-def check_input_device(value: object, what: str, devices: Sequence[torch.device]) -> None:
-    """Refuse a tensor of the input ``value`` (named ``what`` in errors) that is not on the
-    first partition's device (an empty pipeline takes its input where it is)."""
-    if not devices:
-        return
-    expected = devices[0]
-    for index, item in enumerate(items(value)):
-        tensor = tensor_of(item)
-        if tensor is not None and tensor.device != expected:
-            where = f"{what}[{index}]" if isinstance(value, tuple) else what
-            raise ValueError(
-                f"{where} must be on the first partition's device "
-                f"(devices[0]: {expected}, {where}: {tensor.device})"
-            )
-
-
-def check_step(
-    arguments: StepArguments,
-    schedule: str | Schedule,
-    reduction: Reduction | None,
-    devices: Sequence[torch.device],
-    *,
-    first: bool,
-) -> tuple[Schedule, Reduction, LossFunction]:
-    """The step's checks of its arguments (the input's on the first partition's rank,
-    ``first``): its schedule, reduction and loss function."""
-    input, loss_fn = arguments.input, arguments.loss_fn
-    if first and arguments.unpack and not isinstance(input, tuple):
-        raise TypeError(
-            "unpack_input=True takes a tuple of the first layer's positional arguments "
-            f"(input: {type(input).__name__})"
-        )
-    if first:
-        check_input_device(input, arguments.what, devices)
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable (loss_fn: {type(loss_fn).__name__})")
-    checked = check_reduction(loss_fn, reduction)
-    plan = get_schedule(schedule)
-    if is_checkpointing() or is_recomputing():
-        raise RuntimeError(
-            "GPipe.step cannot run inside a checkpointed or recomputed function "
-            f"(checkpointing: {is_checkpointing()}, recomputing: {is_recomputing()})"
-        )
-    return plan, checked, loss_fn

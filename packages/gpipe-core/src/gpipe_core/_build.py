@@ -1,37 +1,49 @@
-"""Building a :class:`~gpipe_core.GPipe`: from its arguments to its partitions.
+"""Building a :class:`~gpipe_core.GPipe`: from its arguments to its partitions, and its
+runs' descriptions from what it built.
 
-This module owns the constructor's order of work once the arguments are checked: across
-processes, the ranks' agreement on what they build; then the module's deferred batch norms,
-its split into partitions, the skip layout, the shared tensors' ties and replicas. What it
-builds it returns (:class:`Built`); the module holds it. It must not know how a run goes.
+This module owns the constructor's order of work: the arguments' checks
+(:func:`~gpipe_core._arguments.check_construction`); across processes, the ranks' agreement on
+what they build; then the module's deferred batch norms, its split into partitions, the skip
+layout, the shared tensors' ties and replicas. What it builds it returns, one
+:class:`Configuration` that the module keeps whole, which describes each run
+(:meth:`Configuration.describe`) from the run's inputs. It must not know how a run goes.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
-import torch.distributed as dist
+import torch
 from torch import nn
 
 from gpipe_bn import DeferredBatchNorm, convert_deferred_batch_norm
+from gpipe_checkpoint import is_checkpointing, is_recomputing
+from gpipe_microbatch import ThreadState
 from gpipe_skip import SkipLayout, inspect_skip_layout
 
-from ._arguments import Checked, CheckpointMode, check_data_group_devices
+from ._arguments import Arguments, CheckpointMode, check_construction, check_data_group_devices
 from ._partition import check_balance, check_split, layer_groups, placed_layers, split_module
 from ._placement import Placement
 from ._sequential import PipeSequential
 from ._shared import SharedReplicas, Ties, find_shared
+from .run._description import RunDescription
+from .run._inputs import RunInputs
+from .run._partition_run import nested
+from .schedule._schedules import step_actions
+from .trace._tracing import Tracer
 from .transport._agreement import Construction, layer_fields
 from .transport._data_parallel import Replicas
 
-__all__ = ["Built", "build"]
+__all__ = ["Configuration", "build"]
 
 
 @dataclass
-class Built:
-    """What the constructor built, for the module to hold."""
+class Configuration:
+    """What the constructor built, which the module keeps whole: its settings (``chunks``,
+    ``checkpoint`` and ``intra_op_threads`` are the module's attributes), its partitions
+    and placement, and what its runs need."""
 
     chunks: int
     checkpoint: CheckpointMode
@@ -55,21 +67,62 @@ class Built:
     parameter_names: list[str]
     shared: SharedReplicas
 
+    def describe(
+        self,
+        given: RunInputs,
+        *,
+        training: bool,
+        grad: bool,
+        autograd_backward: bool,
+        tracer: Tracer | None,
+    ) -> RunDescription:
+        """The run of ``given`` (a forward's or a step's inputs), in ``training`` mode with
+        ``grad`` mode (autograd history recorded), whose backward pass autograd drives
+        (``autograd_backward``: a forward) or the partitions' runs (a step).
 
-def build(
-    module: nn.Sequential,
-    checked: Checked,
-    deferred_batch_norm: bool,
-    group: dist.ProcessGroup | None,
-    data_group: dist.ProcessGroup | None,
-    construction: Construction | None,
-    placement_spec: str | Sequence[int] | None,
-) -> Built:
-    """The constructor's work once its arguments are ``checked``
-    (:func:`~gpipe_core._arguments.check_construction`), up to the ranks' agreement that
-    each has built its partitions (``construction``, across processes), which is the
-    module's to ask for."""
-    seconds = checked.timeout
+        A pipeline nested in a checkpointed partition runs in the calling thread: the
+        outer recomputation must replay its random draws in the same order, and its
+        workers would wait forever for a generator lock the calling thread holds.
+        """
+        m, placement = len(given.sizes), self.placement
+        backward = grad and not autograd_backward
+        actions = step_actions(
+            given.schedule, m, len(self.partitions), backward, placement.placement
+        )
+        with torch.set_grad_enabled(grad):
+            state = ThreadState.capture()
+        # In eval mode a forward's output still has a graph (when grad mode is on);
+        # nothing is checkpointed.
+        stops = {"always": m, "except_last": m - 1, "never": 0}
+        return RunDescription(
+            given.batches, actions, m, grad,
+            checkpoint_stop=stops[self.checkpoint] if training and grad else 0,
+            autograd_backward=autograd_backward,
+            loss=given.loss,
+            unpack_input=given.unpack,
+            unpacks=self.unpacks,
+            skip_layout=self.skip_layout,
+            placement=placement.placement,
+            threaded=placement.threaded(nested() or is_checkpointing() or is_recomputing()),
+            intra_op_threads=self.intra_op_threads,
+            state=state,
+            tracer=tracer,
+            partitions=[p if placement.local[j] else None for j, p in enumerate(self.partitions)],
+            devices=placement.devices,
+            deferred_batch_norm=self.deferred_batch_norm,
+        )  # fmt: skip
+
+
+def build(arguments: Arguments, construction: Construction | None) -> Configuration:
+    """The constructor's work: its ``arguments`` checked
+    (:func:`~gpipe_core._arguments.check_construction`), then built, up to the ranks'
+    agreement that each has built its partitions (``construction``, across processes), which
+    is the module's to ask for."""
+    checked = check_construction(arguments)
+    module, group, data_group = checked.module, checked.group, checked.data_group
+    deferred_batch_norm, placement_spec = checked.deferred_batch_norm, checked.placement
+    seconds = cast(float | None, checked.timeout)
+    assert checked.balance is not None  # found from where the layers are, if not given
     placement = Placement(
         check_balance(module, checked.balance), checked.devices, group, seconds, placement_spec
     )
@@ -89,7 +142,7 @@ def build(
             ("chunks", checked.chunks),
             ("checkpoint", checked.checkpoint),
             ("deferred_batch_norm", deferred_batch_norm),
-            ("placement", placement.workers if placement_spec is not None else None),
+            ("placement", placement.placement if placement_spec is not None else None),
             ("the rank of each partition", placement.ranks),
             ("the uses of each shared parameter or buffer", [s.uses for s in shared]),
             (
@@ -124,7 +177,7 @@ def build(
     shared_replicas = SharedReplicas(shared, placement.ranks, partitions, group, seconds)
     # Partitions on other devices than a shared parameter's use a copy tied to it.
     Ties(shared, partitions, devices)
-    return Built(
+    return Configuration(
         chunks=checked.chunks,
         checkpoint=checked.checkpoint,
         intra_op_threads=checked.intra_op_threads,

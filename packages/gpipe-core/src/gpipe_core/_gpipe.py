@@ -1,12 +1,14 @@
 """The GPipe module: a pipelined, checkpointed wrapper around an ``nn.Sequential``.
 
-This module owns the API (the constructor, :meth:`~GPipe.forward`, :meth:`~GPipe.step`)
-and the orchestration of a run: its session, its micro-batches and action lists, the
-partition runs handed to the runner. Every other job is a module's, called from here: the
-argument checks (``_arguments``), the construction (``_build``), the run's session on the
-transport (``_session``), a step's leaves and losses (``_step``), the layers under the plain
-module's names with the :class:`~torch.nn.Module` protocol over them (``_layers``, whose
-``LayersModule`` is GPipe's base), device moves (``_moves``), the gradient norm (``_clip``).
+This module owns the API (the constructor, :meth:`~GPipe.forward`, :meth:`~GPipe.step`):
+each call opens the run's session, describes the run and runs it. Every other job is a
+module's, called from here: the construction and its checks, into one configuration
+(``_build``, ``_arguments``), the run's session on the transport (``_session``), a run's
+inputs parsed, checked and split (``run._inputs``), its description (``run._description``)
+and execution (``run._run``), the layers under the plain module's names with the
+:class:`~torch.nn.Module` protocol over them (``_layers``), the methods every rank calls
+together outside a run, ``clip_grad_norm_`` and ``shared_drift`` (``_collectives``, whose
+``Collectives`` is GPipe's base), device moves (``_moves``).
 Whether the pipeline spans processes it does not know beyond what its placement
 (``_placement.Placement``) answers.
 """
@@ -15,47 +17,38 @@ from __future__ import annotations
 
 import datetime
 import functools
-import warnings
 import weakref
 from collections.abc import Iterable, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any, cast
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpipe_bn import mini_batch
-from gpipe_checkpoint import is_checkpointing, is_recomputing
-from gpipe_microbatch import Batch, Device, ThreadState, gather, scatter
+from gpipe_microbatch import Batch, Device
 from gpipe_skip import SkipLayout
 
-from ._arguments import CheckpointMode, check_construction, check_input_device, check_step
-from ._build import build
-from ._clip import check_clip_arguments, clip_by_norms, gradient_norms
-from ._layers import LayersModule
+from ._arguments import Arguments, CheckpointMode
+from ._build import Configuration, build
+from ._collectives import Collectives
 from ._moves import check_cpu, check_cuda, check_to
 from ._placement import DEFAULT_TIMEOUT, construction_for
 from ._state_dict import PartitionKeys, map_keys
-from ._stream import AbstractStream, current_stream, new_stream
-from .run._inputs import UNSET, StepArguments, batch_sizes, positional, step_arguments
+from ._stream import AbstractStream
+from .run._inputs import UNSET, RunInputs, forward_inputs, step_inputs
 from .run._losses import Losses, LossFunction, Reduction, from_numbers, to_numbers
-from .run._partition_run import LossSpec, PartitionRun, nested
-from .run._runner import run
-from .run._step import StepLeaves
+from .run._run import execute, gather_output
 from .run._worker import WorkerPool
-from .schedule._action import Action
-from .schedule._schedules import GPipeSchedule, Schedule, step_actions
+from .schedule._schedules import Schedule
 from .trace._timeline import Timeline
 from .trace._tracing import record, tracer_for
-from .transport._agreement import Fields, run_fields
 from .transport._session import run_session, share_plan
-from .transport._transport import Cancelled
 
 __all__ = ["GPipe"]
 
 
-class GPipe(LayersModule):
+class GPipe(Collectives):
     """Pipeline parallelism with micro-batches and checkpointing, as in GPipe.
 
     The layers of ``module`` are split into partitions, ``balance[j]`` layers each, and
@@ -153,16 +146,11 @@ class GPipe(LayersModule):
         (torch.Size([32, 2]), True)
     """
 
-    chunks: int
-    """The number of micro-batches a mini-batch is split into."""
-    checkpoint: CheckpointMode
-    """Which micro-batches are checkpointed in training."""
     partitions: nn.ModuleList
     """The partitions, in order (another rank's are empty, across processes)."""
     skip_layout: SkipLayout
     """Which skip connections cross which partitions (see :mod:`gpipe_skip`)."""
-    intra_op_threads: int | None
-    """The intra-op threads of each worker on the CPU (see ``intra_op_threads``)."""
+    _config: Configuration
 
     def __init__(
         self,
@@ -180,34 +168,22 @@ class GPipe(LayersModule):
         placement: str | Sequence[int] | None = None,
     ) -> None:
         super().__init__()
+        arguments = Arguments(
+            module, balance, devices, chunks, checkpoint, deferred_batch_norm,
+            group, data_group, timeout, intra_op_threads, placement,
+        )  # fmt: skip
         construction = construction_for(group)
         try:
-            checked = check_construction(
-                module, balance, devices, chunks, checkpoint, deferred_batch_norm,
-                group, data_group, timeout, intra_op_threads, placement,
-            )  # fmt: skip
-            built = build(
-                module, checked, deferred_batch_norm, group, data_group, construction, placement
-            )
-            self.chunks = built.chunks
-            self.checkpoint = built.checkpoint
-            self.intra_op_threads = built.intra_op_threads
-            self._placement = built.placement
-            self._replicas = built.replicas
-            self._deferred_batch_norm = built.deferred_batch_norm
-            self._unpacks = built.unpacks
+            self._config = config = build(arguments, construction)
             #: Keeping it is also how gpipe_skip knows that this module pairs its own skips:
             #: the ``verify_skippables`` of a model this pipeline is nested in leaves them alone.
-            self.skip_layout = built.skip_layout
-            self.partitions = nn.ModuleList(built.partitions)
-            self._layer_names = built.layer_names
-            self._parameter_names = built.parameter_names
-            self._shared = built.shared
+            self.skip_layout = config.skip_layout
+            self.partitions = nn.ModuleList(config.partitions)
             self._init_runtime()
             # Checkpoints use the plain module's keys, whatever the balance.
-            map_keys(self, PartitionKeys(self._partition_list(), built.remote_layers))
+            map_keys(self, PartitionKeys(self._partition_list(), config.remote_layers))
             if construction is not None:
-                construction.agree((), built.timeout)  # every rank has built its partitions
+                construction.agree((), config.timeout)  # every rank has built its partitions
                 self._connect_replicas()
         except BaseException as error:
             if construction is not None:
@@ -217,19 +193,46 @@ class GPipe(LayersModule):
     def _connect_replicas(self) -> None:
         """Make the replicas of shared tensors equal to their owners', in a run of every
         rank (when some tensor is shared across ranks: the ranks agree on which)."""
-        if self._shared.sets:
+        if self._config.shared.sets:
             with run_session(self._placement, self._pool):
-                self._shared.connect(self._placement.transport().exchange)
+                self._config.shared.connect(self._placement.transport().exchange)
 
     def _init_runtime(self) -> None:
         """The state that is not copied or pickled: copy streams and worker threads (the
         placement makes its transport anew)."""
         self._copy_streams: list[list[AbstractStream]] = [[] for _ in self.devices]
-        self._pool = WorkerPool(self._placement.local_workers)
+        self._pool = WorkerPool(self._placement.local_worker_count)
         # The workers and the transport's threads hold no reference to the module:
         # collecting it stops them.
         weakref.finalize(self, self._pool.close)
         weakref.finalize(self, self._placement.close)
+
+    @property
+    def chunks(self) -> int:
+        """The number of micro-batches a mini-batch is split into."""
+        return self._config.chunks
+
+    @chunks.setter
+    def chunks(self, chunks: int) -> None:
+        self._config.chunks = chunks
+
+    @property
+    def checkpoint(self) -> CheckpointMode:
+        """Which micro-batches are checkpointed in training."""
+        return self._config.checkpoint
+
+    @checkpoint.setter
+    def checkpoint(self, checkpoint: CheckpointMode) -> None:
+        self._config.checkpoint = checkpoint
+
+    @property
+    def intra_op_threads(self) -> int | None:
+        """The intra-op threads of each worker on the CPU (see ``intra_op_threads``)."""
+        return self._config.intra_op_threads
+
+    @intra_op_threads.setter
+    def intra_op_threads(self, threads: int | None) -> None:
+        self._config.intra_op_threads = threads
 
     @property
     def balance(self) -> list[int]:
@@ -245,16 +248,6 @@ class GPipe(LayersModule):
     def partition_ranks(self) -> list[int]:
         """The rank (in ``group``) of each partition; all 0 without a group."""
         return self._placement.ranks
-
-    @property
-    def stage_ranks(self) -> list[int]:
-        """Deprecated name of :attr:`partition_ranks` (removed in a later release)."""
-        warnings.warn(
-            "GPipe.stage_ranks is deprecated: use GPipe.partition_ranks (same value)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.partition_ranks
 
     def __getstate__(self) -> dict[str, Any]:
         if self._placement.spans_processes:
@@ -319,13 +312,6 @@ class GPipe(LayersModule):
 
     # -- forward ---------------------------------------------------------------------
 
-    def _ensure_copy_streams(self, chunks: int) -> list[list[AbstractStream]]:
-        for j, device in enumerate(self.devices):
-            streams = self._copy_streams[j]
-            while len(streams) < chunks:
-                streams.append(new_stream(device))
-        return self._copy_streams
-
     def forward(self, *inputs: Any) -> Any:
         """Run a mini-batch through the pipeline, as the wrapped module would run it.
 
@@ -386,125 +372,27 @@ class GPipe(LayersModule):
                     "step(input, target, loss_fn), which runs every backward pass "
                     f"(training: {self.training}, grad enabled: {torch.is_grad_enabled()})"
                 )
-            return self._forward(inputs)
-
-    def _forward(self, inputs: tuple[Any, ...]) -> Any:
-        n = len(self.partitions)
-        value: object = None
-        unpack, what = False, "input"
-        fields = run_fields("forward", chunks=self.chunks, training=self.training)
-        first, last = self._placement.is_local(0), self._placement.is_local(-1)
-        if first:
-            value, unpack, what = positional(inputs)
-            check_input_device(value, what, self.devices)
+            placement, n = self._placement, len(self.partitions)
+            given = forward_inputs(
+                inputs, self.chunks, self.devices, functools.partial(share_plan, placement),
+                training=self.training, first=placement.is_local(0),
+            )  # fmt: skip
             if not n:
-                scatter(value, self.chunks, what=what)  # the same checks
-                # An empty nn.Sequential is the identity (on what the first layer would see).
-                return scatter(value, 1, what=what)[0].value
-        batches, sizes = self._microbatches(value, what, fields, first=first)
-        m = len(sizes)
-        actions = step_actions(GPipeSchedule(), m, n, False, self._placement.workers)
-        # In eval mode the output still has a graph (when grad mode is on); nothing is
-        # checkpointed.
-        grad = torch.is_grad_enabled()
-        checkpoint_stop = self._checkpoint_stop(m) if self.training and grad else 0
-        outputs = cast(
-            list[Batch],
-            self._run(
-                batches, actions, grad, checkpoint_stop, autograd_backward=True,
-                unpack_input=unpack,
-            ),
+                return given.output  # an empty nn.Sequential is the identity
+            outputs = self._run(given, torch.is_grad_enabled(), autograd_backward=True)
+            # The output is on the last partition's rank.
+            return gather_output(outputs, n - 1) if placement.is_local(-1) else None
+
+    def _run(self, given: RunInputs, grad: bool, *, autograd_backward: bool) -> list[Batch | None]:
+        """Run ``given`` over the partitions (see :mod:`gpipe_core.run._run`), described once
+        (:meth:`~gpipe_core._build.Configuration.describe`)."""
+        tracer = tracer_for(self, len(given.sizes))
+        description = self._config.describe(
+            given, training=self.training, grad=grad, autograd_backward=autograd_backward,
+            tracer=tracer,
         )  # fmt: skip
-        if not last:
-            return None  # the output is on the last partition's rank
-        for i, output in enumerate(outputs):
-            for tensor in output:
-                if tensor.dim() == 0:
-                    raise ValueError(
-                        f"output of partition {n - 1} must have a batch dimension to gather "
-                        f"the micro-batches (micro-batch {i}, shape: {tuple(tensor.shape)})"
-                    )
-        return gather(outputs)
-
-    def _microbatches(
-        self, value: object, what: str, fields: Fields, *, first: bool
-    ) -> tuple[list[Batch], list[int]]:
-        """The micro-batches of ``value`` (named ``what`` in errors) and their sizes, on
-        the first partition's rank (``first``); on other ranks, no micro-batches, and their
-        sizes from that rank, which sends them with the run's ``fields`` (see
-        :func:`~gpipe_core.transport._session.share_plan`)."""
-        batches = scatter(value, self.chunks, what=what) if first else []
-        plan = (batch_sizes(value, batches),) if first else None
-        (sizes,) = share_plan(self._placement, plan, fields)
-        return batches, list(sizes)
-
-    def _checkpoint_stop(self, m: int) -> int:
-        """How many of ``m`` micro-batches are checkpointed in training."""
-        return {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
-
-    def _run(
-        self,
-        batches: list[Batch],
-        actions: Sequence[Sequence[Action]],
-        grad: bool,
-        checkpoint_stop: int,
-        *,
-        autograd_backward: bool,
-        loss: LossSpec | None = None,
-        state: ThreadState | None = None,
-        unpack_input: bool = False,
-    ) -> list[Batch | None]:
-        """Run ``actions`` over the partitions (see :mod:`gpipe_core.run._runner`).
-
-        A pipeline nested in a checkpointed partition runs in the calling thread: the
-        outer recomputation must replay its random draws in the same order, and its
-        workers would wait forever for a generator lock the calling thread holds.
-        """
-        m = len({action.microbatch for row in actions for action in row})
-        n = len(self.partitions)
-        tracer = tracer_for(self, m)
-        streams = [current_stream(device) for device in self.devices]
-        partitions = [
-            None
-            if not self._placement.local[j]
-            else PartitionRun(
-                j,
-                partition,
-                self.devices[j],
-                streams[j],
-                microbatches=m,
-                checkpoint_stop=checkpoint_stop,
-                autograd_backward=autograd_backward,
-                grad=grad,
-                skip_layout=self.skip_layout,
-                unpack=unpack_input if j == 0 else self._unpacks,
-                loss=loss if j == n - 1 else None,
-                tracer=tracer,
-            )
-            for j, partition in enumerate(self._partition_list())
-        ]
         transport = self._placement.transport()
-        transport.prepare(streams, self._ensure_copy_streams(m), tracer=tracer)
-        threaded = self._placement.threaded(nested() or is_checkpointing() or is_recomputing())
-        if state is None:
-            state = ThreadState.capture()
-        # Deferred batch norms update their running statistics once, after all m
-        # micro-batches (m may be less than chunks), and not at all if a micro-batch fails.
-        with mini_batch(self) if self._deferred_batch_norm else nullcontext():
-            outputs = run(
-                partitions,
-                transport,
-                actions,
-                batches,
-                self._pool,
-                state,
-                threaded,
-                intra_op_threads=self.intra_op_threads,
-                workers=self._placement.workers,
-            )
-            if transport.cancelled:
-                raise Cancelled  # another rank failed: the session raises its error
-        return outputs
+        return execute(description, transport, self._pool, self._copy_streams, self)
 
     def step(
         self,
@@ -513,7 +401,6 @@ class GPipe(LayersModule):
         loss_fn: LossFunction | None = None,
         schedule: str | Schedule = "gpipe",
         reduction: Reduction | None = None,
-        unpack_input: bool = False,
     ) -> Losses:
         """Run a training step: forward, loss and backward of every micro-batch.
 
@@ -573,9 +460,6 @@ class GPipe(LayersModule):
                 ``'mean'`` or ``'sum'`` (default: ``loss_fn.reduction`` when it has one,
                 as the losses of :mod:`torch.nn` do, else ``'mean'``). When
                 ``loss_fn`` has a ``reduction``, this must match it.
-            unpack_input: deprecated: with ``step(input, target, loss_fn)``, ``input``
-                is a tuple of the first layer's positional arguments. Pass them as
-                ``step(*input, target=target, loss_fn=loss_fn)`` instead.
 
         Returns:
             The loss of each micro-batch; :meth:`Losses.reduced() <gpipe_core.Losses.reduced>`
@@ -585,9 +469,7 @@ class GPipe(LayersModule):
             TypeError: the input or ``target`` holds no tensor to split or holds a tensor
                 inside another value, ``loss_fn`` is not callable, ``target`` and
                 ``loss_fn`` are neither both given by keyword nor passed as the second and
-                third of exactly three positional arguments, or ``unpack_input`` is not a
-                bool, is True for an input that is not a tuple, or is used with the
-                keyword form.
+                third of exactly three positional arguments.
             ValueError: ``input`` is not on ``devices[0]``, ``target``'s batch size
                 differs from ``input``'s, ``loss_fn`` returns a non-scalar, an unknown
                 ``schedule`` or ``reduction``, or a ``reduction`` that contradicts
@@ -624,171 +506,33 @@ class GPipe(LayersModule):
         # its run (the ranks agree on the training and grad modes, which say whether there
         # are any).
         with (
-            self._replicas.averaging(self.parameters),
+            self._config.replicas.averaging(self.parameters),
             run_session(self._placement, self._pool) as session,
         ):
             # Nothing before the run begins: an interrupt in the step (KeyboardInterrupt)
             # lands in the run, which every rank then ends.
             backward = self.training and torch.is_grad_enabled()
-            before = self._shared.gradients() if backward else None
-            arguments = step_arguments(inputs, target, loss_fn, unpack_input)
-            losses = self._step(arguments, schedule, reduction)
+            before = self._config.shared.gradients() if backward else None
+            placement = self._placement
+            given = step_inputs(
+                inputs, target, loss_fn, schedule, reduction,
+                chunks=self.chunks, devices=self.devices,
+                share=functools.partial(share_plan, placement), training=self.training,
+                ends=(placement.is_local(0), placement.is_local(-1)),
+            )  # fmt: skip
+            if not self.partitions:
+                given.identity()
+            else:
+                self._run(given, backward, autograd_backward=False)
+            losses = given.end()
             if before is not None:
-                self._shared.sum_gradients(before, self._placement.transport().exchange)
+                self._config.shared.sum_gradients(before, placement.transport().exchange)
             if losses is not None:
                 session.payload = functools.partial(to_numbers, losses)
         if losses is not None:
             return losses
         # Every rank returns the losses of the last partition's rank.
         return from_numbers(session.payloads[self.partition_ranks[-1]])
-
-    def _step(
-        self,
-        arguments: StepArguments,
-        schedule: str | Schedule,
-        reduction: Reduction | None,
-    ) -> Losses | None:
-        """:meth:`step`'s work on this process: the losses on the last partition's rank,
-        None elsewhere."""
-        n = len(self.partitions)
-        first, last = self._placement.is_local(0), self._placement.is_local(-1)
-        plan, reduction, loss_fn = check_step(
-            arguments, schedule, reduction, self.devices, first=first
-        )
-        backward = self.training and torch.is_grad_enabled()
-        fields = run_fields(
-            "step",
-            chunks=self.chunks,
-            schedule=schedule,
-            reduction=reduction,
-            unpack_input=arguments.unpack_input,
-            training=self.training,
-        )
-        leaves = StepLeaves(arguments, backward, first=first)
-        batches, sizes = self._microbatches(leaves.input, arguments.what, fields, first=first)
-        losses = None
-        if last:
-            device = self.devices[-1] if self.devices else None
-            losses = leaves.losses(arguments.target, sizes, self.chunks, device, loss_fn, reduction)
-        m = len(sizes)
-        if n == 0:
-            leaves.identity(batches)
-        else:
-            actions = step_actions(plan, m, n, backward, self._placement.workers)
-            with torch.set_grad_enabled(backward):
-                state = ThreadState.capture()
-            checkpoint_stop = self._checkpoint_stop(m) if backward else 0
-            self._run(
-                batches, actions, backward, checkpoint_stop,
-                autograd_backward=False, loss=losses, state=state, unpack_input=arguments.unpack,
-            )  # fmt: skip
-        return leaves.end(sizes, reduction)
-
-    def clip_grad_norm_(
-        self,
-        max_norm: float,
-        norm_type: float = 2.0,
-        error_if_nonfinite: bool = False,
-        foreach: bool | None = None,
-    ) -> torch.Tensor:
-        """Clip the gradients of the whole pipeline by their total norm, as
-        :func:`torch.nn.utils.clip_grad_norm_` clips the plain module's.
-
-        The total norm is that of every parameter's gradient (each shared parameter
-        once), as if they were one vector; if it exceeds ``max_norm``, every gradient is
-        scaled by ``max_norm / (total_norm + 1e-6)``. In one process this is torch's
-        function over :meth:`~torch.nn.Module.parameters`.
-
-        With ``group`` (across processes), every rank calls it with the same arguments,
-        after :meth:`step`: the ranks exchange the norms of their gradients, each rank
-        counting its own parameters (a shared parameter's replicas once, on its owner's
-        rank), and every rank scales by the same factor and returns the same total norm,
-        the plain module's. With ``data_group``, each replica of the pipeline holds the
-        averaged gradients already: the norm is over the pipeline's ranks, and the
-        replicas are not counted twice.
-
-        ``max_norm`` and ``norm_type`` each take what torch's function takes: a Python or
-        NumPy number (``np.float32(1.0)``, ``np.int64(2)``), or a tensor or array of one
-        element (a 0-dim tensor).
-
-        Args:
-            max_norm: the largest total norm kept.
-            norm_type: the order of the norm (``float('inf')`` or ``'inf'`` for the largest
-                absolute value).
-            error_if_nonfinite: raise if the total norm is ``nan`` or infinite (the
-                gradients are then unchanged); else scale by it, as torch does.
-            foreach: use torch's ``foreach`` kernels (None: where they are supported).
-
-        Returns:
-            The total norm of the gradients before clipping (a scalar tensor).
-
-        Raises:
-            TypeError: ``max_norm`` or ``norm_type`` is not a number (a bool, a string
-                for ``max_norm``, a tensor of several elements or a complex one), or
-                ``error_if_nonfinite`` is not a bool.
-            ValueError: ``norm_type`` is a string that is not a number.
-            RuntimeError: ``error_if_nonfinite`` and the total norm is not finite (on every
-                rank).
-
-        Example:
-            >>> model = GPipe(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)), [1, 1], chunks=2)
-            >>> losses = model.step(torch.randn(8, 4), torch.randn(8, 1), nn.MSELoss())
-            >>> total = model.clip_grad_norm_(0.5)
-            >>> clipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
-            >>> bool(clipped <= 0.5 + 1e-4), total.shape
-            (True, torch.Size([]))
-        """
-        max_norm, norm_type = check_clip_arguments(max_norm, norm_type, error_if_nonfinite)
-        if not self._placement.spans_processes:
-            return torch.nn.utils.clip_grad_norm_(
-                self.parameters(), max_norm, norm_type, error_if_nonfinite, foreach
-            )
-        fields = (
-            ("the method called", "clip_grad_norm_"),
-            ("max_norm", max_norm),
-            ("norm_type", norm_type),
-            ("error_if_nonfinite", error_if_nonfinite),
-        )
-        counted = (
-            (name, p) for name, p in self.named_parameters() if name not in self._shared.foreign
-        )
-        with run_session(self._placement, self._pool) as session:
-            share_plan(self._placement, (), fields)
-            session.payload = norms = gradient_norms(counted, norm_type, foreach)
-        for theirs in session.payloads.values():
-            norms.update(theirs)
-        return clip_by_norms(
-            self.parameters(), norms, self._parameter_names,
-            max_norm, norm_type, error_if_nonfinite, foreach,
-        )  # fmt: skip
-
-    def shared_drift(self) -> dict[str, float]:
-        """How far the replicas of each shared (tied) parameter or buffer that this process
-        holds are from the owner's: the largest absolute difference, under the plain
-        module's name of the tensor (its first use).
-
-        In one process a shared tensor is one tensor (0.0). Across processes, each rank
-        that uses it keeps a replica, made equal at construction and given the summed
-        gradient at each :meth:`step`: an optimizer that treats the replicas alike keeps
-        them equal, and this says whether it did. Every rank calls it, as it calls
-        :meth:`step` (the ranks compare the methods they call: a rank that calls it alone
-        while the others step makes every rank raise the same error, and the next step
-        runs); they get the same numbers.
-
-        Example:
-            >>> embedding = nn.Embedding(10, 4)
-            >>> head = nn.Linear(4, 10, bias=False)
-            >>> head.weight = embedding.weight  # tied, in partitions 0 and 1
-            >>> model = GPipe(nn.Sequential(embedding, nn.Tanh(), head), [2, 1])
-            >>> model.shared_drift()
-            {}
-        """
-        if not self._shared.sets:  # no tensor shared across ranks: nothing to compare
-            return self._shared.drift(self._placement.transport().exchange)
-        fields = (("the method called", "shared_drift"),)
-        with run_session(self._placement, self._pool):
-            share_plan(self._placement, (), fields)
-            return self._shared.drift(self._placement.transport().exchange)
 
     def trace(self) -> AbstractContextManager[Timeline]:
         """Record the pipeline's tasks while the ``with`` block runs.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from torch import nn
 
@@ -22,7 +22,18 @@ from gpipe_bn import convert_plain_batch_norm
 from ._sequential import PipeSequential
 from ._shared import SharedReplicas, views
 
-__all__ = ["LayersModule", "PlainLayers", "named_modules"]
+__all__ = ["LayersModule", "Layout", "PlainLayers", "named_modules"]
+
+
+class Layout(Protocol):
+    """What the layers' container reads of the pipeline's configuration."""
+
+    #: Whether the partitions keep a PipeSequential's calling convention.
+    unpacks: bool
+    #: The layers' names, in the plain module's order.
+    layer_names: list[str]
+    #: The replicas of the tensors that partitions share.
+    shared: SharedReplicas
 
 
 class PlainLayers:
@@ -85,8 +96,8 @@ class PlainLayers:
     def unwrap(self, unpacks: bool) -> nn.Sequential:
         """The layers as one Sequential (a PipeSequential where the partitions ``unpacks``),
         with each deferred batch norm as a plain one (see ``GPipe.unwrap``)."""
-        kind = PipeSequential if unpacks else nn.Sequential
-        return kind(
+        container = PipeSequential if unpacks else nn.Sequential
+        return container(
             OrderedDict(
                 (name, convert_plain_batch_norm(layer))
                 for partition in self.partitions
@@ -121,19 +132,19 @@ def named_modules(
 class LayersModule(nn.Module):
     """A module whose layers are the plain module's, under its names, held by partitions.
 
-    The base of :class:`~gpipe_core.GPipe`, which sets the attributes below; what it adds
+    A base of :class:`~gpipe_core.GPipe`, which sets the attributes below; what it adds
     is how the layers run.
     """
 
     partitions: nn.ModuleList
-    _unpacks: bool
-    _layer_names: list[str]
+    _config: Layout
 
     def _partition_list(self) -> list[nn.Sequential]:
         return cast(list[nn.Sequential], list(self.partitions))
 
     def _layers(self) -> PlainLayers:
-        return PlainLayers(self._partition_list(), self.__dict__.get("_shared"))
+        config = self.__dict__.get("_config")
+        return PlainLayers(self._partition_list(), config.shared if config else None)
 
     def unwrap(self) -> nn.Sequential:
         """The layers as one :class:`~torch.nn.Sequential`, in order, under their names.
@@ -160,7 +171,7 @@ class LayersModule(nn.Module):
             >>> torch.equal(plain(x), pipe(x)), list(plain.state_dict()) == list(pipe.state_dict())
             (True, True)
         """
-        return self._layers().unwrap(self._unpacks)
+        return self._layers().unwrap(self._config.unpacks)
 
     def named_children(self) -> Iterator[tuple[str, nn.Module]]:
         """The layers of this process's partitions under their names in the plain
@@ -175,7 +186,7 @@ class LayersModule(nn.Module):
         in the plain module (``0.weight``): a module standing for that layer holds it
         alone, so that an optimizer's state for it has the plain module's key.
         """
-        yield from self._layers().named_children(self._layer_names)
+        yield from self._layers().named_children(self._config.layer_names)
 
     def named_modules(
         self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True

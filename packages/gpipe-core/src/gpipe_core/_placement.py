@@ -172,12 +172,12 @@ class Placement:
                 )
             self.rank = group.rank()
             self.ranks = [j % size for j in range(n)]
-        #: The worker of each partition (each its own without ``placement``).
-        self.workers = list(range(n))
+        #: The placement: the worker of each partition (each its own without ``placement``).
+        self.placement = list(range(n))
         if placement is not None:
-            self.workers = _workers(placement, n, devices, group)
+            self.placement = _place(placement, n, devices, group)
             if group is not None:
-                self.ranks = list(self.workers)
+                self.ranks = list(self.placement)
         #: Whether each partition runs in this process.
         self.local = [rank == self.rank for rank in self.ranks]
         #: The device of each partition (``meta`` for another rank's).
@@ -187,8 +187,8 @@ class Placement:
                 _check_one_device(self.local_devices(), self.rank, placement)
         elif placement is not None:
             # One device per worker: its partitions share it.
-            own = resolve_devices(devices, max(self.workers, default=-1) + 1)
-            self.devices = [own[w] for w in self.workers]
+            own = resolve_devices(devices, max(self.placement, default=-1) + 1)
+            self.devices = [own[w] for w in self.placement]
         else:
             self.devices = resolve_devices(devices, n)
         #: Whether the ranks compare their run fields at every run (see
@@ -211,14 +211,9 @@ class Placement:
         return self.local[j] if self.local else True
 
     @property
-    def local_count(self) -> int:
-        """How many partitions this process runs."""
-        return sum(self.local)
-
-    @property
-    def local_workers(self) -> int:
+    def local_worker_count(self) -> int:
         """How many workers (worker threads) this process runs."""
-        return len({w for w, here in zip(self.workers, self.local, strict=True) if here})
+        return len({w for w, here in zip(self.placement, self.local, strict=True) if here})
 
     def local_devices(self) -> list[torch.device]:
         """The devices of this process's partitions."""
@@ -229,7 +224,7 @@ class Placement:
         them in the calling thread: with several local partitions, unless the pipeline is
         ``nested`` in a checkpointed partition (whose recomputation must replay its draws
         in order) and all of them are here."""
-        return self.local_workers > 1 and (self.spans_processes or not nested)
+        return self.local_worker_count > 1 and (self.spans_processes or not nested)
 
     def connect(self, tag: int) -> None:
         """Make the gloo groups the messages travel on (collective over ``group``: every
@@ -283,24 +278,24 @@ class Placement:
         return f"ranks: {dist.get_process_group_ranks(self.group)}"
 
 
-def _workers(
+def _place(
     placement: object, partitions: int, devices: Iterable[Device] | None, group: object
 ) -> list[int]:
     """The worker of each partition for ``placement``: the workers are the ranks of
     ``group``, else the entries of ``devices``."""
     if group is not None:
-        workers: int | None = cast(dist.ProcessGroup, group).size()
+        worker_count: int | None = cast(dist.ProcessGroup, group).size()
     elif devices is not None and not isinstance(devices, (str, torch.device, int)):
         devices = list(devices)
-        workers = len(devices)
+        worker_count = len(devices)
     elif isinstance(placement, str):
         raise ValueError(
             f"placement {placement!r} needs devices (one per worker) or group (placement: "
             f"{placement!r}, devices: {devices!r})"
         )
     else:
-        workers = None
-    return place_partitions(placement, partitions, workers)
+        worker_count = None
+    return place_partitions(placement, partitions, worker_count)
 
 
 def _check_one_device(devices: Sequence[torch.device], rank: int, placement: object) -> None:

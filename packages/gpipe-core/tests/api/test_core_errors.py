@@ -261,22 +261,6 @@ def test_nochunk_wraps_a_tensor() -> None:
         NoChunk([torch.zeros(2)])  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("bad", [1, "yes", None])
-def test_unpack_input_must_be_a_bool(bad: object) -> None:
-    pipe = GPipe(three_layers(), [2, 1], chunks=2)
-    message = f"unpack_input must be True or False (unpack_input: {bad!r})"
-    with pytest.raises(TypeError, match=re.escape(message)):
-        pipe.step((torch.zeros(2, 2),), torch.zeros(2, 2), nn.MSELoss(), unpack_input=bad)  # type: ignore[arg-type]
-
-
-def test_unpack_input_takes_a_tuple() -> None:
-    pipe = GPipe(three_layers(), [2, 1], chunks=2)
-    message = "unpack_input=True takes a tuple of the first layer's positional arguments "
-    with pytest.raises(TypeError, match=re.escape(message + "(input: Tensor)")):
-        pipe.step(torch.zeros(2, 2), torch.zeros(2, 2), nn.MSELoss(), unpack_input=True)
-    assert all(p.grad is None for p in pipe.parameters())
-
-
 def test_input_batch_sizes_must_agree() -> None:
     pipe = GPipe(nn.Sequential(nn.Identity(), nn.Identity()), [1, 1], chunks=2)
     with pytest.raises(ValueError, match=r"batch size.*\[4, 3\]"):

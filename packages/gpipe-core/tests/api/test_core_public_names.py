@@ -10,9 +10,6 @@ import inspect
 import pickle
 import pkgutil
 
-import pytest
-from torch import nn
-
 import gpipe_core
 
 PUBLIC_NAMES = [
@@ -117,9 +114,3 @@ def test_the_package_has_no_public_submodules() -> None:
         # Only a docstring: every name users import is in gpipe_core's own namespace.
         names = [n for n in vars(importlib.import_module(layer)) if not n.startswith("_")]
         assert names == [], (layer, names)
-
-
-def test_stage_ranks_is_a_deprecated_name_of_partition_ranks() -> None:
-    pipe = gpipe_core.GPipe(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), balance=[1, 1], chunks=1)
-    with pytest.warns(DeprecationWarning, match="partition_ranks"):
-        assert pipe.stage_ranks == pipe.partition_ranks == [0, 0]

@@ -1322,8 +1322,6 @@ def case_disagree_run(rank: int, *, field: str, odd_rank: int) -> dict[str, Any]
         grad = torch.autocast("cpu", dtype=torch.bfloat16)
     elif odd and field == "reduction":
         kwargs["reduction"] = "sum"
-    elif odd and field == "unpack_input":
-        kwargs["unpack_input"] = True
     elif odd and field == "chunks":
         pipe.chunks = 4  # changed on one rank only, after the pipeline was built
     elif odd and field == "the method called":

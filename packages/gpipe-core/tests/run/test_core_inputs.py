@@ -286,7 +286,7 @@ def test_the_comparison_can_fail() -> None:
     # A GPipe that loses the PipeSequential convention at a boundary fails loudly.
     model = build("pipe-args", 1, None, 0)
     pipe = GPipe(model, [1, 2], chunks=2)
-    pipe._unpacks = False
+    pipe._config.unpacks = False
     x = torch.randn(4, WIDTH, dtype=torch.float64)
     with pytest.raises(TypeError, match="expected 4 positional arguments, got 1"):
         pipe(x, NoChunk(torch.ones(WIDTH, dtype=torch.float64)), 2.0, "tag", None)
@@ -394,16 +394,10 @@ def test_errors_leave_the_model_usable() -> None:
         pipe(mask, 2.0)
     with pytest.raises(ValueError, match="same batch size"):
         pipe.step((x, torch.zeros(3, 1)), x, nn.MSELoss())
-    with pytest.raises(TypeError, match="unpack_input=True takes a tuple"):
-        pipe.step(x, x, nn.MSELoss(), unpack_input=True)
     with pytest.raises(TypeError, match=r"1 positional arguments given; target: missing"):
         pipe.step(x, loss_fn=nn.MSELoss())
     with pytest.raises(TypeError, match=r"2 positional arguments given; target: missing, loss_"):
         pipe.step(x, x)
-    with pytest.raises(TypeError, match="with target= and loss_fn= by keyword"):
-        pipe.step(x, mask, target=x, loss_fn=nn.MSELoss(), unpack_input=True)
-    with pytest.raises(TypeError, match="unpack_input must be True or False"):
-        pipe.step(x, x, nn.MSELoss(), unpack_input="yes")
     assert all(p.grad is None for p in pipe.parameters()) and x.grad is None
     out = pipe(x, mask, 2.0, "tag", None)[0]
     out.sum().backward()
@@ -444,9 +438,8 @@ def test_the_transport_carries_values_that_are_not_tensors(keep_graph: bool) -> 
     assert transport.finish(None) == {}
 
 
-def test_step_takes_several_inputs_as_forward_does_and_the_old_flag_still_works() -> None:
-    """``step(a, b, target=, loss_fn=)`` calls the first layer as ``model(a, b)`` does;
-    ``step((a, b), target, loss_fn, unpack_input=True)`` is the same step, deprecated."""
+def test_step_takes_several_inputs_as_forward_does() -> None:
+    """``step(a, b, target=, loss_fn=)`` calls the first layer as ``model(a, b)`` does."""
 
     class Masked(nn.Module):
         def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -456,20 +449,16 @@ def test_step_takes_several_inputs_as_forward_does_and_the_old_flag_still_works(
     x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
     mask = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
     grads = []
-    for form in ("plain", "keywords", "deprecated"):
+    for form in ("plain", "keywords"):
         torch.manual_seed(1)
         model = nn.Sequential(Masked(), nn.Linear(3, 2)).double()
         if form == "plain":
             nn.MSELoss()(model[1](model[0](x, mask)), y).backward()
         else:
             pipe = GPipe(model, [1, 1], chunks=3)
-            if form == "keywords":
-                with warnings.catch_warnings():
-                    warnings.simplefilter("error")
-                    pipe.step(x, NoChunk(mask), target=y, loss_fn=nn.MSELoss())
-            else:
-                with pytest.warns(DeprecationWarning, match=r"step\(\*input, target=target"):
-                    pipe.step((x, NoChunk(mask)), y, nn.MSELoss(), unpack_input=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                pipe.step(x, NoChunk(mask), target=y, loss_fn=nn.MSELoss())
         grads.append([p.grad for p in model.parameters()])
     for got in grads[1:]:
         for g, want in zip(got, grads[0], strict=True):

@@ -10,7 +10,9 @@ from torch import nn
 
 from gpipe_core import Losses
 from gpipe_core._stream import CPUStream
-from gpipe_core.run._partition_run import LossSpec, PartitionRun
+from gpipe_core.run._description import RunDescription
+from gpipe_core.run._losses import LossSpec
+from gpipe_core.run._partition_run import PartitionRun
 from gpipe_microbatch import Batch
 
 
@@ -75,10 +77,11 @@ def test_a_partition_differentiates_each_loss_times_its_scale_bit_for_bit(
 
     cpu = torch.device("cpu")
     losses = LossSpec(loss_fn, [Batch(yi) for yi in ys], scales, backward=True)
-    run = PartitionRun(
-        0, model, cpu, CPUStream, microbatches=len(sizes), checkpoint_stop=0,
-        autograd_backward=False, grad=True, loss=losses,
+    description = RunDescription(
+        [], [], len(sizes), grad=True, checkpoint_stop=0, autograd_backward=False,
+        loss=losses, partitions=[model], devices=[cpu],
     )  # fmt: skip
+    run = PartitionRun(0, description, CPUStream)
     for i, xi in enumerate(xs):
         run.forward(i, Batch(xi), {})
         run.backward(i, [], {})

@@ -463,11 +463,11 @@ def test_forward_with_a_placement_matches_plain(checkpoint: str) -> None:
 def test_placement_sets_workers_and_devices() -> None:
     model = build(4, [], 0)
     pipe = GPipe(model, [1, 1, 1, 1], devices=["cpu", "cpu"], placement="v")
-    assert pipe._placement.workers == [0, 1, 1, 0]
-    assert pipe._placement.local_workers == 2
+    assert pipe._placement.placement == [0, 1, 1, 0]
+    assert pipe._placement.local_worker_count == 2
     assert [str(d) for d in pipe.devices] == ["cpu"] * 4
     listed = GPipe(build(4, [], 0), [1, 1, 1, 1], placement=[0, 0, 0, 0])
-    assert listed._placement.local_workers == 1  # one worker: runs in the calling thread
+    assert listed._placement.local_worker_count == 1  # one worker: runs in the calling thread
     x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
     listed.step(x, y, nn.MSELoss(), schedule="1f1b")
 

@@ -80,7 +80,6 @@ RUN_MESSAGES = {
     "grad mode": "grad mode differs across ranks (rank 0: True, rank 1: False)",
     "autocast": "autocast differs across ranks (rank 0: off, rank 1: cpu bfloat16)",
     "reduction": "reduction differs across ranks (rank 0: 'mean', rank 1: 'sum')",
-    "unpack_input": "unpack_input differs across ranks (rank 0: False, rank 1: True)",
     "chunks": "chunks differs across ranks (rank 0: 2, rank 1: 4)",
     "the method called": (
         "the method called differs across ranks (rank 0: 'step', rank 1: 'clip_grad_norm_')"
@@ -93,7 +92,7 @@ def test_ranks_stepping_differently_all_raise_the_same_error(
     cluster2: Any, cases: ModuleType, field: str
 ) -> None:
     """One rank in eval mode, under no_grad or autocast, with another ``chunks``, called
-    with another schedule, reduction or unpack_input, or calling clip_grad_norm_() instead:
+    with another schedule or reduction, or calling clip_grad_norm_() instead:
     every rank raises before any gradient is computed."""
     results = cluster2.results("disagree_run", field=field, odd_rank=1)
     same_value_error(results, RUN_MESSAGES[field])

@@ -1,30 +1,52 @@
-"""A run's input and target: their micro-batches, the first layer's positional arguments,
-and the leaves that cut them from the caller's graph.
+"""A run's inputs, parsed, checked and split: what :meth:`GPipe.forward
+<gpipe_core.GPipe.forward>` and :meth:`GPipe.step <gpipe_core.GPipe.step>` are called
+with, as one value (:class:`RunInputs`): the micro-batches of the input and their sizes, the
+first layer's calling convention, the input and target cut from the caller's graph
+(:class:`Leaves`), and on the last partition the loss spec (the target's micro-batches on its
+device, each micro-batch's scale for the reduction); at the end of a step, the
+:class:`~gpipe_core.Losses` (the step of an empty pipeline too: the losses of the input
+itself).
 
-This module knows nothing of partitions, transports or schedules.
+This module owns every check of the arguments of a run, made before anything changes. It
+must not know partitions, schedules' orders or transports: the micro-batches' sizes reach
+the other ranks through the ``share`` it is given, and where the first and last partitions
+run it is told.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 
-from gpipe_microbatch import Batch, NoChunk, make_tuple
+from gpipe_checkpoint import is_checkpointing, is_recomputing
+from gpipe_microbatch import Batch, NoChunk, make_tuple, scatter
+
+from ..schedule._schedules import GPipeSchedule, Schedule, get_schedule
+from ..transport._agreement import Fields, run_fields
+from ..transport._transport import Plan
+from ._losses import Losses, LossFunction, LossSpec, Reduction
 
 __all__ = [
     "UNSET",
     "Leaves",
-    "StepArguments",
+    "RunInputs",
+    "Share",
     "batch_sizes",
+    "check_input_device",
+    "check_reduction",
+    "forward_inputs",
     "items",
     "positional",
-    "step_arguments",
+    "step_inputs",
     "tensor_of",
     "to_device",
 ]
+
+#: Gives the run's plan (the micro-batches' sizes) from the first partition's rank to every
+#: rank, with the run's fields to agree on (see :func:`~gpipe_core.transport._session.share_plan`).
+Share = Callable[[Plan | None, Fields], Plan]
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -72,64 +94,41 @@ def positional(inputs: tuple[Any, ...]) -> tuple[object, bool, str]:
 UNSET: Any = object()
 
 
-class StepArguments(NamedTuple):
-    """``step()``'s arguments, whichever way they were passed."""
-
-    #: The mini-batch (None where no input was given: another rank's first partition).
-    input: object
-    #: Whether ``input`` is a tuple of the first layer's positional arguments.
-    unpack: bool
-    #: How error messages name ``input``.
-    what: str
-    target: object
-    loss_fn: object
-    #: The ``unpack_input`` flag as given (compared across ranks).
-    unpack_input: bool
-
-
-def step_arguments(
-    inputs: tuple[Any, ...], target: object, loss_fn: object, unpack_input: object
-) -> StepArguments:
-    """Read ``step(*inputs, target=..., loss_fn=...)``, whose positional arguments are the
-    first layer's, as ``forward(*inputs)``'s are, or the shorthand for one input
-    ``step(input, target, loss_fn)`` (where the deprecated ``unpack_input=True`` makes a
-    tuple ``input`` the first layer's positional arguments)."""
-    if not isinstance(unpack_input, bool):
-        raise TypeError(f"unpack_input must be True or False (unpack_input: {unpack_input!r})")
-    if target is not UNSET and loss_fn is not None:
-        if unpack_input:
-            raise TypeError(
-                "unpack_input=True is for step(input, target, loss_fn) with a tuple input; "
-                "with target= and loss_fn= by keyword, pass the first layer's positional "
-                f"arguments themselves: step(a, b, target=..., loss_fn=...) "
-                f"({len(inputs)} positional arguments given)"
+def check_input_device(value: object, what: str, devices: Sequence[torch.device]) -> None:
+    """Refuse a tensor of the input ``value`` (named ``what`` in errors) that is not on the
+    first partition's device (an empty pipeline takes its input where it is)."""
+    if not devices:
+        return
+    expected = devices[0]
+    for index, item in enumerate(items(value)):
+        tensor = tensor_of(item)
+        if tensor is not None and tensor.device != expected:
+            where = f"{what}[{index}]" if isinstance(value, tuple) else what
+            raise ValueError(
+                f"{where} must be on the first partition's device "
+                f"(devices[0]: {expected}, {where}: {tensor.device})"
             )
-        if not inputs:
-            return StepArguments(None, False, "input", target, loss_fn, False)
-        value, unpack, what = positional(inputs)
-        return StepArguments(value, unpack, what, target, loss_fn, False)
-    if target is UNSET and loss_fn is None and len(inputs) == 3:
-        input, target, loss_fn = inputs
-        if unpack_input:
-            warnings.warn(
-                "step(input, target, loss_fn, unpack_input=True) is deprecated: pass the "
-                "first layer's positional arguments themselves, as to forward(): "
-                "step(*input, target=target, loss_fn=loss_fn)",
-                DeprecationWarning,
-                stacklevel=3,
+
+
+def check_reduction(loss_fn: object, reduction: object) -> Reduction:
+    if reduction is None:
+        reduction = getattr(loss_fn, "reduction", "mean")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(
+                "loss_fn must reduce each micro-batch's loss to a scalar by 'mean' or 'sum' "
+                f"(loss_fn.reduction: {reduction!r})"
             )
-            return StepArguments(input, True, "input", target, loss_fn, True)
-        return StepArguments(input, False, "input", target, loss_fn, False)
-    given = ", ".join(
-        f"{name}: {'given' if present else 'missing'}"
-        for name, present in (("target", target is not UNSET), ("loss_fn", loss_fn is not None))
-    )
-    raise TypeError(
-        "step() takes the first layer's positional arguments with target and loss_fn by "
-        "keyword, step(*inputs, target=..., loss_fn=...), or one input, its target and the "
-        "loss function positionally, step(input, target, loss_fn) "
-        f"({len(inputs)} positional arguments given; {given})"
-    )
+    elif reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum' (reduction: {reduction!r})")
+    else:
+        declared = getattr(loss_fn, "reduction", reduction)
+        if declared != reduction:
+            # The gradients would be scaled for one reduction and computed with the other.
+            raise ValueError(
+                "reduction must match loss_fn.reduction when loss_fn has one "
+                f"(reduction: {reduction!r}, loss_fn.reduction: {declared!r})"
+            )
+    return "sum" if reduction == "sum" else "mean"
 
 
 class Leaves:
@@ -170,3 +169,210 @@ class Leaves:
         self.originals = self.leaves = ()
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+
+class RunInputs:
+    """One run's inputs on this process, checked and split.
+
+    Attributes:
+        batches: the input's micro-batches (none off the first partition's rank).
+        sizes: the number of samples in each micro-batch (on every rank).
+        unpack: whether the input is a tuple of the first layer's positional arguments.
+        schedule: the step's schedule (a forward's: fill-drain).
+        loss: the loss spec, on the last partition's rank of a step (None elsewhere).
+        output: an empty pipeline's forward output (its input; None otherwise).
+    """
+
+    def __init__(
+        self,
+        batches: list[Batch],
+        sizes: list[int],
+        unpack: bool,
+        schedule: Schedule,
+        *,
+        reduction: Reduction = "mean",
+        backward: bool = False,
+        input: Leaves | None = None,
+    ) -> None:
+        self.batches = batches
+        self.sizes = sizes
+        self.unpack = unpack
+        self.schedule = schedule
+        self.reduction = reduction
+        #: Whether the step differentiates (training with grad enabled).
+        self.backward = backward
+        self.loss: LossSpec | None = None
+        self.output: object = None
+        self._input = input
+        self._target: Leaves | None = None
+
+    def identity(self) -> None:
+        """The step of an empty pipeline, the identity: the losses of the input itself."""
+        losses = self.loss
+        assert losses is not None and self._input is not None and self._target is not None
+        with torch.set_grad_enabled(self.backward):
+            for i, batch in enumerate(self.batches):
+                loss = losses(i, batch)
+                if self.backward:
+                    torch.autograd.backward(loss, losses.seed(i, loss))
+
+    def end(self) -> Losses | None:
+        """Hand the gradients of the step's input and target to the caller's graph; the
+        losses (on the last partition's rank; None elsewhere)."""
+        if self._input is not None:
+            self._input.backward()
+        if self._target is not None:
+            self._target.backward()
+        if self.loss is None:
+            return None
+        return Losses(cast(list[torch.Tensor], self.loss.losses), self.sizes, self.reduction)
+
+
+def _split(
+    value: object, what: str, chunks: int, share: Share, fields: Fields, *, first: bool
+) -> tuple[list[Batch], list[int]]:
+    """The micro-batches of ``value`` (named ``what`` in errors) and their sizes, on the
+    first partition's rank (``first``); on other ranks, no micro-batches, and their sizes
+    from that rank, which sends them with the run's ``fields``."""
+    batches = scatter(value, chunks, what=what) if first else []
+    plan = (batch_sizes(value, batches),) if first else None
+    (sizes,) = share(plan, fields)
+    return batches, list(sizes)
+
+
+def forward_inputs(
+    inputs: tuple[Any, ...],
+    chunks: int,
+    devices: Sequence[torch.device],
+    share: Share,
+    *,
+    training: bool,
+    first: bool,
+) -> RunInputs:
+    """``forward(*inputs)``'s inputs, split into ``chunks`` micro-batches (the input's on
+    the first partition's rank, ``first``). An empty pipeline (no ``devices``) is the
+    identity: its :attr:`~RunInputs.output` is its input, as the first layer would see it.
+
+    Raises:
+        TypeError: no input, or an input without a tensor to split.
+        ValueError: a tensor is not on ``devices[0]``, or the tensors to split have
+            different batch sizes.
+    """
+    value: object = None
+    unpack, what = False, "input"
+    fields = run_fields("forward", chunks=chunks, training=training)
+    if first:
+        value, unpack, what = positional(inputs)
+        check_input_device(value, what, devices)
+        if not devices:
+            scatter(value, chunks, what=what)  # the same checks
+            given = RunInputs([], [], unpack, GPipeSchedule())
+            given.output = scatter(value, 1, what=what)[0].value
+            return given
+    batches, sizes = _split(value, what, chunks, share, fields, first=first)
+    return RunInputs(batches, sizes, unpack, GPipeSchedule())
+
+
+def step_inputs(
+    inputs: tuple[Any, ...],
+    target: object,
+    loss_fn: object,
+    schedule: str | Schedule,
+    reduction: Reduction | None,
+    *,
+    chunks: int,
+    devices: Sequence[torch.device],
+    share: Share,
+    training: bool,
+    ends: tuple[bool, bool],
+) -> RunInputs:
+    """``step(*inputs, target=..., loss_fn=..., schedule=..., reduction=...)``'s inputs:
+    read (the first layer's positional arguments, as ``forward(*inputs)``'s are, or the
+    shorthand for one input ``step(input, target, loss_fn)``), checked, cut from the
+    caller's graph in training with grad enabled, and split into ``chunks`` micro-batches:
+    the input on the first partition's rank, the target on the last partition's (``ends``
+    says whether each runs here), moved to its device (``devices[-1]``).
+
+    Raises:
+        TypeError: the arguments are not read either way, or ``loss_fn`` is not callable.
+        ValueError: the input is not on ``devices[0]``, an unknown schedule or reduction,
+            or ``target``'s batch size differs from the input's.
+        RuntimeError: the step is called inside a checkpointed function.
+    """
+    if target is not UNSET and loss_fn is not None:
+        value, unpack, what = positional(inputs) if inputs else (None, False, "input")
+    elif target is UNSET and loss_fn is None and len(inputs) == 3:
+        (value, target, loss_fn), unpack, what = inputs, False, "input"
+    else:
+        told = ", ".join(
+            f"{name}: {'given' if present else 'missing'}"
+            for name, present in (
+                ("target", target is not UNSET),
+                ("loss_fn", loss_fn is not None),
+            )
+        )
+        raise TypeError(
+            "step() takes the first layer's positional arguments with target and loss_fn by "
+            "keyword, step(*inputs, target=..., loss_fn=...), or one input, its target and "
+            "the loss function positionally, step(input, target, loss_fn) "
+            f"({len(inputs)} positional arguments given; {told})"
+        )
+    first, last = ends
+    if first:
+        check_input_device(value, what, devices)
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (loss_fn: {type(loss_fn).__name__})")
+    checked = check_reduction(loss_fn, reduction)
+    resolved = get_schedule(schedule)
+    if is_checkpointing() or is_recomputing():
+        raise RuntimeError(
+            "GPipe.step cannot run inside a checkpointed or recomputed function "
+            f"(checkpointing: {is_checkpointing()}, recomputing: {is_recomputing()})"
+        )
+    backward = training and torch.is_grad_enabled()
+    fields = run_fields(
+        "step", chunks=chunks, schedule=schedule, reduction=checked, training=training
+    )
+    cut = Leaves(value, backward) if first else None
+    batches, sizes = _split(cut.value if cut else None, what, chunks, share, fields, first=first)
+    given = RunInputs(
+        batches, sizes, unpack, resolved, reduction=checked, backward=backward, input=cut
+    )
+    if last:
+        given._target = Leaves(target, backward)
+        device = devices[-1] if devices else None
+        given.loss = _losses(given._target.value, sizes, chunks, device, loss_fn, checked, backward)
+    return given
+
+
+def _losses(
+    target: object,
+    sizes: Sequence[int],
+    chunks: int,
+    device: torch.device | None,
+    loss_fn: LossFunction,
+    reduction: Reduction,
+    backward: bool,
+) -> LossSpec:
+    """The losses of the last partition: ``target`` split into micro-batches of the
+    input's ``sizes`` and moved to ``device``, each micro-batch's loss scaled for
+    ``reduction``.
+
+    Raises:
+        ValueError: ``target``'s batch size differs from the input's.
+    """
+    targets = scatter(target, chunks, what="target")
+    target_sizes = batch_sizes(target, targets)
+    if list(sizes) != target_sizes:
+        raise ValueError(
+            "target must have the input's batch size "
+            f"(input: {sum(sizes)}, target: {sum(target_sizes)})"
+        )
+    if device is not None:
+        targets = [
+            batch if all(t.device == device for t in batch) else to_device(batch, device)
+            for batch in targets
+        ]
+    total = sum(sizes)
+    scales = [size / total if reduction == "mean" and total else 1.0 for size in sizes]
+    return LossSpec(loss_fn, targets, scales, backward)

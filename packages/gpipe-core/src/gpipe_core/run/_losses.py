@@ -1,6 +1,9 @@
-"""The losses of a training step (:meth:`GPipe.step <gpipe_core.GPipe.step>`).
+"""The losses of a training step (:meth:`GPipe.step <gpipe_core.GPipe.step>`): what the last
+partition needs to compute them (:class:`LossSpec`), and what the step returns
+(:class:`Losses`).
 
-It must not know how a step runs: it holds, reduces and converts the losses it is given.
+It must not know how a step runs: it computes, holds, reduces and converts the losses of
+the micro-batches it is given.
 """
 
 from __future__ import annotations
@@ -11,12 +14,74 @@ from typing import Any, Literal, overload
 import torch
 from torch import Tensor
 
-__all__ = ["LossFunction", "Losses", "Numbers", "Reduction", "from_numbers", "to_numbers"]
+from gpipe_microbatch import Batch
+
+__all__ = [
+    "LossFunction",
+    "LossSpec",
+    "Losses",
+    "Numbers",
+    "Reduction",
+    "from_numbers",
+    "to_numbers",
+]
 
 #: How a loss function reduces over the samples of a micro-batch.
 Reduction = Literal["mean", "sum"]
 #: ``loss_fn(output, target)``, returning a scalar tensor.
 LossFunction = Callable[[Any, Any], Tensor]
+
+
+class LossSpec:
+    """What the last partition of a step needs for the losses.
+
+    Args:
+        loss_fn: ``loss_fn(output, target)`` returns a scalar tensor.
+        targets: the micro-batches of the target, on the last partition's device.
+        scales: what each micro-batch's loss is multiplied by in its backward pass (the
+            gradient it is seeded with, :meth:`seed`).
+        backward: whether the losses are differentiated (a training step).
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFunction,
+        targets: Sequence[Batch],
+        scales: Sequence[float],
+        backward: bool,
+    ) -> None:
+        self.loss_fn = loss_fn
+        self.targets = targets
+        self.scales = scales
+        self.backward = backward
+        #: Each micro-batch's loss, detached, once computed.
+        self.losses: list[Tensor | None] = [None] * len(targets)
+
+    def __call__(self, i: int, output: Batch) -> Tensor:
+        loss = self.loss_fn(output.value, self.targets[i].value)
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            seen = f"shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(
+                f"loss_fn must return a scalar tensor (micro-batch {i}, loss_fn returned: {seen})"
+            )
+        if self.backward and not loss.requires_grad:
+            # loss.backward() would raise here; a step would silently train nothing.
+            raise ValueError(
+                "loss_fn must return a loss with autograd history in a training step "
+                f"(micro-batch {i}, loss_fn returned a tensor that does not require grad: "
+                "detached, constant or integer)"
+            )
+        self.losses[i] = loss.detach()
+        return loss
+
+    def seed(self, i: int, loss: Tensor) -> Tensor:
+        """The gradient micro-batch ``i``'s ``loss`` is differentiated with: its scale.
+
+        The same as differentiating ``loss * scale`` with a gradient of one (which
+        multiplies one by the scale in the loss's dtype), without the multiplication and
+        its autograd node.
+        """
+        return torch.full_like(loss, self.scales[i])
 
 
 class Losses(Sequence[Tensor]):

@@ -38,7 +38,7 @@ from functools import cached_property
 from typing import Any, TypeVar
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from gpipe_checkpoint import (
     Checkpointing,
@@ -50,19 +50,18 @@ from gpipe_checkpoint import (
     run_backward,
 )
 from gpipe_microbatch import Batch, check_output
-from gpipe_skip import SkipKey, SkipLayout
+from gpipe_skip import SkipKey
 
 from .._sequential import call_partition
 from .._stream import AbstractStream
 from ..trace._timeline import Phase
-from ..trace._tracing import Tracer
 from ._dependency import fork, join
+from ._description import RunDescription
 from ._draws import calls_plainly, draws_nothing
-from ._losses import LossFunction
 from ._skips import SkipCall
 from ._split_backward import SplitBackward, WeightGradient
 
-__all__ = ["LossSpec", "PartitionRun", "clone", "nested"]
+__all__ = ["PartitionRun", "clone", "nested"]
 
 _T = TypeVar("_T")
 _Function = Callable[[Any], object]
@@ -88,58 +87,6 @@ def clone(batch: Batch) -> Batch:
     return batch.with_tensors(tensor.clone() for tensor in batch)
 
 
-class LossSpec:
-    """What the last partition of a step needs for the losses.
-
-    Args:
-        loss_fn: ``loss_fn(output, target)`` returns a scalar tensor.
-        targets: the micro-batches of the target, on the last partition's device.
-        scales: what each micro-batch's loss is multiplied by in its backward pass (the
-            gradient it is seeded with, :meth:`seed`).
-        backward: whether the losses are differentiated (a training step).
-    """
-
-    def __init__(
-        self,
-        loss_fn: LossFunction,
-        targets: Sequence[Batch],
-        scales: Sequence[float],
-        backward: bool,
-    ) -> None:
-        self.loss_fn = loss_fn
-        self.targets = targets
-        self.scales = scales
-        self.backward = backward
-        #: Each micro-batch's loss, detached, once computed.
-        self.losses: list[Tensor | None] = [None] * len(targets)
-
-    def __call__(self, i: int, output: Batch) -> Tensor:
-        loss = self.loss_fn(output.value, self.targets[i].value)
-        if not isinstance(loss, Tensor) or loss.dim() != 0:
-            seen = f"shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
-            raise ValueError(
-                f"loss_fn must return a scalar tensor (micro-batch {i}, loss_fn returned: {seen})"
-            )
-        if self.backward and not loss.requires_grad:
-            # loss.backward() would raise here; a step would silently train nothing.
-            raise ValueError(
-                "loss_fn must return a loss with autograd history in a training step "
-                f"(micro-batch {i}, loss_fn returned a tensor that does not require grad: "
-                "detached, constant or integer)"
-            )
-        self.losses[i] = loss.detach()
-        return loss
-
-    def seed(self, i: int, loss: Tensor) -> Tensor:
-        """The gradient micro-batch ``i``'s ``loss`` is differentiated with: its scale.
-
-        The same as differentiating ``loss * scale`` with a gradient of one (which
-        multiplies one by the scale in the loss's dtype), without the multiplication and
-        its autograd node.
-        """
-        return torch.full_like(loss, self.scales[i])
-
-
 class _InFlight:
     """What a partition keeps of a micro-batch between its forward and backward pass."""
 
@@ -159,49 +106,23 @@ class _InFlight:
 
 
 class PartitionRun:
-    """Partition ``index`` on its device, for one run of ``microbatches`` micro-batches.
-
-    Args:
-        index: the partition's position in the pipeline.
-        partition: its layers, on ``device``.
-        device: where it computes.
-        stream: its compute stream.
-        microbatches: how many micro-batches the run has.
-        checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed.
-        autograd_backward: autograd drives the backward pass through the partition's graph,
-            which hangs off its input (``GPipe.forward``); otherwise the partition's graph
-            starts at leaves cut from its input and :meth:`backward` runs it
-            (``GPipe.step``).
-        grad: whether the run records autograd history (training with grad enabled).
-        skip_layout: the skip connections of the pipeline (None without any).
-        unpack: a tuple input is the positional arguments of the partition's first layer
-            (see :func:`~gpipe_core._sequential.call_partition`), not one value.
-        loss: the losses, on the last partition of a step.
-        tracer: labels and times the partition's tasks, if the run is traced.
+    """Partition ``index`` of ``run`` (:class:`~gpipe_core.run._description.RunDescription`),
+    its layers on their device, computing on ``stream``: what the run says of it (its
+    micro-batches, checkpointing, who drives the backward pass, its calling convention
+    (:func:`~gpipe_core._sequential.call_partition`), the losses on the last partition, the
+    skips, the tracer) it keeps for the run.
     """
 
-    def __init__(
-        self,
-        index: int,
-        partition: nn.Sequential,
-        device: torch.device,
-        stream: AbstractStream,
-        *,
-        microbatches: int,
-        checkpoint_stop: int,
-        autograd_backward: bool,
-        grad: bool,
-        skip_layout: SkipLayout | None = None,
-        unpack: bool = False,
-        loss: LossSpec | None = None,
-        tracer: Tracer | None = None,
-    ) -> None:
+    def __init__(self, index: int, run: RunDescription, stream: AbstractStream) -> None:
+        partition, device = run.partitions[index], run.devices[index]
+        assert partition is not None  # another process's partition has no run here
+        checkpoint_stop = run.checkpoint_stop
         self.index = index
-        self.unpack = unpack
+        self.unpack = run.unpack(index)
         self.partition = partition
         self.device = device
         self.stream = stream
-        self.microbatches = microbatches
+        self.microbatches = run.microbatches
         self.checkpoint_stop = checkpoint_stop
         #: The lock of the device's generator, held by forward passes in a run with
         #: checkpointing (see _guarded).
@@ -209,10 +130,10 @@ class PartitionRun:
         #: Whether the partition's layers cannot draw random numbers (see _draws): then
         #: its forward passes take no lock and are never replayed.
         self.draws_nothing = checkpoint_stop > 0 and draws_nothing(partition)
-        self.autograd_backward = autograd_backward
-        self.grad = grad
-        self.loss = loss
-        self.tracer = tracer
+        self.autograd_backward = run.autograd_backward
+        self.grad = run.grad
+        self.loss = run.loss_of(index)
+        self.tracer = run.tracer
         self.what = f"output of partition {index}"
         # Learned from the first micro-batches of the run (see _call).
         #: Whether the partition modifies its input in place (None: not known yet).
@@ -228,7 +149,8 @@ class PartitionRun:
         self.ordered = checkpoint_stop > 0 or device.type == "cuda"
         # The skips the partition pops, by the partition that stashes them, and those it stashes,
         # by the partition that pops them.
-        self.layout = skip_layout if skip_layout is not None and not skip_layout.empty else None
+        layout = run.skip_layout
+        self.layout = layout if layout is not None and not layout.empty else None
         self.pops: dict[int, list[SkipKey]] = {}
         self.stashes: dict[int, list[SkipKey]] = {}
         self.skippable = self.layout is not None and self.layout.has_skippables(index)
@@ -555,8 +477,8 @@ class PartitionRun:
         skip_grads: dict[SkipKey, Tensor | None],
     ) -> tuple[list[Tensor], list[Tensor]]:
         """What micro-batch ``i``'s backward pass differentiates, and with which gradients:
-        the loss (seeded with its scale, :meth:`LossSpec.seed`) and the outputs (the skips
-        stashed included) that received a gradient."""
+        the loss (seeded with its scale, :meth:`~gpipe_core.run._losses.LossSpec.seed`) and
+        the outputs (the skips stashed included) that received a gradient."""
         gradients = list(grads)
         if entry.call is not None:
             assert entry.call.structure is not None

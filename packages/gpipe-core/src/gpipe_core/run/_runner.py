@@ -59,6 +59,7 @@ from .._stream import is_cuda, use_stream
 from ..schedule._action import Action, Phase
 from ..schedule._simulate import simulate
 from ..transport._transport import Cancelled, Message, MessageKey, Transport, outgoing
+from ._description import RunDescription
 from ._order import serial_order
 from ._partition_run import PartitionRun
 from ._threads import NO_SHARE, ThreadShare
@@ -129,36 +130,29 @@ class FailureChannel:
 
 
 def run(
+    description: RunDescription,
     partitions: Sequence[PartitionRun | None],
     transport: Transport,
-    actions: Sequence[Sequence[Action]],
-    inputs: Sequence[Batch],
     pool: WorkerPool,
-    state: ThreadState,
-    threaded: bool,
-    intra_op_threads: int | None = None,
-    workers: Sequence[int] | None = None,
 ) -> list[Batch | None]:
-    """Run each worker's ``actions`` and return the last partition's output per micro-batch
-    (with its graph) where autograd drives the backward pass (``forward()``); a step keeps
-    none (None each), since holding them would keep every micro-batch's graph there.
+    """Run each worker's actions of the run (``description``) and return the last
+    partition's output per micro-batch (with its graph) where autograd drives the backward
+    pass (``forward()``); a step keeps none (None each), since holding them would keep every
+    micro-batch's graph there.
 
     Args:
+        description: the run: its action lists, micro-batches (on the first partition's
+            device), the caller's thread state (applied in every worker), whether it is
+            threaded, the placement and the workers' intra-op threads.
         partitions: the partitions, in pipeline order; None for a partition of another
             process, whose actions that process runs.
         transport: carries messages between them.
-        actions: each worker's action list, every action naming its partition.
-        inputs: the micro-batches, on the first partition's device (none where the first partition
-            runs in another process).
         pool: the worker threads, one per worker of this process.
-        state: the caller's thread state, applied in every worker.
-        threaded: run each partition of this process on its worker; otherwise in the
-            calling thread (whose state is ``state``): every partition serially, or the one
-            partition of this process.
-        intra_op_threads: GPipe's ``intra_op_threads``: how the workers on the CPU share
-            the caller's intra-op threads (see :mod:`gpipe_core.run._threads`).
-        workers: the worker of each partition (default: partition ``j`` on worker ``j``).
     """
+    actions, inputs, threaded = description.actions, description.batches, description.threaded
+    workers, state = description.placement, description.state
+    assert state is not None  # captured when the run was described
+    intra_op_threads = description.intra_op_threads
     outputs: list[Batch | None] = [None] * len({action.microbatch for action in actions[0]})
     local_run = all(partition is not None for partition in partitions)
     turns = Turns.of(transport)

@@ -13,7 +13,7 @@ So the ranks compare:
   naming it) instead of leaving them waiting in a collective it never joins;
 - **at every run** (:func:`run_fields`): the method (``step`` or ``forward``), ``chunks``,
   the schedule, training and grad mode, autocast (the device types it is on for, and its
-  dtype), the reduction and ``unpack_input``. They travel inside the run's
+  dtype) and the reduction. They travel inside the run's
   plan, which the first partition's rank sends every other rank anyway; a rank whose own
   values differ fails the run and tells every rank its values.
 
@@ -131,7 +131,6 @@ def run_fields(
     chunks: int,
     schedule: object = None,
     reduction: str | None = None,
-    unpack_input: bool | None = None,
     training: bool,
 ) -> Fields:
     """What the ranks must agree on for one run (``None`` where the method has no such
@@ -147,7 +146,6 @@ def run_fields(
         ("grad mode", torch.is_grad_enabled()),
         ("autocast", autocast_field()),
         ("reduction", reduction),
-        ("unpack_input", unpack_input),
     )
 
 
