@@ -24,7 +24,7 @@ from gpipe_microbatch import ThreadState
 from gpipe_skip import SkipLayout, inspect_skip_layout
 
 from ._arguments import Arguments, CheckpointMode, check_construction, check_data_group_devices
-from ._partition import check_balance, check_split, layer_groups, placed_layers, split_module
+from ._partition import check_module_balance, check_split, layer_groups, placed_layers, split_module
 from ._placement import Placement
 from ._sequential import PipeSequential
 from ._shared import SharedReplicas, Ties, find_shared
@@ -124,7 +124,11 @@ def build(arguments: Arguments, construction: Construction | None) -> Configurat
     seconds = cast(float | None, checked.timeout)
     assert checked.balance is not None  # found from where the layers are, if not given
     placement = Placement(
-        check_balance(module, checked.balance), checked.devices, group, seconds, placement_spec
+        check_module_balance(module, checked.balance),
+        checked.devices,
+        group,
+        seconds,
+        placement_spec,
     )
     balance, devices, local = placement.balance, placement.devices, placement.local
     check_data_group_devices(data_group, placement.local_devices())

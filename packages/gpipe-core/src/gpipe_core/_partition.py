@@ -13,15 +13,14 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from gpipe_microbatch import Device, normalize_device
-from gpipe_microbatch import check_balance as check_counts
+from gpipe_microbatch import Device, check_balance, normalize_device
 
 from ._state_dict import KeyMap, map_keys
 
 __all__ = [
     "WithDevice",
     "balance_from_placement",
-    "check_balance",
+    "check_module_balance",
     "check_split",
     "layer_groups",
     "placed_layers",
@@ -226,7 +225,7 @@ def balance_from_placement(module: nn.Sequential) -> tuple[list[int], list[torch
     return [count for _, count in runs], [device for device, _ in runs]
 
 
-def check_balance(module: nn.Sequential, balance: object) -> list[int]:
+def check_module_balance(module: nn.Sequential, balance: object) -> list[int]:
     """Check ``balance`` against ``module``; returns it as a list of layer counts.
 
     Raises:
@@ -235,7 +234,7 @@ def check_balance(module: nn.Sequential, balance: object) -> list[int]:
     """
     if len(module) == 0 and isinstance(balance, (list, tuple)) and not balance:
         return []  # an empty module: no partitions
-    return check_counts(balance, len(module))
+    return check_balance(balance, len(module))
 
 
 def resolve_devices(devices: Iterable[Device] | None, partitions: int) -> list[torch.device]:
