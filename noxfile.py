@@ -508,7 +508,7 @@ def build(session: nox.Session) -> None:
         if f"$ {command}\n" not in guide:
             session.error(f"docs/guide.rst does not give the README's command: {command}")
     hint_sources = [
-        PACKAGES_DIR / "gpipe-core" / "src" / "gpipe_core" / "_timeline.py",
+        PACKAGES_DIR / "gpipe-core" / "src" / "gpipe_core" / "trace" / "_timeline.py",
         PACKAGES_DIR / "gpipe" / "src" / "gpipe" / "_cli.py",
     ]
     for source in hint_sources:

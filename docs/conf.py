@@ -106,15 +106,20 @@ html_static_path: list[str] = []
 # -- private bases --------------------------------------------------------------------------
 
 
+def _public_base(base: type) -> type:
+    """``base``, or the first public class it derives from through gpipe's private modules."""
+    while base.__module__.startswith("gpipe") and any(
+        part.startswith("_") for part in base.__module__.split(".")[1:]
+    ):
+        base = base.__bases__[0]
+    return base
+
+
 def _public_bases(app: object, name: str, obj: object, options: object, bases: list[type]) -> None:
-    """A base class from a private module of gpipe (GPipe's ``_layers.LayersModule``)
-    shows as what it derives from: its members are documented on the class itself."""
-    bases[:] = [
-        base.__bases__[0]
-        if base.__module__.startswith("gpipe") and base.__module__.rsplit(".", 1)[-1][0] == "_"
-        else base
-        for base in bases
-    ]
+    """A base class from a private module of gpipe (GPipe's ``_collectives.Collectives``,
+    itself a ``_layers.LayersModule``) shows as the first public class it derives from: its
+    members are documented on the class itself."""
+    bases[:] = [_public_base(base) for base in bases]
 
 
 def setup(app: object) -> None:
