@@ -20,6 +20,7 @@ import gpipe_skip
 
 NAMES = [
     "BalanceError",
+    "BatchMean",
     "GPipe",
     "NoChunk",
     "PipeSequential",

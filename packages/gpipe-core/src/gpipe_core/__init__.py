@@ -17,7 +17,7 @@ from ._errors import RemotePartitionError, RemoteStageError
 from ._gpipe import GPipe
 from ._partition import WithDevice
 from ._sequential import PipeSequential
-from .run._losses import Losses
+from .run._losses import BatchMean, Losses
 from .schedule._action import Action, Phase
 from .schedule._check import ScheduleError, check_actions
 from .schedule._placement import place_partitions
@@ -46,6 +46,7 @@ from .transport._agreement import RanksDisagree
 __all__ = [
     "Action",
     "BalanceError",
+    "BatchMean",
     "CheckpointMode",
     "GPipe",
     "GPipeSchedule",

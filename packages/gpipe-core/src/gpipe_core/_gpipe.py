@@ -417,8 +417,13 @@ class GPipe(Collectives):
         with ``reduction='mean'`` by ``micro-batch size / batch size``, with ``'sum'`` not
         at all. Gradients reach ``input`` and ``target`` too when they require grad.
 
-        In eval mode, or under :func:`torch.no_grad`, the step runs the forward passes and
-        losses only, without autograd history.
+        The step follows PyTorch's grad mode, as ``loss.backward()`` on the plain model
+        would: it computes gradients whenever grad mode is on, in training and in eval mode
+        alike (fine-tuning with dropout off and batch norm frozen is ``model.eval()`` then
+        ``step``); the layers' own modes decide what dropout and batch norm do. Under
+        :func:`torch.no_grad` (or :func:`torch.inference_mode`) it runs the forward passes
+        and losses only, without autograd history. Micro-batches are checkpointed in
+        training mode only.
 
         Hooks that fire once per backward pass of the plain model fire once per
         micro-batch: step the optimizer after the step returns (see :doc:`/guide`).
@@ -511,7 +516,7 @@ class GPipe(Collectives):
         ):
             # Nothing before the run begins: an interrupt in the step (KeyboardInterrupt)
             # lands in the run, which every rank then ends.
-            backward = self.training and torch.is_grad_enabled()
+            backward = torch.is_grad_enabled()  # in eval mode too, as autograd does
             before = self._config.shared.gradients() if backward else None
             placement = self._placement
             given = step_inputs(
@@ -519,6 +524,7 @@ class GPipe(Collectives):
                 chunks=self.chunks, devices=self.devices,
                 share=functools.partial(share_plan, placement), training=self.training,
                 ends=(placement.is_local(0), placement.is_local(-1)),
+                count_mean=self._config.replicas.mean_on(self.devices),
             )  # fmt: skip
             if not self.partitions:
                 given.identity()

@@ -15,6 +15,7 @@ import gpipe_core
 PUBLIC_NAMES = [
     "Action",
     "BalanceError",
+    "BatchMean",
     "CheckpointMode",
     "GPipe",
     "GPipeSchedule",

@@ -28,7 +28,7 @@ from torch import nn
 
 from core_support.models import Pop, Stash
 from gpipe_checkpoint import is_recomputing
-from gpipe_core import Action, GPipe, NoChunk, Schedule
+from gpipe_core import Action, BatchMean, GPipe, NoChunk, Schedule
 
 WIDTH = 4
 
@@ -403,16 +403,15 @@ def case_clip_disagree(rank: int) -> dict[str, Any]:
 
 
 def case_lm_accumulate(rank: int, *, checkpoint: str) -> dict[str, Any]:
-    """The tied language model on two ranks: an eval-mode step (no gradients), then two
-    training steps whose gradients accumulate (no zeroing between them)."""
+    """The tied language model on two ranks: a step under torch.no_grad (no gradients),
+    then two training steps whose gradients accumulate (no zeroing between them)."""
     pipe = GPipe(
         language_model(8), [2, 4], chunks=2, checkpoint=checkpoint,  # type: ignore[arg-type]
         group=dist.group.WORLD, timeout=60,
     )  # fmt: skip
-    pipe.eval()
-    pipe.step(*tokens(8, 4), TokenLoss())
+    with torch.no_grad():
+        pipe.step(*tokens(8, 4), TokenLoss())
     untouched = all(p.grad is None for p in pipe.parameters())
-    pipe.train()
     for k in range(2):
         pipe.step(*tokens(9 + k, 4), TokenLoss())
     return {"untouched": untouched, "grads": {k: v.clone() for k, v in local_grads(pipe).items()}}
@@ -941,6 +940,71 @@ def case_data_parallel(
         "reduced": losses.reduced().item(),
         "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
         "all_reduces": len(reduces),
+    }
+
+
+CLASSES = 5
+
+
+def classifier(seed: int) -> nn.Sequential:
+    """Five layers ending in the logits of :data:`CLASSES` classes, float64."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(WIDTH, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, CLASSES)
+    ).double()
+
+
+def ignored_targets(seed: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and class targets, some ignored (-100): samples 2 and 3 (a micro-batch of 2
+    that keeps none), 1 and, from a batch of 16, 9 to 13 (the second half keeps fewer)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, WIDTH, dtype=torch.float64, generator=generator)
+    y = torch.randint(CLASSES, (batch,), generator=generator)
+    y[[i for i in (1, 2, 3, 9, 10, 11, 12, 13) if i < batch]] = -100
+    return x, y
+
+
+def case_batch_mean(
+    rank: int,
+    *,
+    schedule: str,
+    placement: str | None,
+    seed: int,
+    data_parallel: bool = False,
+    bad_rank: int | None = None,
+) -> dict[str, Any]:
+    """A step of :func:`classifier` with :func:`ignored_targets` and a
+    ``BatchMean(CrossEntropyLoss)``, on two ranks (four partitions with a ``placement``,
+    else two), chunks 4. With ``data_parallel``, on four ranks: pipelines {0, 1} and {2, 3},
+    each on its half of a batch of 16, replicas {0, 2} and {1, 3}. With ``bad_rank``, a
+    first step in which that rank's target is one sample short (each rank's error type is
+    ``"failed"``), then the step."""
+    group, data_group, replica = dist.group.WORLD, None, (0, 1)
+    if data_parallel:
+        pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        group, data_group, replica = pipelines[rank // 2], replicas[rank % 2], (rank // 2, 2)
+    pipe = GPipe(
+        classifier(seed), [2, 1, 1, 1] if placement else [3, 2], chunks=4, group=group,
+        data_group=data_group, placement=placement, timeout=60,
+    )  # fmt: skip
+    x, y = ignored_targets(seed, 8 * replica[1])
+    part = slice(replica[0] * 8, (replica[0] + 1) * 8)
+    loss_fn = BatchMean.from_module(nn.CrossEntropyLoss())
+    failed = None
+    if bad_rank is not None:
+        try:
+            short = y[part][:-1] if rank == bad_rank else y[part]
+            pipe.step(x[part], short, loss_fn, schedule=schedule)
+        except Exception as error:
+            failed = f"{type(error).__name__}: {error}"
+        pipe.zero_grad(set_to_none=True)
+    losses = pipe.step(x[part], y[part], loss_fn, schedule=schedule)
+    return {
+        "failed": failed,
+        "reduced": losses.reduced().item(),
+        "counts": losses.counts,
+        "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
     }
 
 

@@ -1,9 +1,10 @@
 """The test models that several of gpipe-core's test modules build.
 
-``MODES`` (every checkpoint mode), ``Scale`` and ``TrainableScale``, the ``Stash``/``Pop``
-pair of one skip, the ``MaybeStash``/``MaybePop`` pair of a skip that may be ``None``, the
-U-Net's ``Encoder``/``Decoder`` pairs (:func:`unet_layers`), and :func:`count_and_retain`
-for layers that count the hooks on an activation and retain its gradient.
+``MODES`` (every checkpoint mode), ``PLANS`` (every built-in schedule), ``Scale`` and
+``TrainableScale``, the ``Stash``/``Pop`` pair of one skip, the ``MaybeStash``/``MaybePop``
+pair of a skip that may be ``None``, the U-Net's ``Encoder``/``Decoder`` pairs
+(:func:`unet_layers`), and :func:`count_and_retain` for layers that count the hooks on an
+activation and retain its gradient.
 """
 
 from __future__ import annotations
@@ -18,6 +19,25 @@ from gpipe_skip import Namespace, pop, skippable, stash
 
 #: Every checkpoint mode of GPipe.
 MODES = ("always", "except_last", "never")
+
+#: Every built-in schedule as a test runs it on four partitions: (schedule, placement),
+#: one partition per worker where the placement is None, two per worker otherwise (on
+#: ``devices=["cpu", "cpu"]``; interleaved 1F1B then needs an even number of micro-batches,
+#: or at most two).
+PLANS: list[tuple[str, str | None]] = [
+    ("gpipe", None),
+    ("1f1b", None),
+    ("zb-h1", None),
+    ("interleaved-1f1b", "loop"),
+    ("zb-h1", "loop"),
+    ("zbv", "v"),
+    ("1f1b", "v"),
+]
+
+
+def placed(placement: str | None) -> dict[str, Any]:
+    """GPipe's keyword arguments for a plan's ``placement`` (see :data:`PLANS`)."""
+    return {"devices": ["cpu", "cpu"], "placement": placement} if placement else {}
 
 
 class Scale(nn.Module):

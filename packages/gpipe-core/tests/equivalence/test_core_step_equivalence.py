@@ -23,7 +23,15 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from core_support.models import MODES, MaybePop, MaybeStash, TrainableScale, unet_layers
+from core_support.models import (
+    MODES,
+    PLANS,
+    MaybePop,
+    MaybeStash,
+    TrainableScale,
+    placed,
+    unet_layers,
+)
 from core_support.strategies import compositions
 from core_support.turns import measured_short
 from gpipe_bn import DeferredBatchNorm
@@ -670,16 +678,6 @@ class Hooked(nn.Module):
         self.calls += 1
 
 
-#: (schedule, placement): each on one partition per worker, and the split schedules and
-#: interleaved 1F1B on two workers of two partitions each.
-PLANS = [(name, None) for name in (*SCHEDULES, "zb-h1")] + [
-    ("interleaved-1f1b", "loop"),
-    ("zb-h1", "loop"),
-    ("zbv", "v"),
-    ("1f1b", "v"),
-]
-
-
 def fingerprint(grad: torch.Tensor) -> float:
     """A number that tells gradients apart: their elements weighted unevenly."""
     weights = torch.linspace(0.3, 1.7, grad.numel(), dtype=grad.dtype) ** 3
@@ -726,8 +724,7 @@ def test_checkpoints_batch_norm_and_hooks_match_plain_on_every_schedule(
     checkpoint = data.draw(st.sampled_from(MODES), label="checkpoint")
     plain = build_observed(layers, data.draw(st.integers(0, 2**16), label="seed"))
     model = copy.deepcopy(plain)
-    workers = {"devices": ["cpu", "cpu"], "placement": placement} if placement else {}
-    pipe = GPipe(model, balance, chunks=chunks, checkpoint=checkpoint, **workers)  # type: ignore[arg-type]
+    pipe = GPipe(model, balance, chunks=chunks, checkpoint=checkpoint, **placed(placement))  # type: ignore[arg-type]
     if data.draw(st.booleans(), label="one turn"):
         measured_short(pipe)
     batch = chunks * data.draw(st.integers(2, 3), label="per micro-batch")

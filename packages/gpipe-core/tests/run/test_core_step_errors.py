@@ -388,24 +388,21 @@ def test_input_not_a_tensor(pipe: GPipe) -> None:
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("checkpoint", MODES)
-@pytest.mark.parametrize("mode", ["eval", "no_grad"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_forward_only(mode: str, checkpoint: str, schedule: str) -> None:
     model = layers(nn.Dropout(0.5), 1)
     plain = copy.deepcopy(model).eval()
     pipe = GPipe(model, balance(1), chunks=3, checkpoint=checkpoint)
     x, y = data(8)
     x.requires_grad_()
-    if mode == "eval":
-        pipe.eval()
-        losses = run_with_deadline(lambda: pipe.step(x, y, nn.MSELoss(), schedule=schedule))
-    else:
-        pipe.eval()  # no dropout, to compare with the plain model; grad is what matters
+    pipe.eval()  # no dropout, to compare with the plain model; grad mode is what matters
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
 
-        def no_grad_step() -> Any:
-            with torch.no_grad():
-                return pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+    def forward_only_step() -> Any:
+        with context():
+            return pipe.step(x, y, nn.MSELoss(), schedule=schedule)
 
-        losses = run_with_deadline(no_grad_step)
+    losses = run_with_deadline(forward_only_step)
     with torch.no_grad():
         expected = [
             nn.MSELoss()(plain(xi), yi) for xi, yi in zip(x.split(3), y.split(3), strict=True)
@@ -415,6 +412,35 @@ def test_forward_only(mode: str, checkpoint: str, schedule: str) -> None:
     assert all(not loss.requires_grad for loss in losses)
     assert x.grad is None
     assert all(p.grad is None for p in pipe.parameters())
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_eval_mode_step_computes_gradients(checkpoint: str, schedule: str) -> None:
+    """Fine-tuning in eval mode (dropout off, batch norm on its running statistics): the
+    step computes the gradients ``loss.backward()`` computes on the plain model in eval
+    mode (it computed none before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Dropout(0.5), nn.Tanh(),
+        nn.Linear(WIDTH, WIDTH),
+    ).double()  # fmt: skip
+    model[1].running_mean.uniform_()
+    plain = copy.deepcopy(model).eval()
+    pipe = GPipe(model, [2, 3], chunks=3, checkpoint=checkpoint).eval()
+    x, y = data(8)
+    x.requires_grad_()
+    plain_x = x.detach().clone().requires_grad_()
+    losses = run_with_deadline(lambda: pipe.step(x, y, nn.MSELoss(), schedule=schedule))
+    expected = nn.MSELoss()(plain(plain_x), y)
+    expected.backward()
+    torch.testing.assert_close(losses.reduced(), expected.detach())
+    for (name, got), want in zip(pipe.named_parameters(), plain.parameters(), strict=True):
+        assert got.grad is not None, name
+        torch.testing.assert_close(got.grad, want.grad)
+    torch.testing.assert_close(x.grad, plain_x.grad)
+    # Batch norm used its running statistics and did not update them.
+    torch.testing.assert_close(pipe[1].running_mean, plain[1].running_mean)
 
 
 def test_no_grad_in_training_mode_runs_forward_only() -> None:

@@ -21,6 +21,7 @@ Example:
 from gpipe_balance import BalanceError
 from gpipe_checkpoint import is_checkpointing, is_recomputing
 from gpipe_core import (
+    BatchMean,
     GPipe,
     NoChunk,
     PipeSequential,
@@ -35,6 +36,7 @@ from .__about__ import __version__
 
 __all__ = [
     "BalanceError",
+    "BatchMean",
     "GPipe",
     "NoChunk",
     "PipeSequential",

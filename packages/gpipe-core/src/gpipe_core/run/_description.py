@@ -36,7 +36,7 @@ class RunDescription:
             partition runs in another process).
         actions: each worker's action list, every action naming its partition.
         microbatches: how many micro-batches the run has.
-        grad: whether the run records autograd history (training with grad enabled).
+        grad: whether the run records autograd history (grad mode on).
         checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed.
         autograd_backward: who drives the backward pass: autograd, through the partitions'
             graphs hanging off their inputs (``GPipe.forward``), or each partition's run,

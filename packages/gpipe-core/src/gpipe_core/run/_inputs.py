@@ -15,6 +15,7 @@ run it is told.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -26,15 +27,17 @@ from gpipe_microbatch import Batch, NoChunk, make_tuple, scatter
 from ..schedule._schedules import GPipeSchedule, Schedule, get_schedule
 from ..transport._agreement import Fields, run_fields
 from ..transport._transport import Plan
-from ._losses import Losses, LossFunction, LossSpec, Reduction
+from ._losses import BatchMean, Losses, LossFunction, LossSpec, Reduction
 
 __all__ = [
     "UNSET",
+    "CountMean",
     "Leaves",
     "RunInputs",
     "Share",
     "batch_sizes",
     "check_input_device",
+    "check_loss_denominator",
     "check_reduction",
     "forward_inputs",
     "items",
@@ -90,6 +93,16 @@ def positional(inputs: tuple[Any, ...]) -> tuple[object, bool, str]:
     return inputs, True, "inputs"
 
 
+#: The mean of this rank's count of a :class:`~gpipe_core.BatchMean` over the data-parallel
+#: replicas (the count itself without replicas); None: this replica failed before it had
+#: one (the others then raise). See :meth:`~gpipe_core.transport._data_parallel.Replicas.mean`.
+CountMean = Callable[[float | None], float]
+
+
+def _alone(count: float | None) -> float:
+    return 0.0 if count is None else count
+
+
 #: ``step()``'s ``target`` when it is not given by keyword.
 UNSET: Any = object()
 
@@ -111,6 +124,13 @@ def check_input_device(value: object, what: str, devices: Sequence[torch.device]
 
 
 def check_reduction(loss_fn: object, reduction: object) -> Reduction:
+    if isinstance(loss_fn, BatchMean):
+        if reduction not in (None, "mean"):
+            raise ValueError(
+                "a BatchMean loss is a mean over the mini-batch's count; reduction must be "
+                f"'mean' or not given (reduction: {reduction!r})"
+            )
+        return "mean"
     if reduction is None:
         reduction = getattr(loss_fn, "reduction", "mean")
         if reduction not in ("mean", "sum"):
@@ -129,6 +149,40 @@ def check_reduction(loss_fn: object, reduction: object) -> Reduction:
                 f"(reduction: {reduction!r}, loss_fn.reduction: {declared!r})"
             )
     return "sum" if reduction == "sum" else "mean"
+
+
+def check_loss_denominator(loss_fn: object, target: object, micro_batches: int) -> None:
+    """Refuse a :class:`~torch.nn.CrossEntropyLoss` or :class:`~torch.nn.NLLLoss` averaged
+    over a count that depends on the data (ignored targets, class weights) when the step
+    splits the batch into several micro-batches: each micro-batch would be divided by its
+    own count, and the step's loss and gradients would not be the plain model's.
+
+    Only integer (class index) targets are looked at: their count is the data's. Looking
+    for an ignored target reads the target (a synchronization where it is on a GPU).
+    """
+    if micro_batches < 2 or not isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)):
+        return
+    if loss_fn.reduction != "mean" or not isinstance(target, torch.Tensor):
+        return
+    if target.is_floating_point():
+        return
+    name = type(loss_fn).__name__
+    if loss_fn.weight is not None:
+        why = f"{name}(weight=...) divides each micro-batch by the sum of its targets' weights"
+    else:
+        ignored = int((target == loss_fn.ignore_index).sum())
+        if not ignored:
+            return
+        why = (
+            f"{name}(ignore_index={loss_fn.ignore_index}) divides each micro-batch by the "
+            f"targets it keeps ({ignored} of the target's {target.numel()} are ignored)"
+        )
+    raise ValueError(
+        f"loss_fn {why}, not by the mini-batch's count: with {micro_batches} micro-batches "
+        "the loss and gradients would differ from the plain model's. Pass "
+        "loss_fn=gpipe_core.BatchMean.from_module(loss_fn), which divides every micro-batch "
+        "by the whole mini-batch's count, or reduction='sum' losses"
+    )
 
 
 class Leaves:
@@ -199,7 +253,7 @@ class RunInputs:
         self.unpack = unpack
         self.schedule = schedule
         self.reduction = reduction
-        #: Whether the step differentiates (training with grad enabled).
+        #: Whether the step differentiates (grad mode on).
         self.backward = backward
         self.loss: LossSpec | None = None
         self.output: object = None
@@ -225,7 +279,8 @@ class RunInputs:
             self._target.backward()
         if self.loss is None:
             return None
-        return Losses(cast(list[torch.Tensor], self.loss.losses), self.sizes, self.reduction)
+        losses = cast(list[torch.Tensor], self.loss.losses)
+        return Losses(losses, self.sizes, self.reduction, self.loss.counts)
 
 
 def _split(
@@ -285,13 +340,18 @@ def step_inputs(
     share: Share,
     training: bool,
     ends: tuple[bool, bool],
+    count_mean: CountMean = _alone,
 ) -> RunInputs:
     """``step(*inputs, target=..., loss_fn=..., schedule=..., reduction=...)``'s inputs:
     read (the first layer's positional arguments, as ``forward(*inputs)``'s are, or the
     shorthand for one input ``step(input, target, loss_fn)``), checked, cut from the
-    caller's graph in training with grad enabled, and split into ``chunks`` micro-batches:
+    caller's graph when grad mode is on, and split into ``chunks`` micro-batches:
     the input on the first partition's rank, the target on the last partition's (``ends``
     says whether each runs here), moved to its device (``devices[-1]``).
+
+    With a :class:`~gpipe_core.BatchMean`, the last partition's rank gives ``count_mean`` its
+    count once, or None if the step fails before: the data-parallel replicas sum their
+    counts so, and learn there of a replica that failed.
 
     Raises:
         TypeError: the arguments are not read either way, or ``loss_fn`` is not callable.
@@ -299,6 +359,40 @@ def step_inputs(
             or ``target``'s batch size differs from the input's.
         RuntimeError: the step is called inside a checkpointed function.
     """
+    told = False
+
+    def mean(count: float | None) -> float:
+        nonlocal told
+        told = True
+        return count_mean(count)
+
+    try:
+        return _step_inputs(
+            inputs, target, loss_fn, schedule, reduction, chunks=chunks, devices=devices,
+            share=share, training=training, ends=ends, count_mean=mean,
+        )  # fmt: skip
+    except BaseException:
+        # The loss function given by keyword, or the third of step(input, target, loss_fn).
+        given_loss = inputs[2] if loss_fn is None and len(inputs) == 3 else loss_fn
+        if ends[1] and isinstance(given_loss, BatchMean) and not told:
+            count_mean(None)
+        raise
+
+
+def _step_inputs(
+    inputs: tuple[Any, ...],
+    target: object,
+    loss_fn: object,
+    schedule: str | Schedule,
+    reduction: Reduction | None,
+    *,
+    chunks: int,
+    devices: Sequence[torch.device],
+    share: Share,
+    training: bool,
+    ends: tuple[bool, bool],
+    count_mean: CountMean,
+) -> RunInputs:
     if target is not UNSET and loss_fn is not None:
         value, unpack, what = positional(inputs) if inputs else (None, False, "input")
     elif target is UNSET and loss_fn is None and len(inputs) == 3:
@@ -329,7 +423,7 @@ def step_inputs(
             "GPipe.step cannot run inside a checkpointed or recomputed function "
             f"(checkpointing: {is_checkpointing()}, recomputing: {is_recomputing()})"
         )
-    backward = training and torch.is_grad_enabled()
+    backward = torch.is_grad_enabled()  # in eval mode too, as autograd does
     fields = run_fields(
         "step", chunks=chunks, schedule=schedule, reduction=checked, training=training
     )
@@ -341,7 +435,9 @@ def step_inputs(
     if last:
         given._target = Leaves(target, backward)
         device = devices[-1] if devices else None
-        given.loss = _losses(given._target.value, sizes, chunks, device, loss_fn, checked, backward)
+        given.loss = _losses(
+            given._target.value, sizes, chunks, device, loss_fn, checked, backward, count_mean
+        )
     return given
 
 
@@ -353,14 +449,20 @@ def _losses(
     loss_fn: LossFunction,
     reduction: Reduction,
     backward: bool,
+    count_mean: CountMean,
 ) -> LossSpec:
     """The losses of the last partition: ``target`` split into micro-batches of the
     input's ``sizes`` and moved to ``device``, each micro-batch's loss scaled for
-    ``reduction``.
+    ``reduction``; with a :class:`~gpipe_core.BatchMean`, by one over the mini-batch's count
+    (its mean over the data-parallel replicas, ``count_mean``, whose gradients are then
+    averaged).
 
     Raises:
-        ValueError: ``target``'s batch size differs from the input's.
+        ValueError: ``target``'s batch size differs from the input's, or a loss whose
+            count depends on the data with several micro-batches
+            (:func:`check_loss_denominator`).
     """
+    check_loss_denominator(loss_fn, target, len(sizes))
     targets = scatter(target, chunks, what="target")
     target_sizes = batch_sizes(target, targets)
     if list(sizes) != target_sizes:
@@ -374,5 +476,11 @@ def _losses(
             for batch in targets
         ]
     total = sum(sizes)
+    if isinstance(loss_fn, BatchMean):
+        counts = [float(loss_fn.count(batch.value)) for batch in targets]
+        mean = count_mean(sum(counts))
+        # Counting nothing, the plain model's loss is 0 / 0 and its gradients NaN.
+        scale = 1.0 / mean if mean else math.nan
+        return LossSpec(loss_fn, targets, [scale] * len(targets), backward, counts, total)
     scales = [size / total if reduction == "mean" and total else 1.0 for size in sizes]
-    return LossSpec(loss_fn, targets, scales, backward)
+    return LossSpec(loss_fn, targets, scales, backward, batch_size=total)

@@ -12,7 +12,8 @@ parameters it is given.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -60,6 +61,37 @@ class Replicas:
                 add_note(error, f"(telling the data-parallel replicas failed too: {also})")
             raise
         self.average(parameters(), failed=False)
+
+    def mean_on(self, devices: Sequence[torch.device]) -> Callable[[float | None], float]:
+        """:meth:`mean` on the last partition's device (of ``devices``, each partition's)."""
+        return functools.partial(self.mean, device=devices[-1] if devices else torch.device("cpu"))
+
+    def mean(self, value: float | None, device: torch.device) -> float:
+        """The mean of ``value`` over the replicas (``value`` itself without them), by one
+        ``all_reduce`` on ``device``; None: this replica failed before it had a value, and
+        tells the others.
+
+        Raises:
+            RuntimeError: another replica failed before it had its value.
+            TimeoutError: the replicas did not all take part within the timeout.
+        """
+        group = self.group
+        if group is None:
+            return 0.0 if value is None else value
+        flat = torch.tensor(
+            [0.0 if value is None else value, 1.0 if value is None else 0.0],
+            dtype=torch.float64, device=device,
+        )  # fmt: skip
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        wait_collective(work, self.timeout, "the data-parallel replicas did not all begin the step")
+        total, failures = flat.tolist()
+        if value is None:
+            return 0.0  # this replica raises its own error
+        if failures:
+            raise RuntimeError(
+                f"{int(failures)} data-parallel replica(s) failed before the step's losses"
+            )
+        return float(total) / group.size()
 
     def average(self, parameters: Iterable[nn.Parameter], *, failed: bool) -> None:
         """Average the gradients of ``parameters`` over the replicas (``failed``: this
