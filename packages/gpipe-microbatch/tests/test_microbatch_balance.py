@@ -61,6 +61,9 @@ def test_check_module_returns_a_sequential() -> None:
     ],
 )
 def test_check_module_refuses(module: object, seen: str) -> None:
-    message = f"module must be nn.Sequential to be partitioned (module: {seen})"
-    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+    message = f"module must be nn.Sequential to be partitioned (module: {seen}); "
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}") as caught:
         check_module(module)
+    # It says what to do, and where to read how.
+    assert "write the model as a sequence of its layers" in str(caught.value)
+    assert "guide's 'Models that are not a sequence'" in str(caught.value)

@@ -135,3 +135,24 @@ def test_readme_quick_start_runs() -> None:
     assert isinstance(model, gpipe.GPipe)
     assert isinstance(out, torch.Tensor)
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_readme_equivalence_claim_names_its_exceptions() -> None:
+    """The README's promise of the plain model's gradients says what batch norm does with
+    several micro-batches, and links the page; the numbers below are that exception."""
+    readme = REPO_ROOT / "README.md"
+    if not readme.is_file():
+        pytest.skip("no repository README next to the packages")
+    intro = readme.read_text(encoding="utf-8").split("## ", 1)[0]
+    assert "gradients are the same as without the pipeline" in intro
+    assert "batch norm" in intro and "`chunks > 1`" in intro
+    assert "docs/batchnorm.rst" in intro and (REPO_ROOT / "docs" / "batchnorm.rst").is_file()
+    assert "BatchMean" in intro
+    # The exception is real: each micro-batch normalised on its own.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    x = torch.randn(8, 4)
+    pipe = gpipe.GPipe(copy.deepcopy(plain), [2, 1], chunks=2)
+    assert not torch.allclose(pipe(x), plain(x))
+    single = gpipe.GPipe(copy.deepcopy(plain), [2, 1], chunks=1)
+    torch.testing.assert_close(single(x), plain(x))

@@ -80,16 +80,19 @@ def check_module(module: object) -> nn.Sequential:
         ``module`` itself, typed as :class:`~torch.nn.Sequential`.
 
     Raises:
-        TypeError: ``module`` is not an :class:`~torch.nn.Sequential`.
+        TypeError: ``module`` is not an :class:`~torch.nn.Sequential` (the message says how
+            to write a model as one).
 
     Example:
-        >>> check_module(nn.Linear(2, 2))
+        >>> check_module(nn.Linear(2, 2))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
           ...
-        TypeError: module must be nn.Sequential to be partitioned (module: Linear)
+        TypeError: module must be nn.Sequential to be partitioned (module: Linear); write ...
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(
-            f"module must be nn.Sequential to be partitioned (module: {type(module).__name__})"
+            f"module must be nn.Sequential to be partitioned (module: {type(module).__name__}); "
+            "write the model as a sequence of its layers, with what its forward() does between "
+            "them as layers of their own: see the guide's 'Models that are not a sequence'"
         )
     return module
