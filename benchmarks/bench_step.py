@@ -49,6 +49,8 @@ A way that cannot run says why in a row of its own. Cases:
   of any step: the model on each micro-batch in turn in one thread (``plain mb``), and the
   same cut at the partitions, one backward call per partition and micro-batch
   (``plain mb cut``);
+- beside the tiny model's ways, ``step 1f1b`` with its loss written as a ``BatchMean`` (the
+  mini-batch counted before the run) against the plain mean's;
 - one partition, one micro-batch, no checkpointing: ``fwd+bwd`` relative to ``plain``;
 - activation memory: the bytes of the tensors saved for backward (counted by saved-tensor
   hooks, each storage once, parameters excluded), after the forward and at the peak, for
@@ -74,6 +76,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import gpipe_core
 from _step_models import (
     Case,
     Check,
@@ -110,6 +113,7 @@ from _step_models import (
 from gpipe_core import GPipe
 
 HAS_STEP = hasattr(GPipe, "step")
+BatchMean = getattr(gpipe_core, "BatchMean", None)
 SCHEDULES = ("gpipe", "1f1b")
 # The ways that checkpoint (the tiny model is also timed with checkpoint='except_last').
 CHECKPOINTING = ("fwd+bwd", "torchgpipe")
@@ -150,6 +154,22 @@ def gpipe_runners(case: Case, suffix: str = "") -> dict[str, Runner | str]:
         else:
             runners[f"step {schedule}" + suffix] = "not available: this gpipe has no GPipe.step"
     return runners
+
+
+def loss_form_runners(case: Case) -> dict[str, Runner | str]:
+    """``step 1f1b`` with the case's loss (an MSE mean) written as a :class:`BatchMean`
+    (its sum over elements, divided by the mini-batch's count): the cost of counting the
+    mini-batch before the run, beside the plain mean's ``step 1f1b`` in the same group."""
+    name = "step 1f1b BatchMean (never)"
+    if BatchMean is None:
+        return {name: "not available: this gpipe has no BatchMean"}
+    model = GPipe(case.model(), case.balance, chunks=case.chunks, checkpoint="never")
+    x, y = case.data()
+    mean = BatchMean(
+        lambda output, target: torch.nn.functional.mse_loss(output, target, reduction="sum"),
+        lambda target: target.numel(),
+    )
+    return {name: timed(model, lambda: model.step(x, y, mean, schedule="1f1b"))}
 
 
 def torchgpipe_runner(case: Case) -> Runner:
@@ -431,6 +451,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # pipelining ways, whose processes would keep the cores awake for the first group.
         tasks = len(tiny.balance) * tiny.chunks
         overhead: dict[str, float | str] = {}  # microseconds per task, or why not measured
+        loss_forms: float | None = None  # step time with a BatchMean / with the plain mean
         plains: list[float] = []
         for group in (WAYS[2:6], WAYS[6:]):
             runners: dict[str, Runner | str] = {"plain": plain_runner(tiny)}
@@ -439,6 +460,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 # the other in this thread, with and without the partitions' cuts.
                 runners["plain mb"] = plain_microbatched_runner(replace(tiny, checkpoint="never"))
                 runners["plain mb cut"] = plain_cut_runner(tiny)
+                runners.update(loss_form_runners(tiny))
             for mode in ("never", "except_last"):
                 case = replace(tiny, checkpoint=mode)
                 built = group if mode == "never" else [w for w in group if w in CHECKPOINTING]
@@ -479,6 +501,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                 + " (plain mb: the model on each micro-batch in turn, one backward call "
                 "each; plain mb cut: cut at the partitions, one backward call per partition "
                 "and micro-batch, as every step makes)"
+            )
+        base, form = overhead.get("step 1f1b (never)"), overhead.get("step 1f1b BatchMean (never)")
+        if isinstance(base, float) and isinstance(form, float):
+            steps = [plains[0] + value * tasks / 1e6 for value in (base, form)]
+            loss_forms = steps[1] / steps[0]
+            print(
+                f"  a BatchMean loss (the mini-batch counted first), step 1f1b: {form:.0f} us per "
+                f"task over plain, {base:.0f} us with the plain mean; step time ratio "
+                f"{loss_forms:.3f}"
             )
         print()
 
@@ -585,6 +616,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
         )
     checks.append(("one partition, chunks=1, never: fwd+bwd / plain <= 1.03", single_ratio, 1.03))
+    loss_check = "tiny P2 M32 (never): step 1f1b with a BatchMean / with a plain mean <= 1.05"
+    checks.append((loss_check, loss_forms, 1.05))
 
     print(
         f"At the end, two threads run {parallel_speedup():.2f}x as fast as one on independent "

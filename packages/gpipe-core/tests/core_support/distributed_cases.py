@@ -954,14 +954,44 @@ def classifier(seed: int) -> nn.Sequential:
     ).double()
 
 
-def ignored_targets(seed: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and class targets, some ignored (-100): samples 2 and 3 (a micro-batch of 2
-    that keeps none), 1 and, from a batch of 16, 9 to 13 (the second half keeps fewer)."""
+def ignored_targets(
+    seed: int, batch: int, ignored: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and class targets, those at ``ignored`` ignored (-100). By default samples 2
+    and 3 (a micro-batch of 2 that keeps none), 1 and, from a batch of 16, 9 to 13 (the
+    second half keeps fewer)."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, WIDTH, dtype=torch.float64, generator=generator)
     y = torch.randint(CLASSES, (batch,), generator=generator)
-    y[[i for i in (1, 2, 3, 9, 10, 11, 12, 13) if i < batch]] = -100
+    if ignored is None:
+        ignored = [i for i in (1, 2, 3, 9, 10, 11, 12, 13) if i < batch]
+    y[ignored] = -100
     return x, y
+
+
+def mean_losses(variant: str) -> tuple[nn.Module, BatchMean]:
+    """A torch loss of ``variant`` and its :class:`BatchMean`: ``"ce"`` (ignore_index only),
+    ``"weighted"`` (class weights and label smoothing too), ``"nll"`` (log-softmax first)."""
+    if variant == "weighted":
+        weight = torch.linspace(0.5, 2.0, CLASSES, dtype=torch.float64)
+        loss: nn.Module = nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1)
+    elif variant == "nll":  # on logits: the log-softmax inside the loss
+        nll = BatchMean.from_module(nn.NLLLoss())
+        return _LogSoftmaxNLL(nn.NLLLoss()), BatchMean(
+            lambda output, target: nll.total(output.log_softmax(dim=1), target), nll.count
+        )
+    else:
+        loss = nn.CrossEntropyLoss()
+    return loss, BatchMean.from_module(loss)  # type: ignore[arg-type]
+
+
+class _LogSoftmaxNLL(nn.Module):
+    def __init__(self, nll: nn.NLLLoss) -> None:
+        super().__init__()
+        self.nll = nll
+
+    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.nll(output.log_softmax(dim=1), target)
 
 
 def case_batch_mean(
@@ -970,27 +1000,35 @@ def case_batch_mean(
     schedule: str,
     placement: str | None,
     seed: int,
+    balance: list[int] | None = None,
+    chunks: int = 4,
+    batch: int = 8,
+    ignored: list[int] | None = None,
+    variant: str = "ce",
+    checkpoint: str = "except_last",
     data_parallel: bool = False,
     bad_rank: int | None = None,
 ) -> dict[str, Any]:
-    """A step of :func:`classifier` with :func:`ignored_targets` and a
-    ``BatchMean(CrossEntropyLoss)``, on two ranks (four partitions with a ``placement``,
-    else two), chunks 4. With ``data_parallel``, on four ranks: pipelines {0, 1} and {2, 3},
-    each on its half of a batch of 16, replicas {0, 2} and {1, 3}. With ``bad_rank``, a
-    first step in which that rank's target is one sample short (each rank's error type is
-    ``"failed"``), then the step."""
+    """A step of :func:`classifier` with :func:`ignored_targets` and the :class:`BatchMean`
+    of :func:`mean_losses`, on two ranks (four partitions with a ``placement``, else two).
+    With ``data_parallel``, on four ranks: pipelines {0, 1} and {2, 3}, each on its half of
+    a batch twice as large, replicas {0, 2} and {1, 3}. With ``bad_rank``, a first step in
+    which that rank's target is one sample short (each rank's error as ``"failed"``), then
+    the step."""
     group, data_group, replica = dist.group.WORLD, None, (0, 1)
     if data_parallel:
         pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         group, data_group, replica = pipelines[rank // 2], replicas[rank % 2], (rank // 2, 2)
+    if balance is None:
+        balance = [2, 1, 1, 1] if placement else [3, 2]
     pipe = GPipe(
-        classifier(seed), [2, 1, 1, 1] if placement else [3, 2], chunks=4, group=group,
-        data_group=data_group, placement=placement, timeout=60,
+        classifier(seed), balance, chunks=chunks, group=group, data_group=data_group,
+        placement=placement, checkpoint=checkpoint, timeout=60,  # type: ignore[arg-type]
     )  # fmt: skip
-    x, y = ignored_targets(seed, 8 * replica[1])
-    part = slice(replica[0] * 8, (replica[0] + 1) * 8)
-    loss_fn = BatchMean.from_module(nn.CrossEntropyLoss())
+    x, y = ignored_targets(seed, batch * replica[1], ignored)
+    part = slice(replica[0] * batch, (replica[0] + 1) * batch)
+    _, loss_fn = mean_losses(variant)
     failed = None
     if bad_rank is not None:
         try:

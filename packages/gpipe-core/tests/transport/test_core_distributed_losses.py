@@ -10,10 +10,12 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 from torch import nn
 
 from core_support.distributed_checks import plain_name
 from core_support.models import PLANS
+from core_support.strategies import batch_mean_specs
 
 
 def plain_gradients(cases: ModuleType, seed: int, batch: int) -> tuple[float, dict[str, Any]]:
@@ -80,3 +82,25 @@ def test_batch_mean_over_data_parallel_replicas(
         half = slice((rank // 2) * 8, (rank // 2 + 1) * 8)
         own = nn.CrossEntropyLoss()(model(x[half]), y[half]).item()
         assert result["reduced"] == pytest.approx(own, rel=1e-12)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(spec=batch_mean_specs())
+def test_random_batch_means_match_plain(
+    cluster2: Any, cases: ModuleType, spec: dict[str, Any]
+) -> None:
+    """Random ignored targets (micro-batches that keep none included), balances, chunks,
+    plans and losses on two ranks: the plain model's loss and gradients on the batch."""
+    results = cluster2.results("batch_mean", **spec)
+    model = cases.classifier(spec["seed"])
+    x, y = cases.ignored_targets(spec["seed"], spec["batch"], spec["ignored"])
+    loss_fn, _ = cases.mean_losses(spec["variant"])
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    for result in results:
+        torch.testing.assert_close(
+            torch.tensor(result["reduced"], dtype=torch.float64), loss.detach(), equal_nan=True
+        )
+    grads = gathered(results)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name, equal_nan=True)

@@ -77,7 +77,7 @@ class BatchMean:
         ... )
     """
 
-    #: How the step reduces the micro-batches' losses: over the mini-batch's count.
+    # What the step reads as the reduction: a mean, over the mini-batch's count.
     reduction = "mean"
 
     def __init__(self, total: LossFunction, count: CountFunction) -> None:
