@@ -15,13 +15,13 @@ run it is told.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 
 from gpipe_checkpoint import is_checkpointing, is_recomputing
-from gpipe_microbatch import Batch, NoChunk, make_tuple, scatter
+from gpipe_microbatch import Batch, NoChunk, make_tuple, make_value, mapping_kind, scatter
 
 from ..schedule._schedules import GPipeSchedule, Schedule, get_schedule
 from ..transport._agreement import Fields, run_fields
@@ -54,8 +54,31 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 
 def items(value: object) -> tuple[object, ...]:
-    """The values of a mini-batch: the elements of a tuple, or the value itself."""
-    return value if isinstance(value, tuple) else (value,)
+    """The values of a mini-batch: the elements of a tuple, the values of a mapping, or the
+    value itself."""
+    if isinstance(value, tuple):
+        return value
+    if isinstance(value, Mapping):
+        return tuple(value.values())
+    return (value,)
+
+
+def names(value: object, what: str) -> list[str]:
+    """How errors name each of the :func:`items` of ``value`` (named ``what``)."""
+    if isinstance(value, tuple):
+        return [f"{what}[{k}]" for k in range(len(value))]
+    if isinstance(value, Mapping):
+        return [f"{what}[{key!r}]" for key in value]
+    return [what]
+
+
+def remade(value: object, values: Sequence[object]) -> object:
+    """``value`` (a tuple, a mapping or one value) with ``values`` as its :func:`items`."""
+    if isinstance(value, tuple):
+        return make_tuple(type(value), values)
+    if isinstance(value, Mapping):
+        return make_value(mapping_kind(value), values)
+    return values[0]
 
 
 def tensor_of(item: object) -> torch.Tensor | None:
@@ -100,10 +123,9 @@ def check_input_device(value: object, what: str, devices: Sequence[torch.device]
     if not devices:
         return
     expected = devices[0]
-    for index, item in enumerate(items(value)):
+    for where, item in zip(names(value, what), items(value), strict=True):
         tensor = tensor_of(item)
         if tensor is not None and tensor.device != expected:
-            where = f"{what}[{index}]" if isinstance(value, tuple) else what
             raise ValueError(
                 f"{where} must be on the first partition's device "
                 f"(devices[0]: {expected}, {where}: {tensor.device})"
@@ -158,7 +180,7 @@ class Leaves:
                 else item
                 for item in values
             )
-            self.value = make_tuple(type(value), cut) if isinstance(value, tuple) else cut[0]
+            self.value = remade(value, cut)
 
     def backward(self) -> None:
         pairs = [
