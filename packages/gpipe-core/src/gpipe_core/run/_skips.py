@@ -50,10 +50,12 @@ class SkipCall:
         skips_in: dict[SkipKey, Tensor | None],
         provides: Sequence[SkipKey],
         unpack: bool = False,
+        keywords: tuple[str, ...] = (),
     ) -> None:
         self.partition = partition
         self.what = what
         self.unpack = unpack
+        self.keywords = keywords
         self.atomic = batch.atomic
         self.kind = batch.kind
         #: How many values the partition's input has, and how many of them are tensors.
@@ -80,7 +82,8 @@ class SkipCall:
         skips.update(dict.fromkeys(self.none_in))
         tracker = SkipTracker(skips, history=True)
         with use_skip_tracker(tracker):
-            output = check_output(call_partition(self.partition, input, self.unpack), self.what)
+            called = call_partition(self.partition, input, self.unpack, self.keywords)
+            output = check_output(called, self.what)
         stashed = tracker.stashed()
         history = tuple(tracker.history or ())
         taken = Batch(output)
