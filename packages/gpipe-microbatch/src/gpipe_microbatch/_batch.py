@@ -198,19 +198,28 @@ def _holds_tensor(value: object, seen: set[int] | None = None) -> bool:
     return False
 
 
-def _items(value: object, what: str) -> tuple[tuple[object, ...], list[str]] | None:
-    """The values of a tuple or a mapping ``value`` (named ``what``) and their names in
-    errors (``what[0]``, ``what['key']``); None for one value.
+def _items(value: object, what: str) -> tuple[object, ...] | None:
+    """The values of a tuple or a mapping ``value`` (named ``what`` in errors); None for one
+    value.
 
     Raises:
         TypeError: a mapping that cannot be passed on (see :func:`mapping_kind`).
     """
     if isinstance(value, tuple):
-        return value, [f"{what}[{k}]" for k in range(len(value))]
+        return value
     if isinstance(value, Mapping):
         mapping_kind(value, what)
-        return tuple(value.values()), [f"{what}[{key!r}]" for key in value]
+        return tuple(value.values())
     return None
+
+
+def _labels(value: object, what: str) -> list[str]:
+    """How errors name the values of ``value``: ``what[0]``, ``what['key']``, or ``what``."""
+    if isinstance(value, tuple):
+        return [f"{what}[{k}]" for k in range(len(value))]
+    if isinstance(value, Mapping):
+        return [f"{what}[{key!r}]" for key in value]
+    return [what]
 
 
 def _seen(name: str, value: object) -> str:
@@ -253,7 +262,7 @@ def check_output(value: object, what: str = "output") -> object:
     if isinstance(value, Tensor):
         return value
     parts = _items(value, what)
-    items = (value,) if parts is None else parts[0]
+    items = (value,) if parts is None else parts
     found = False
     for index, item in enumerate(items):
         if isinstance(item, Tensor):
@@ -261,18 +270,19 @@ def check_output(value: object, what: str = "output") -> object:
         elif parts is not None and isinstance(item, NoChunk):
             raise TypeError(
                 f"{what} holds a NoChunk, which marks inputs only: return the tensor itself "
-                f"({_seen(parts[1][index], item)})"
+                f"({_seen(_labels(value, what)[index], item)})"
             )
         elif parts is not None and _holds_tensor(item):
             raise TypeError(
                 f"{what} holds a tensor inside another value, where it can be neither moved "
                 "between devices nor gathered: make it a value of the output tuple or mapping "
-                f"({_seen(parts[1][index], item)})"
+                f"({_seen(_labels(value, what)[index], item)})"
             )
     if found:
         return value
     if parts is not None:
-        seen = ", ".join(_seen(name, item) for name, item in zip(parts[1], items, strict=True))
+        labels = _labels(value, what)
+        seen = ", ".join(_seen(name, item) for name, item in zip(labels, items, strict=True))
         seen = seen or f"{what}: empty {_type_name(value)}"
     else:
         seen = _seen(what, value)
@@ -506,8 +516,8 @@ def _values_to_split(
     """The values of ``input`` (NoChunk tensors unwrapped), which of them to split, and
     their names in errors."""
     parts = _items(input, what)
-    items = (input,) if parts is None else parts[0]
-    labels = [what] if parts is None else parts[1]
+    items = (input,) if parts is None else parts
+    labels = _labels(input, what)
     if names is not None and parts is not None:
         if len(names) != len(items):
             raise ValueError(
