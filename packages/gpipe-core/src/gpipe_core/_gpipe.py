@@ -344,8 +344,10 @@ class GPipe(Collectives):
 
         Raises:
             TypeError: no input, an input without a tensor to split, a tensor inside
-                another value (a list of tensors: pass the tensors themselves), or a
-                partition output that holds no tensor.
+                another value (a list of tensors: pass the tensors themselves), a mapping
+                with a key that is not a string or of a type that cannot be made back, a
+                partition output that holds no tensor, or keyword inputs to an empty
+                pipeline.
             ValueError: a tensor is not on ``devices[0]``, the tensors to split have
                 different batch sizes, or the last partition's output has a tensor without
                 a batch dimension to gather.
