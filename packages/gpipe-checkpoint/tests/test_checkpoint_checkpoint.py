@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections import OrderedDict
+from typing import Any
 
 import pytest
 import torch
@@ -450,6 +452,46 @@ def test_checkpointing_by_hand_with_tuples() -> None:
     output[1].sum().backward()
     assert a.grad is not None
     assert torch.equal(a.grad, torch.full((4,), 3.0))
+
+
+class _Output(OrderedDict[str, Any]):
+    """Made from keywords only, as Hugging Face's ModelOutput."""
+
+    def __init__(self, *, hidden: Any = None, note: Any = None) -> None:
+        super().__init__()
+        for key, value in (("hidden", hidden), ("note", note)):
+            if value is not None:
+                self[key] = value
+
+
+@pytest.mark.parametrize("detached", [False, True])
+def test_checkpointing_by_hand_with_mappings(detached: bool) -> None:
+    """A dict in, a ModelOutput-like mapping out: the checkpoint phase's and the
+    recomputation's outputs keep its type and keys, and the gradients are the plain ones."""
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+
+    def function(values: Any) -> _Output:
+        assert type(values) is dict and values["scale"] == 2.0
+        return _Output(hidden=layer(values["x"]) * values["scale"], note="n")
+
+    function({"x": x, "scale": 2.0})["hidden"].sum().backward()
+    want_x, want_w = x.grad.clone(), layer.weight.grad.clone()  # type: ignore[union-attr]
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
+
+    chk = Checkpointing(function, Batch({"x": x, "scale": 2.0}))
+    output = chk.checkpoint(detached=detached)
+    assert type(output.value) is _Output and list(output.value) == ["hidden", "note"]
+    if detached:
+        output = chk.recompute()
+        assert type(output.value) is _Output and output.value["note"] == "n"
+    else:
+        chk.recompute_in_backward(output)
+    output.value["hidden"].sum().backward()  # type: ignore[index]
+    torch.testing.assert_close(x.grad, want_x)
+    torch.testing.assert_close(layer.weight.grad, want_w)
 
 
 def test_forgetting_recompute_is_a_clear_error() -> None:

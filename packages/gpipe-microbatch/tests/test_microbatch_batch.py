@@ -217,7 +217,7 @@ def test_gather_no_batches() -> None:
 
 
 def test_gather_mixed_atomic() -> None:
-    with pytest.raises(TypeError, match="mix single values and tuples"):
+    with pytest.raises(TypeError, match="mix single values and tuples or mappings"):
         gather([Batch(torch.zeros(1)), Batch((torch.zeros(1),))])
     with pytest.raises(TypeError):
         gather([Batch((torch.zeros(1),)), Batch(torch.zeros(1))])
@@ -288,7 +288,7 @@ def test_batch_call_checks_output() -> None:
     with pytest.raises(TypeError) as info:
         Batch(torch.zeros(1)).call(lambda x: [x])
     assert str(info.value) == (
-        "output must be a tensor or a tuple holding at least one tensor "
+        "output must be a tensor, or a tuple or mapping holding a tensor "
         "(output: list holding a tensor)"
     )
     with pytest.raises(TypeError, match=r"\(result: int\)"):

@@ -232,7 +232,7 @@ def test_check_output_accepts_values_beside_a_tensor() -> None:
         assert check_output(value) is value
 
 
-MUST = "must be a tensor or a tuple holding at least one tensor"
+MUST = "must be a tensor, or a tuple or mapping holding a tensor"
 NESTED = "holds a tensor inside another value"
 NOCHUNK = "holds a NoChunk, which marks inputs only"
 

@@ -37,7 +37,15 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
-from gpipe_microbatch import Batch, TensorOrTensors, ThreadState, check, check_output, get_phony
+from gpipe_microbatch import (
+    Batch,
+    Kind,
+    TensorOrTensors,
+    ThreadState,
+    check,
+    check_output,
+    get_phony,
+)
 
 from ._phase import enable_checkpointing, enable_recomputing
 from ._rng import RNGStates, replay_rng_states, save_rng_states
@@ -63,8 +71,8 @@ _Saved = tuple[RNGStates, ThreadState]
 _HOOK_REFUSED = "cannot register a hook on a tensor that doesn't require gradient"
 
 # The values of an output that are not tensors, and where they go: (atomic, present,
-# others, the type of the output tuple), kept without the output's tensors.
-_Layout = tuple[bool, tuple[bool, ...], tuple[object, ...], type[tuple[Any, ...]]]
+# others, the kind of the output tuple or mapping), kept without the output's tensors.
+_Layout = tuple[bool, tuple[bool, ...], tuple[object, ...], Kind]
 
 
 def _call(function: Function, batch: Batch, tensors: tuple[Tensor, ...]) -> Batch:

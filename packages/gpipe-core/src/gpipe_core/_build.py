@@ -100,6 +100,7 @@ class Configuration:
             autograd_backward=autograd_backward,
             loss=given.loss,
             unpack_input=given.unpack,
+            input_keywords=given.keywords,
             unpacks=self.unpacks,
             skip_layout=self.skip_layout,
             placement=placement.placement,

@@ -312,25 +312,30 @@ class GPipe(Collectives):
 
     # -- forward ---------------------------------------------------------------------
 
-    def forward(self, *inputs: Any) -> Any:
+    def forward(self, *inputs: Any, **keywords: Any) -> Any:
         """Run a mini-batch through the pipeline, as the wrapped module would run it.
 
-        ``model(input)`` passes ``input`` to the first layer, a tuple as one value, as
-        :class:`~torch.nn.Sequential` does; ``model(a, b, ...)`` calls the first layer with
-        several positional arguments, ``layer(a, b, ...)``. From there on each layer gets
-        the previous layer's output (a :class:`~gpipe_core.PipeSequential` unpacks tuples
-        into positional arguments, across partitions too).
+        ``model(input)`` passes ``input`` to the first layer, a tuple or a dict as one
+        value, as :class:`~torch.nn.Sequential` does; ``model(a, b, ...)`` calls the first
+        layer with several positional arguments, ``layer(a, b, ...)``, and
+        ``model(a, mask=m)`` or ``model(**batch)`` with keyword arguments,
+        ``layer(a, mask=m)``. From there on each layer gets the previous layer's output (a
+        :class:`~gpipe_core.PipeSequential` unpacks tuples into positional arguments,
+        across partitions too).
 
-        The input's tensors are split into micro-batches along dimension 0. A tensor
-        wrapped in :class:`~gpipe_microbatch.NoChunk`, and every value that is not a tensor
-        (a number, a string, ``None``, a small container), is passed whole to every
-        micro-batch. Partitions may return values that are not tensors too, beside at
-        least one tensor.
+        The input's tensors, positional and keyword alike, are split into micro-batches
+        along dimension 0. A tensor wrapped in :class:`~gpipe_microbatch.NoChunk`, and
+        every value that is not a tensor (a number, a string, ``None``, a small container),
+        is passed whole to every micro-batch. Partitions may return values that are not
+        tensors too, beside at least one tensor, in a tuple or in a mapping (a ``dict``, a
+        Hugging Face ``ModelOutput``), which the next layer gets whole with its type and
+        keys.
 
         Args:
-            inputs: one value (a tensor, or a tuple passed as one value), or several
-                positional arguments for the first layer. At least one tensor to split;
-                every tensor on ``devices[0]``.
+            inputs: one value (a tensor, or a tuple or dict passed as one value), or
+                several positional arguments for the first layer. At least one tensor to
+                split among them and ``keywords``; every tensor on ``devices[0]``.
+            keywords: the first layer's keyword arguments, split alike.
 
         Returns:
             The output of the last layer, on ``devices[-1]``: its tensors concatenated over
@@ -339,8 +344,10 @@ class GPipe(Collectives):
 
         Raises:
             TypeError: no input, an input without a tensor to split, a tensor inside
-                another value (a list of tensors: pass the tensors themselves), or a
-                partition output that holds no tensor.
+                another value (a list of tensors: pass the tensors themselves), a mapping
+                with a key that is not a string or of a type that cannot be made back, a
+                partition output that holds no tensor, or keyword inputs to an empty
+                pipeline.
             ValueError: a tensor is not on ``devices[0]``, the tensors to split have
                 different batch sizes, or the last partition's output has a tensor without
                 a batch dimension to gather.
@@ -349,7 +356,8 @@ class GPipe(Collectives):
                 (use :meth:`step`).
 
         With ``group`` (across processes), every rank calls it; the first partition's rank
-        takes the inputs (``model()`` or ``model(None)`` elsewhere), and the last
+        takes the inputs (``model()``, ``model(None)`` or the same inputs elsewhere: they
+        are not read), and the last
         partition's rank returns the output (``None`` elsewhere). Only inference runs so:
         autograd cannot reach across processes.
 
@@ -361,6 +369,8 @@ class GPipe(Collectives):
             >>> model = GPipe(nn.Sequential(Masked(), nn.Linear(3, 2)), [1, 1], chunks=2)
             >>> x, mask = torch.randn(4, 3), torch.tensor([1.0, 0.0, 1.0])
             >>> model(x, NoChunk(mask), 0.5).shape  # the mask is not split, nor the scale
+            torch.Size([4, 2])
+            >>> model(x=x, mask=NoChunk(mask), scale=0.5).shape  # or by keyword
             torch.Size([4, 2])
         """
         with run_session(self._placement, self._pool):
@@ -374,7 +384,8 @@ class GPipe(Collectives):
                 )
             placement, n = self._placement, len(self.partitions)
             given = forward_inputs(
-                inputs, self.chunks, self.devices, functools.partial(share_plan, placement),
+                inputs, keywords, self.chunks, self.devices,
+                functools.partial(share_plan, placement),
                 training=self.training, first=placement.is_local(0),
             )  # fmt: skip
             if not n:
@@ -401,6 +412,7 @@ class GPipe(Collectives):
         loss_fn: LossFunction | None = None,
         schedule: str | Schedule = "gpipe",
         reduction: Reduction | None = None,
+        **keywords: Any,
     ) -> Losses:
         """Run a training step: forward, loss and backward of every micro-batch.
 
@@ -435,22 +447,27 @@ class GPipe(Collectives):
         the next step.
 
         With ``group`` (across processes), every rank calls the step with the same
-        arguments: the first partition's rank uses ``input`` and the last partition's rank
-        ``target`` (``None`` is accepted where a value is unused), and every rank returns
+        arguments: the first partition's rank uses the inputs (positional and keyword) and
+        the last partition's rank ``target`` (``None``, or no input at all, is accepted
+        where a value is unused), and every rank returns
         the last rank's losses. An error on any rank ends the step on every rank (the
         others raise :class:`~gpipe_core.RemoteStageError`). With ``data_group``, the
         gradients are then averaged over the replicas (see :doc:`/distributed`).
 
         The step takes its input as :meth:`forward` does (``model.step(a, b, target=y,
-        loss_fn=f)`` calls the first layer as ``layer(a, b)``), and splits ``target``
-        alike; for one input, ``model.step(x, y, f)`` is short for ``model.step(x,
-        target=y, loss_fn=f)``.
+        loss_fn=f)`` calls the first layer as ``layer(a, b)``, ``model.step(**batch,
+        target=y, loss_fn=f)`` as ``layer(**batch)``), and splits ``target`` alike; for one
+        input, ``model.step(x, y, f)`` is short for ``model.step(x, target=y,
+        loss_fn=f)``. The step's own keywords (``target``, ``loss_fn``, ``schedule``,
+        ``reduction``) are never passed to the first layer.
 
         Args:
             inputs: the first layer's positional arguments, at least one of them holding a
                 tensor to split along dimension 0; every tensor on ``devices[0]``. Or, when
                 ``target`` and ``loss_fn`` are not given by keyword, exactly three values:
                 ``input, target, loss_fn``.
+            keywords: the first layer's keyword arguments (every keyword but the step's
+                own), split as the positional ones are.
 
         Keyword Args:
             target: a tensor or a tuple with the input's batch size, split alike (moved to
@@ -505,6 +522,12 @@ class GPipe(Collectives):
             >>> losses = model.step(x, NoChunk(mask), target=y, loss_fn=nn.MSELoss())
             >>> len(losses)
             4
+
+            Keyword inputs, a dict batch's keys for instance:
+
+            >>> batch = {"x": x, "mask": NoChunk(mask)}
+            >>> len(model.step(**batch, target=y, loss_fn=nn.MSELoss()))
+            4
         """
         # Across processes, the replicas of shared parameters get the sum of what the
         # step adds to their gradients, after every backward pass of the step, within
@@ -520,7 +543,7 @@ class GPipe(Collectives):
             before = self._config.shared.gradients() if backward else None
             placement = self._placement
             given = step_inputs(
-                inputs, target, loss_fn, schedule, reduction,
+                inputs, keywords, target, loss_fn, schedule, reduction,
                 chunks=self.chunks, devices=self.devices,
                 share=functools.partial(share_plan, placement), training=self.training,
                 ends=(placement.is_local(0), placement.is_local(-1)),

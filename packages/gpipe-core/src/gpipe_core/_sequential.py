@@ -1,5 +1,6 @@
 """Calling conventions of a sequential model: one value from layer to layer, or positional
-arguments unpacked from tuples (:class:`PipeSequential`).
+arguments unpacked from tuples (:class:`PipeSequential`); the first layer's keyword
+arguments.
 
 It must not know partitions or pipelines: it calls one layer after another.
 """
@@ -25,8 +26,9 @@ class PipeSequential(nn.Sequential):
 
     Wrapped in :class:`~gpipe_core.GPipe`, its partitions keep the convention across
     partition boundaries: a partition's tuple output is unpacked into the next partition's
-    first layer, and ``GPipe.unwrap()`` returns a ``PipeSequential``. Without layers it
-    returns its argument (or the tuple of its arguments, if several).
+    first layer, and ``GPipe.unwrap()`` returns a ``PipeSequential``. Its keyword arguments
+    are its first layer's. Without layers it returns its argument (or the tuple of its
+    arguments, if several).
 
     Example:
         >>> import torch
@@ -41,29 +43,49 @@ class PipeSequential(nn.Sequential):
         tensor([9., 9.])
     """
 
-    def forward(self, *inputs: Any) -> Any:
+    def forward(self, *inputs: Any, **keywords: Any) -> Any:
         if len(self) == 0:
             return inputs[0] if len(inputs) == 1 else inputs  # the identity
-        value: Any = inputs
-        for layer in self:
+        layers = iter(self)
+        value: Any = next(layers)(*inputs, **keywords)
+        for layer in layers:
             value = layer(*value) if isinstance(value, tuple) else layer(value)
         return value
 
 
-def call_partition(partition: nn.Sequential, value: object, unpack: bool) -> object:
+def call_partition(
+    partition: nn.Sequential, value: object, unpack: bool, keywords: tuple[str, ...] = ()
+) -> object:
     """Call ``partition`` on ``value``.
 
     With ``unpack`` and a tuple ``value``, the tuple's elements are the positional
     arguments of the partition's first layer (the arguments of ``GPipe.forward(*inputs)``,
     or a :class:`PipeSequential` partition's input); the layers of an ``nn.Sequential``
     then pass one value on, as ``nn.Sequential`` does. Otherwise ``partition(value)``.
+    With ``keywords``, the last ``len(keywords)`` elements of the tuple are the first
+    layer's keyword arguments of those names (``GPipe.forward(*inputs, **keywords)``).
+
+    Example:
+        >>> import torch
+        >>> class Masked(nn.Module):
+        ...     def forward(self, x, mask=None):
+        ...         return x * mask
+        >>> call_partition(
+        ...     nn.Sequential(Masked()), (torch.ones(2), torch.zeros(2)), True, ("mask",)
+        ... )
+        tensor([0., 0.])
     """
     if not (unpack and isinstance(value, tuple)):
         return partition(value)
+    args: tuple[object, ...] = value
+    named: dict[str, object] = {}
+    if keywords:
+        count = len(value) - len(keywords)
+        args, named = value[:count], dict(zip(keywords, value[count:], strict=True))
     if isinstance(partition, PipeSequential):
-        return partition(*value)
+        return partition(*args, **named)
     layers = iter(partition)
-    output = next(layers)(*value)
+    output = next(layers)(*args, **named)
     for layer in layers:
         output = layer(output)
     return output

@@ -218,7 +218,8 @@ NESTED = "holds a tensor inside another value"
         ([torch.zeros(2, 2)], NESTED, "input: list holding a tensor"),
         (None, NO_TENSOR, "input: NoneType"),
         (3.0, NO_TENSOR, "input: float"),
-        ({"x": torch.zeros(2, 2)}, NESTED, "input: dict holding a tensor"),
+        ({"x": [torch.zeros(2, 2)]}, NESTED, "input['x']: list holding a tensor"),
+        ({"n": 1}, NO_TENSOR, "input['n']: int"),
         ((torch.zeros(2, 2), [1, torch.zeros(2)]), NESTED, "input[1]: list holding a tensor"),
         ((torch.zeros(2, 2), {"a": (torch.zeros(2),)}), NESTED, "input[1]: dict holding a tensor"),
         ((), NO_TENSOR, "input: empty tuple"),
@@ -294,7 +295,7 @@ class ReturnsNested(nn.Module):
         return x, {"x": x}
 
 
-MUST_HOLD = "must be a tensor or a tuple holding at least one tensor"
+MUST_HOLD = "must be a tensor, or a tuple or mapping holding a tensor"
 
 
 @pytest.mark.parametrize("checkpoint", MODES)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core_support.models import Pop, Stash
+from core_support.models import DictToOutput, FromMapping, OutputToDict, Pop, Stash, ToDict
 from gpipe_checkpoint import is_recomputing
 from gpipe_core import Action, BatchMean, GPipe, NoChunk, Schedule
 
@@ -226,6 +226,14 @@ def build(layers: tuple[str, ...], seed: int) -> nn.Sequential:
             made.append(Trap())
         elif kind == "watch":
             made.append(Watch())
+        elif kind == "todict":  # a tensor (or keyword inputs) in, a dict out
+            made.append(ToDict(WIDTH))
+        elif kind == "dict2out":  # a dict in, a ModelOutput-like OrderedDict out
+            made.append(DictToOutput(WIDTH))
+        elif kind == "out2dict":
+            made.append(OutputToDict())
+        elif kind == "frommap":  # a mapping in, a tensor out
+            made.append(FromMapping(WIDTH))
         else:
             raise ValueError(f"unknown layer kind: {kind}")
     return nn.Sequential(*made).double()
@@ -593,10 +601,14 @@ def steps(
     backend: str | None = None,
     placement: str | list[int] | None = None,
     record_wire: bool = False,
+    keywords: bool = False,
 ) -> dict[str, Any]:
     """Steps of a pipeline across the group (WORLD, or a group of every rank with
     ``backend``); each rank's losses, gradients and buffers. With ``record_wire``, the
-    ``(kind, source, target)`` of every message handed to the transport, as ``"wire"``."""
+    ``(kind, source, target)`` of every message handed to the transport, as ``"wire"``.
+    With ``keywords``, the input is given by keyword to a first layer ``"todict"``
+    (``x=``, a ``NoChunk`` mask of ones and a scale of 1: the plain model's numbers), by
+    the first partition's rank only (every rank with ``give_all``)."""
     if record_wire:
         from gpipe_core.transport._distributed import DistributedTransport
 
@@ -612,7 +624,8 @@ def steps(
             result = steps(rank, layers=layers, balance=balance, seed=seed, batches=batches,
                            chunks=chunks, checkpoint=checkpoint, schedule=schedule,
                            deferred_batch_norm=deferred_batch_norm, give_all=give_all,
-                           backend=backend, placement=placement)  # fmt: skip
+                           backend=backend, placement=placement,
+                           keywords=keywords)  # fmt: skip
         finally:
             DistributedTransport.send = real  # type: ignore[method-assign]
         return {**result, "wire": wire}
@@ -635,12 +648,22 @@ def steps(
     for k, batch in enumerate(batches):
         x, y = data(seed + k, batch)
         x.requires_grad_(True)
-        losses = pipe.step(
-            x if first or give_all else None,
-            y if last or give_all else None,
-            nn.MSELoss(),
-            schedule=SCHEDULES.get(schedule, schedule),
-        )
+        if keywords:
+            ones = NoChunk(torch.ones(WIDTH, dtype=torch.float64))
+            given = {"x": x, "mask": ones, "scale": 1.0} if first or give_all else {}
+            losses = pipe.step(
+                **given,
+                target=y if last or give_all else None,
+                loss_fn=nn.MSELoss(),
+                schedule=SCHEDULES.get(schedule, schedule),
+            )
+        else:
+            losses = pipe.step(
+                x if first or give_all else None,
+                y if last or give_all else None,
+                nn.MSELoss(),
+                schedule=SCHEDULES.get(schedule, schedule),
+            )
         results.append(
             {
                 "losses": [loss.item() for loss in losses],
@@ -659,12 +682,24 @@ def steps(
 
 
 def case_forward(
-    rank: int, *, layers: tuple[str, ...], balance: list[int], seed: int, batch: int, chunks: int
-) -> torch.Tensor | None:
-    """Inference across the group: the output on the last partition's rank."""
+    rank: int,
+    *,
+    layers: tuple[str, ...],
+    balance: list[int],
+    seed: int,
+    batch: int,
+    chunks: int,
+    keywords: bool = False,
+) -> Any:
+    """Inference across the group: the output on the last partition's rank. With
+    ``keywords``, the input by keyword (``x=``, a ``NoChunk`` mask of ones and a scale of
+    1) on every rank."""
     pipe = GPipe(build(layers, seed), balance, chunks=chunks, group=dist.group.WORLD, timeout=60)
     pipe.eval()
     x, _ = data(seed, batch)
+    if keywords:
+        ones = NoChunk(torch.ones(WIDTH, dtype=torch.float64))
+        return pipe(x=x, mask=ones, scale=1.0)
     output = pipe(x if pipe.partition_ranks[0] == rank else None)
     return output
 

@@ -4,12 +4,14 @@
 ``TrainableScale``, the ``Stash``/``Pop`` pair of one skip, the ``MaybeStash``/``MaybePop``
 pair of a skip that may be ``None``, the U-Net's ``Encoder``/``Decoder`` pairs
 (:func:`unet_layers`), and :func:`count_and_retain` for layers that count the hooks on an
-activation and retain its gradient.
+activation and retain its gradient; layers that pass dicts and a ``ModelOutput``-like
+:class:`Output` and take keyword inputs (:func:`mapping_model`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections import OrderedDict
+from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
 import torch
@@ -151,3 +153,77 @@ def count_and_retain(
         y.register_hook(count)
         y.retain_grad()
         kept.append(y)
+
+
+# -- mappings between partitions, keyword inputs (issue 36) -------------------------------
+
+
+class Output(OrderedDict[str, Any]):
+    """Made as Hugging Face's ``ModelOutput``: an OrderedDict subclass built from keywords,
+    holding the keys of the values given (not None)."""
+
+    def __init__(self, *, hidden: Any = None, gate: Any = None, note: Any = None) -> None:
+        super().__init__()
+        for key, value in (("hidden", hidden), ("gate", gate), ("note", note)):
+            if value is not None:
+                self[key] = value
+
+
+class ToDict(nn.Module):
+    """A tensor (and, as the first layer, keyword inputs) in; a dict of tensors and values
+    out."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0
+    ) -> dict[str, Any]:
+        hidden = self.linear(x) * scale
+        if mask is not None:
+            hidden = hidden * mask
+        return {"hidden": hidden, "gate": torch.sigmoid(hidden), "note": "n", "none": None}
+
+
+class DictToOutput(nn.Module):
+    """A dict in, an :class:`Output` out."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, values: dict[str, Any]) -> Output:
+        assert type(values) is dict and values["note"] == "n" and values["none"] is None
+        return Output(hidden=self.linear(values["hidden"]) * values["gate"], gate=values["gate"])
+
+
+class OutputToDict(nn.Module):
+    """An :class:`Output` in, a dict out."""
+
+    def forward(self, values: Output) -> dict[str, Any]:
+        assert type(values) is Output
+        hidden = values["hidden"].tanh()
+        return {"hidden": hidden, "gate": values["gate"], "note": "n", "none": None}
+
+
+class FromMapping(nn.Module):
+    """A mapping in, a tensor out."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, values: Mapping[str, Any]) -> torch.Tensor:
+        return self.linear(values["hidden"] + values["gate"])
+
+
+def mapping_model(width: int, seed: int, repeat: int = 1) -> nn.Sequential:
+    """``ToDict`` (which takes keyword inputs), then dicts and :class:`Output` between every
+    layer, and a tensor out: ``2 * repeat + 3`` layers."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [ToDict(width)]
+    for _ in range(repeat):
+        layers += [DictToOutput(width), OutputToDict()]
+    layers += [DictToOutput(width), FromMapping(width)]
+    return nn.Sequential(*layers).double()

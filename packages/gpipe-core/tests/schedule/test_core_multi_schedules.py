@@ -2,8 +2,10 @@
 
 The action lists of every schedule on every placement are checked and simulated (bubble
 and memory against 1F1B's); then GPipe.step runs them in one process on random float64
-models, with every checkpoint mode and skips between any two partitions, and must give
-the plain model's losses and gradients; the refusals name schedule, placement and numbers.
+models, with every checkpoint mode and skips between any two partitions, and on models
+whose layers pass dicts and ModelOutput-like mappings and whose first layer takes keyword
+inputs, and must give the plain model's losses and gradients; the refusals name schedule,
+placement and numbers.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from core_support.models import MODES, Pop, Stash, count_and_retain
+from core_support.models import MODES, Pop, Stash, count_and_retain, mapping_model
 from gpipe_core import (
     Action,
     GPipe,
+    NoChunk,
     Phase,
     ScheduleError,
     check_actions,
@@ -446,6 +449,49 @@ def test_step_matches_plain_on_every_schedule_and_placement(
             assert (got.calls, len(got.kept), want.calls) == (m, m, 1)
             retained = sum(float(t.grad.sum()) for t in got.kept)  # type: ignore[union-attr]
             assert retained == pytest.approx(float(want.kept[0].grad.sum()))  # type: ignore[union-attr]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(), seed=st.integers(0, 2**16), extra=st.integers(0, 1), mixed=st.booleans())
+def test_mappings_and_keyword_inputs_match_plain_on_every_schedule(
+    case: tuple[str, str, int, str, int, list[tuple[int, int]], int, int],
+    seed: int,
+    extra: int,
+    mixed: bool,
+) -> None:
+    """Dicts and ModelOutput-like mappings between any partitions; the first layer's inputs
+    as a dict batch's keys (``step(**batch, ...)``: a per-sample mask split, a float
+    whole), or positionally and by keyword (a NoChunk scale whole)."""
+    name, kind, workers, checkpoint, chunks, _, n, _ = case
+    plain = mapping_model(3, seed, repeat=max(0, n - 3 + 1) // 2 + extra)
+    pipe = GPipe(
+        copy.deepcopy(plain), balance_of(plain, n), chunks=chunks, checkpoint=checkpoint,
+        devices=["cpu"] * workers, placement=kind,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(7, 3, dtype=torch.float64, generator=generator, requires_grad=True)
+    mask = torch.randint(0, 2, (7, 3), generator=generator).double()
+    y = torch.randn(7, 3, dtype=torch.float64, generator=generator)
+    args: tuple[object, ...] = ()
+    keywords: dict[str, object] = {"x": x, "mask": mask, "scale": 0.5}
+    if mixed:
+        args, keywords = (x,), {"mask": mask, "scale": NoChunk(torch.tensor(0.5).double())}
+    if refused(name, len(x.chunk(chunks)), n, workers):
+        return
+    losses = pipe.step(*args, **keywords, target=y, loss_fn=nn.MSELoss(), schedule=name)
+    x_grad, x.grad = x.grad, None
+    first, *rest = plain
+    value = first(
+        *args, **{k: v.tensor if isinstance(v, NoChunk) else v for k, v in keywords.items()}
+    )
+    for layer in rest:
+        value = layer(value)
+    expected = nn.MSELoss()(value, y)
+    expected.backward()
+    torch.testing.assert_close(losses.reduced(), expected.detach())
+    for p, q in zip(pipe.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    torch.testing.assert_close(x_grad, x.grad)
 
 
 @pytest.mark.parametrize("checkpoint", MODES)

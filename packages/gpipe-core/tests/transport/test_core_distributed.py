@@ -165,6 +165,24 @@ def test_random_models_match_plain(cluster2: Any, cases: ModuleType, spec: dict[
     )
 
 
+def test_inference_with_keyword_inputs_and_a_mapping_output(
+    cluster2: Any, cases: ModuleType
+) -> None:
+    """Keyword inputs given on every rank (read on the first partition's), dicts and a
+    ModelOutput-like OrderedDict between the ranks, one gathered on the last rank with its
+    type and keys."""
+    layers = ("todict", "dict2out", "out2dict", "dict2out")
+    spec = {"layers": layers, "balance": [1, 3], "seed": 3, "batch": 7, "chunks": 3}
+    outputs = cluster2.results("forward", keywords=True, **spec)
+    plain = cases.build(layers, 3).eval()
+    x, _ = cases.data(3, 7)
+    want = plain(x)
+    assert outputs[0] is None
+    assert type(outputs[1]) is type(want) and list(outputs[1]) == list(want)
+    for key in want:
+        torch.testing.assert_close(outputs[1][key], want[key])
+
+
 def test_inference_returns_the_output_on_the_last_rank(cluster2: Any, cases: ModuleType) -> None:
     layers = ("linear", "stash", "tanh", "linear", "pop", "linear")
     outputs = cluster2.results("forward", layers=layers, balance=[2, 4], seed=2, batch=7, chunks=3)

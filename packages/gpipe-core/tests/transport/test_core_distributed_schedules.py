@@ -3,8 +3,9 @@
 Four partitions on two ranks (``placement="loop"``: partitions 0, 2 | 1, 3; ``"v"``:
 0, 3 | 1, 2), each schedule on each placement it runs, every checkpoint mode, with a skip
 between partitions on one rank and one between ranks, a tuple with an integer tensor
-between partitions, an uneven last micro-batch and a batch size that changes between
-steps: the plain model's losses, gradients and input gradients. Messages between
+between partitions, dicts and ModelOutput-like mappings between partitions with keyword
+inputs, an uneven last micro-batch and a batch size that changes between steps: the plain
+model's losses, gradients and input gradients. Messages between
 partitions of one rank never reach the transport; ranks that disagree on the placement
 or the schedule raise the same error. The hypothesis equivalence over random models is
 in one process (``test_core_multi_schedules.py``); here a fixed set of combinations runs
@@ -80,19 +81,48 @@ def test_a_schedule_of_the_users_runs_on_two_partitions_per_rank(
     check_steps(cases, results, **spec)
 
 
+#: A first layer that takes keyword inputs and returns a dict, then dicts and
+#: ModelOutput-like OrderedDicts between partitions (balance [2, 2, 2, 2]).
+MAPPINGS = ("todict", "dict2out", "out2dict", "dict2out", "frommap", "tanh", "linear", "tanh")
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize(("schedule", "placement"), PAIRS)
+def test_mappings_and_keyword_inputs_with_two_partitions_per_rank(
+    cluster2: Any, cases: ModuleType, schedule: str, placement: str, checkpoint: str
+) -> None:
+    spec = {"layers": MAPPINGS, "seed": 7, "batches": [8, 7], "chunks": 4}
+    results = cluster2.results(
+        "step", balance=[2, 2, 2, 2], checkpoint=checkpoint, schedule=schedule,
+        placement=placement, keywords=True, give_all=placement == "v", **spec,
+    )  # fmt: skip
+    check_steps(cases, results, **spec)
+
+
 @st.composite
 def random_cases(draw: st.DrawFn) -> dict[str, Any]:
     """A random model of linear and tanh layers with a skip between any two positions
-    (or none), split into any four partitions, on any schedule and placement."""
-    kinds = draw(st.lists(st.sampled_from(["linear", "tanh"]), min_size=4, max_size=7))
+    (or none), or of layers that pass dicts and ModelOutput-like mappings (the first taking
+    keyword inputs, or not), split into any four partitions, on any schedule and
+    placement."""
+    keywords = False
     if draw(st.booleans()):
-        a = draw(st.integers(0, len(kinds)))
-        b = draw(st.integers(a, len(kinds)))
-        kinds = [*kinds[:a], "stash", *kinds[a:b], "pop", *kinds[b:]]
-    if "linear" not in kinds:
-        kinds.append("linear")
+        kinds = draw(st.lists(st.sampled_from(["linear", "tanh"]), min_size=4, max_size=7))
+        if draw(st.booleans()):
+            a = draw(st.integers(0, len(kinds)))
+            b = draw(st.integers(a, len(kinds)))
+            kinds = [*kinds[:a], "stash", *kinds[a:b], "pop", *kinds[b:]]
+        if "linear" not in kinds:
+            kinds.append("linear")
+    else:
+        middle = draw(st.lists(st.just(["dict2out", "out2dict"]), min_size=0, max_size=2))
+        after = draw(st.lists(st.sampled_from(["linear", "tanh"]), min_size=0, max_size=2))
+        kinds = ["todict", *(k for pair in middle for k in pair), "dict2out", "frommap", *after]
+        kinds += ["linear"] * max(0, 4 - len(kinds))
+        keywords = draw(st.booleans())
     schedule, placement = draw(st.sampled_from(PAIRS))
     return {
+        "keywords": keywords,
         "layers": tuple(kinds),
         "balance": draw(st.sampled_from(compositions(len(kinds), 4))),
         "schedule": schedule,

@@ -7,7 +7,9 @@ building blocks:
   into micro-batches and put them back together; :class:`NoChunk` marks a tensor every
   micro-batch gets whole; :func:`check`, :func:`check_output` and :func:`check_chunks`
   check what a user passes and what a layer returns; :func:`make_tuple` puts a tuple of
-  any type (a namedtuple) back together from its values.
+  any type (a namedtuple) back together from its values, and :func:`make_value` a tuple or
+  a mapping (a ``dict``, a ``ModelOutput``), whose type and keys a :class:`MappingKind`
+  (a batch's :data:`Kind`) keeps.
 * The checks of a split: :func:`check_module`, :func:`check_balance` and
   :exc:`BalanceError`, shared by the balancing tools and the pipeline.
 * Devices as users name them, shared by the balancing tools and the pipeline:
@@ -33,6 +35,7 @@ from .__about__ import __version__
 from ._balance import BalanceError, check_balance, check_module
 from ._batch import (
     Batch,
+    Kind,
     NoChunk,
     TensorOrTensors,
     check,
@@ -40,9 +43,11 @@ from ._batch import (
     check_output,
     gather,
     make_tuple,
+    make_value,
     scatter,
 )
 from ._device import Device, normalize_device, use_device
+from ._mapping import MappingKind, mapping_kind
 from ._phony import get_phony
 from ._threadstate import ThreadState
 
@@ -50,6 +55,8 @@ __all__ = [
     "BalanceError",
     "Batch",
     "Device",
+    "Kind",
+    "MappingKind",
     "NoChunk",
     "TensorOrTensors",
     "ThreadState",
@@ -62,6 +69,8 @@ __all__ = [
     "gather",
     "get_phony",
     "make_tuple",
+    "make_value",
+    "mapping_kind",
     "normalize_device",
     "scatter",
     "use_device",

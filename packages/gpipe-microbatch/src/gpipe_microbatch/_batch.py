@@ -1,22 +1,29 @@
-"""Micro-batches: a value or a tuple of values, whose tensors are split along the batch dimension.
+"""Micro-batches: a value, a tuple or a mapping of values, whose tensors are split along the
+batch dimension.
 
-A mini-batch is what a caller passes: one value, or a tuple of values. Its tensors are split
-along dimension 0 into micro-batches; a tensor wrapped in :class:`NoChunk`, and every value
-that is not a tensor (a number, a string, ``None``, a small container), is copied whole into
-every micro-batch. Gathering does the reverse: tensors are concatenated, and the other values
-of the micro-batches are returned as a list, one entry per micro-batch.
+A mini-batch is what a caller passes: one value, a tuple of values, or a mapping of values
+(a ``dict``, an ``OrderedDict``, a Hugging Face ``ModelOutput``: see
+:mod:`gpipe_microbatch._mapping`). Its tensors are split along dimension 0 into
+micro-batches; a tensor wrapped in :class:`NoChunk`, and every value that is not a tensor (a
+number, a string, ``None``, a small container), is copied whole into every micro-batch.
+Gathering does the reverse: tensors are concatenated, and the other values of the
+micro-batches are returned as a list, one entry per micro-batch. A tuple keeps its type and a
+mapping its type and keys.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 from torch import Tensor
 
+from ._mapping import MappingKind, mapping_kind
+
 __all__ = [
     "Batch",
+    "Kind",
     "NoChunk",
     "TensorOrTensors",
     "check",
@@ -24,6 +31,7 @@ __all__ = [
     "check_output",
     "gather",
     "make_tuple",
+    "make_value",
     "scatter",
 ]
 
@@ -59,6 +67,26 @@ def make_tuple(kind: TupleType, items: Iterable[object]) -> tuple[object, ...]:
     if make is not None:
         return cast(tuple[object, ...], make(items))
     return kind(tuple(items))
+
+
+#: What a batch of several values is made back as: the type of a tuple, or the
+#: :class:`~gpipe_microbatch.MappingKind` of a mapping (its type and keys).
+Kind = TupleType | MappingKind
+
+
+def make_value(kind: Kind, items: Iterable[object]) -> object:
+    """``items`` as a value of ``kind``: a tuple (:func:`make_tuple`) or a mapping
+    (:meth:`MappingKind.make <gpipe_microbatch.MappingKind.make>`).
+
+    Example:
+        >>> make_value(tuple, [1, 2])
+        (1, 2)
+        >>> make_value(Batch({"x": torch.zeros(1), "n": 3}).kind, [torch.ones(1), 4])
+        {'x': tensor([1.]), 'n': 4}
+    """
+    if isinstance(kind, MappingKind):
+        return kind.make(items)
+    return make_tuple(kind, items)
 
 
 def check(value: object, what: str = "input") -> TensorOrTensors:
@@ -154,19 +182,44 @@ class NoChunk:
 
 
 def _holds_tensor(value: object, seen: set[int] | None = None) -> bool:
-    """Whether ``value`` is, or holds in a built-in container, a tensor or a NoChunk."""
+    """Whether ``value`` is, or holds in a built-in container or a mapping, a tensor or a
+    NoChunk."""
     if isinstance(value, (Tensor, NoChunk)):
         return True
-    if isinstance(value, (list, tuple, set, frozenset, dict)):
+    if isinstance(value, (list, tuple, set, frozenset, Mapping)):
         seen = set() if seen is None else seen
         if id(value) in seen:
             return False
         seen.add(id(value))
         items: Iterable[object] = value
-        if isinstance(value, dict):
+        if isinstance(value, Mapping):
             items = (*value.keys(), *value.values())
         return any(_holds_tensor(item, seen) for item in items)
     return False
+
+
+def _items(value: object, what: str) -> tuple[object, ...] | None:
+    """The values of a tuple or a mapping ``value`` (named ``what`` in errors); None for one
+    value.
+
+    Raises:
+        TypeError: a mapping that cannot be passed on (see :func:`mapping_kind`).
+    """
+    if isinstance(value, tuple):
+        return value
+    if isinstance(value, Mapping):
+        mapping_kind(value, what)
+        return tuple(value.values())
+    return None
+
+
+def _labels(value: object, what: str) -> list[str]:
+    """How errors name the values of ``value``: ``what[0]``, ``what['key']``, or ``what``."""
+    if isinstance(value, tuple):
+        return [f"{what}[{k}]" for k in range(len(value))]
+    if isinstance(value, Mapping):
+        return [f"{what}[{key!r}]" for key in value]
+    return [what]
 
 
 def _seen(name: str, value: object) -> str:
@@ -181,10 +234,11 @@ def _seen(name: str, value: object) -> str:
 def check_output(value: object, what: str = "output") -> object:
     """Check that ``value`` can be passed on as a micro-batch; returns it.
 
-    A micro-batch is a tensor, or a tuple that holds at least one tensor among its
-    elements; its other elements may be any values (numbers, strings, ``None``, small
-    containers) that hold no tensor, since only the elements themselves are split, moved
-    between devices and differentiated. This is the check of every partition's output.
+    A micro-batch is a tensor, or a tuple or a mapping (with string keys) that holds at
+    least one tensor among its values; its other values may be any values (numbers,
+    strings, ``None``, small containers) that hold no tensor, since only the values
+    themselves are split, moved between devices and differentiated. This is the check of
+    every partition's output.
 
     Args:
         value: the value to check.
@@ -192,50 +246,57 @@ def check_output(value: object, what: str = "output") -> object:
 
     Raises:
         TypeError: ``value`` holds no tensor, holds a tensor inside a list, dict or other
-            container, or holds a :class:`NoChunk`.
+            container, holds a :class:`NoChunk`, or is a mapping with a key that is not
+            a string or whose type cannot be made back (see :class:`MappingKind`).
 
     Example:
         >>> check_output((torch.zeros(2), "label"))[1]
         'label'
+        >>> check_output({"logits": torch.zeros(2), "loss": None})["loss"] is None
+        True
         >>> check_output(None, "out")
         Traceback (most recent call last):
           ...
-        TypeError: out must be a tensor or a tuple holding at least one tensor (out: NoneType)
+        TypeError: out must be a tensor, or a tuple or mapping holding a tensor (out: NoneType)
     """
     if isinstance(value, Tensor):
         return value
-    items = value if isinstance(value, tuple) else (value,)
+    parts = _items(value, what)
+    items = (value,) if parts is None else parts
     found = False
     for index, item in enumerate(items):
         if isinstance(item, Tensor):
             found = True
-        elif isinstance(value, tuple) and isinstance(item, NoChunk):
+        elif parts is not None and isinstance(item, NoChunk):
             raise TypeError(
                 f"{what} holds a NoChunk, which marks inputs only: return the tensor itself "
-                f"({_seen(f'{what}[{index}]', item)})"
+                f"({_seen(_labels(value, what)[index], item)})"
             )
-        elif isinstance(value, tuple) and _holds_tensor(item):
+        elif parts is not None and _holds_tensor(item):
             raise TypeError(
                 f"{what} holds a tensor inside another value, where it can be neither moved "
-                "between devices nor gathered: make it an element of the output tuple "
-                f"({_seen(f'{what}[{index}]', item)})"
+                "between devices nor gathered: make it a value of the output tuple or mapping "
+                f"({_seen(_labels(value, what)[index], item)})"
             )
     if found:
         return value
-    if isinstance(value, tuple):
-        seen = ", ".join(_seen(f"{what}[{k}]", item) for k, item in enumerate(value))
-        seen = seen or f"{what}: empty tuple"
+    if parts is not None:
+        labels = _labels(value, what)
+        seen = ", ".join(_seen(name, item) for name, item in zip(labels, items, strict=True))
+        seen = seen or f"{what}: empty {_type_name(value)}"
     else:
         seen = _seen(what, value)
-    raise TypeError(f"{what} must be a tensor or a tuple holding at least one tensor ({seen})")
+    raise TypeError(f"{what} must be a tensor, or a tuple or mapping holding a tensor ({seen})")
 
 
 class Batch:
-    """A micro-batch: one value (*atomic*) or a tuple of values, and the tensors among them.
+    """A micro-batch: one value (*atomic*), a tuple or a mapping of values, and the tensors
+    among them.
 
-    Layers receive exactly what the user passed: a tuple stays a tuple and is passed to a
-    layer as a single argument, as :class:`torch.nn.Sequential` does. Values that are not
-    tensors ride along untouched.
+    Layers receive exactly what the user passed: a tuple stays a tuple (of its type) and a
+    mapping a mapping (of its type, with its keys), and either is passed to a layer as a
+    single argument, as :class:`torch.nn.Sequential` does. Values that are not tensors ride
+    along untouched.
 
     A batch is the sequence of its **tensors**: ``len(batch)``, ``batch[k]``, iteration,
     :attr:`tensors` and :meth:`replace` see the tensors only, in order, which is what
@@ -254,25 +315,37 @@ class Batch:
         >>> mixed = Batch((torch.zeros(2), 3, None))
         >>> len(mixed), mixed.present, mixed.others
         (1, (True, False, False), (3, None))
+        >>> named = Batch({"x": torch.zeros(2), "n": 3})
+        >>> named.kind.keys, len(named), named.value["n"]
+        (('x', 'n'), 1, 3)
     """
 
     __slots__ = ("_others", "_present", "_values", "atomic", "kind")
 
     def __init__(self, value: object) -> None:
-        #: Whether the batch is one value rather than a tuple.
-        self.atomic = not isinstance(value, tuple)
-        #: The type of the tuple (a namedtuple, say) that :attr:`value` gives back;
-        #: ``tuple`` for an atomic batch.
-        self.kind: TupleType = type(value) if isinstance(value, tuple) else tuple
+        #: Whether the batch is one value rather than a tuple or a mapping.
+        self.atomic = True
+        #: What :attr:`value` gives back: the type of the tuple (a namedtuple, say), or the
+        #: :class:`MappingKind` of a mapping (its type and keys); ``tuple`` for an atomic
+        #: batch.
+        self.kind: Kind = tuple
         # Only the tensors are kept in _values; _present is None when every value is one.
         self._present: tuple[bool, ...] | None = None
         self._others: tuple[object, ...] = ()
         if isinstance(value, Tensor):
             self._values: tuple[Tensor, ...] = (value,)
-        elif isinstance(value, tuple) and all(isinstance(item, Tensor) for item in value):
-            self._values = value if self.kind is tuple else tuple(value)
+            return
+        items: tuple[object, ...]
+        if isinstance(value, tuple):
+            self.atomic, self.kind, items = False, type(value), value
+        elif isinstance(value, Mapping):
+            self.atomic, self.kind = False, mapping_kind(value)
+            items = tuple(value.values())
         else:
-            items = value if isinstance(value, tuple) else (value,)
+            items = (value,)
+        if not self.atomic and all(isinstance(item, Tensor) for item in items):
+            self._values = cast(tuple[Tensor, ...], items if type(items) is tuple else tuple(items))
+        else:
             self._present = tuple(isinstance(item, Tensor) for item in items)
             self._values = tuple(item for item in items if isinstance(item, Tensor))
             self._others = tuple(item for item in items if not isinstance(item, Tensor))
@@ -284,11 +357,11 @@ class Batch:
         present: Sequence[bool],
         tensors: Iterable[Tensor],
         others: Iterable[object] = (),
-        kind: TupleType = tuple,
+        kind: Kind = tuple,
     ) -> Batch:
         """The batch whose values are ``tensors`` where ``present`` is True and ``others``
-        elsewhere, in order (as a transport's message describes them), in a tuple of type
-        ``kind`` unless ``atomic``.
+        elsewhere, in order (as a transport's message describes them), in a tuple or a
+        mapping of ``kind`` unless ``atomic``.
 
         Raises:
             ValueError: the counts do not match ``present``, or an atomic batch of several
@@ -357,12 +430,12 @@ class Batch:
 
     @property
     def value(self) -> object:
-        """The batch as the user sees it (the value, or the tuple of values, of type
+        """The batch as the user sees it (the value, or the tuple or mapping of values, of
         :attr:`kind`)."""
         values = self.values
         if self.atomic:
             return values[0]
-        return values if self.kind is tuple else make_tuple(self.kind, values)
+        return values if self.kind is tuple else make_value(self.kind, values)
 
     def with_tensors(self, tensors: Iterable[Tensor]) -> Batch:
         """A batch of the same values but with ``tensors`` in place of its tensors.
@@ -437,10 +510,20 @@ def _batch_size(split: Sequence[tuple[str, Tensor]]) -> int:
     return sizes[0]
 
 
-def _values_to_split(input: object, what: str) -> tuple[list[object], list[int]]:
-    """The values of ``input`` (NoChunk tensors unwrapped) and which of them to split."""
-    items = input if isinstance(input, tuple) else (input,)
-    names = [f"{what}[{k}]" for k in range(len(items))] if isinstance(input, tuple) else [what]
+def _values_to_split(
+    input: object, what: str, names: Sequence[str] | None
+) -> tuple[list[object], list[int], list[str]]:
+    """The values of ``input`` (NoChunk tensors unwrapped), which of them to split, and
+    their names in errors."""
+    parts = _items(input, what)
+    items = (input,) if parts is None else parts
+    labels = _labels(input, what)
+    if names is not None and parts is not None:
+        if len(names) != len(items):
+            raise ValueError(
+                f"names must name each value of {what} (names: {len(names)}, values: {len(items)})"
+            )
+        labels = list(names)
     values = list(items)
     split: list[int] = []
     for k, item in enumerate(items):
@@ -452,23 +535,29 @@ def _values_to_split(input: object, what: str) -> tuple[list[object], list[int]]
             raise TypeError(
                 f"{what} holds a tensor inside another value, where it can be neither split "
                 "into micro-batches nor moved between devices: pass the tensor itself, or "
-                f"NoChunk(tensor) to pass it whole to every micro-batch ({_seen(names[k], item)})"
+                f"NoChunk(tensor) to pass it whole to every micro-batch ({_seen(labels[k], item)})"
             )
     if not split:
-        seen = ", ".join(_seen(name, item) for name, item in zip(names, items, strict=True))
+        seen = ", ".join(_seen(name, item) for name, item in zip(labels, items, strict=True))
+        empty = f"{what}: empty {_type_name(input)}"
         raise TypeError(
             f"{what} must hold a tensor to split into micro-batches; NoChunk tensors and "
-            f"values that are not tensors are passed whole ({seen or f'{what}: empty tuple'})"
+            f"values that are not tensors are passed whole ({seen or empty})"
         )
-    return values, split
+    return values, split, labels
 
 
-def scatter(input: object, chunks: int, *, what: str = "input") -> list[Batch]:
+def scatter(
+    input: object, chunks: int, *, what: str = "input", names: Sequence[str] | None = None
+) -> list[Batch]:
     """Split a mini-batch into at most ``chunks`` micro-batches along dimension 0.
 
-    ``input`` is one value or a tuple of values. Its tensors are split; a tensor wrapped
-    in :class:`NoChunk` is unwrapped and passed whole to every micro-batch, and so is every
-    value that is not a tensor. It must hold at least one tensor to split.
+    ``input`` is one value, a tuple of values, or a mapping of values with string keys (a
+    ``dict``, an ``OrderedDict``, a ``ModelOutput``: see :class:`MappingKind`). Its
+    tensors are split; a tensor wrapped in :class:`NoChunk` is unwrapped and passed whole to
+    every micro-batch, and so is every value that is not a tensor. It must hold at least one
+    tensor to split. Each micro-batch is a tuple of the input's type, or a mapping of its
+    type and keys.
 
     The split follows :func:`torch.chunk`: every micro-batch but the last has
     ``ceil(batch_size / chunks)`` samples, and a batch smaller than ``chunks`` gives fewer
@@ -476,16 +565,21 @@ def scatter(input: object, chunks: int, *, what: str = "input") -> list[Batch]:
     the input's own tensors; several micro-batches are views of them.
 
     Args:
-        input: a tensor, or a tuple of values whose tensors have the same batch size.
+        input: a tensor, or a tuple or mapping of values whose tensors have the same batch
+            size.
         chunks: the largest number of micro-batches.
 
     Keyword Args:
         what: how error messages name the input (``"input"``; ``"input[1]"`` for an
-            element of a tuple).
+            element of a tuple, ``"input['mask']"`` for a value of a mapping).
+        names: how error messages name each value of a tuple or mapping input, in order,
+            in place of ``what[k]`` (keyword arguments by their names, say).
 
     Raises:
-        TypeError: ``input`` holds no tensor to split, or holds a tensor inside another
-            value (a list of tensors, say).
+        TypeError: ``input`` holds no tensor to split, holds a tensor inside another
+            value (a list of tensors, say), or is a mapping that cannot be passed on (a key
+            that is not a string, a type that cannot be made back: see
+            :class:`MappingKind`).
         ValueError: ``chunks`` is not positive, a tensor to split has no batch dimension,
             or the tensors to split have different batch sizes.
 
@@ -494,17 +588,22 @@ def scatter(input: object, chunks: int, *, what: str = "input") -> list[Batch]:
         [[0, 1, 2], [3, 4]]
         >>> [b.values for b in scatter((torch.arange(4), "mean"), chunks=2)]
         [(tensor([0, 1]), 'mean'), (tensor([2, 3]), 'mean')]
+        >>> [b.value for b in scatter({"x": torch.arange(4), "scale": 2}, chunks=2)]
+        [{'x': tensor([0, 1]), 'scale': 2}, {'x': tensor([2, 3]), 'scale': 2}]
     """
-    values, split = _values_to_split(input, what)
+    values, split, names = _values_to_split(input, what, names)
     check_chunks(chunks)
-    atomic = not isinstance(input, tuple)
-    kind: TupleType = type(input) if isinstance(input, tuple) else tuple
-    names = [what] if atomic else [f"{what}[{k}]" for k in range(len(values))]
+    atomic = not isinstance(input, (tuple, Mapping))
+    kind: Kind = tuple
+    if isinstance(input, tuple):
+        kind = type(input)
+    elif isinstance(input, Mapping):
+        kind = mapping_kind(input, what)
     size = _batch_size([(names[k], cast(Tensor, values[k])) for k in split])
     if size == 0 or chunks == 1 or size == 1:
         # One micro-batch: the input itself, not a view of it, so that a first layer may
         # modify it in place exactly as without micro-batches.
-        return [Batch(values[0] if atomic else make_tuple(kind, values))]
+        return [Batch(values[0] if atomic else make_value(kind, values))]
     if atomic:
         return [Batch(piece) for piece in cast(Tensor, values[0]).chunk(chunks)]
     pieces = {k: cast(Tensor, values[k]).chunk(chunks) for k in split}
@@ -514,7 +613,7 @@ def scatter(input: object, chunks: int, *, what: str = "input") -> list[Batch]:
         row = list(values)
         for k in split:
             row[k] = pieces[k][i]
-        batches.append(Batch(make_tuple(kind, row)))
+        batches.append(Batch(make_value(kind, row)))
     return batches
 
 
@@ -528,7 +627,8 @@ def gather(outputs: Sequence[Batch]) -> object:
     Raises:
         ValueError: no micro-batches.
         TypeError: the micro-batches do not have the same kind of values: a tensor in one
-            and a tuple or another value in another, tuples of different lengths.
+            and a tuple or another value in another, tuples of different lengths, mappings
+            of different types or keys.
 
     Example:
         >>> gather(scatter(torch.arange(5), chunks=2))
@@ -541,10 +641,18 @@ def gather(outputs: Sequence[Batch]) -> object:
     first = outputs[0]
     for i, batch in enumerate(outputs):
         if batch.atomic != first.atomic:
-            kinds = [_type_name(b.value) if b.atomic else "tuple" for b in (first, batch)]
+            kinds = [_kind_name(b) for b in (first, batch)]
             raise TypeError(
-                "micro-batch outputs mix single values and tuples "
+                "micro-batch outputs mix single values and tuples or mappings "
                 f"(micro-batch 0: {kinds[0]}, micro-batch {i}: {kinds[1]})"
+            )
+        if batch.kind != first.kind and (
+            isinstance(batch.kind, MappingKind) or isinstance(first.kind, MappingKind)
+        ):
+            kinds = [_kind_name(b) for b in (first, batch)]
+            raise TypeError(
+                "micro-batch outputs are of different kinds: mappings need the same type and "
+                f"keys (micro-batch 0: {kinds[0]}, micro-batch {i}: {kinds[1]})"
             )
         if len(batch.present) != len(first.present):
             raise TypeError(
@@ -571,4 +679,13 @@ def gather(outputs: Sequence[Batch]) -> object:
         else list(column)
         for here, column in zip(first.present, columns, strict=True)
     ]
-    return gathered[0] if first.atomic else make_tuple(first.kind, gathered)
+    return gathered[0] if first.atomic else make_value(first.kind, gathered)
+
+
+def _kind_name(batch: Batch) -> str:
+    """How an error message names the kind of a micro-batch's value."""
+    if batch.atomic:
+        return _type_name(batch.value)
+    if isinstance(batch.kind, MappingKind):
+        return f"{batch.kind.type.__name__} of keys {list(batch.kind.keys)}"
+    return "tuple"

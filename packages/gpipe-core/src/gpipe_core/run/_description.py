@@ -43,6 +43,8 @@ class RunDescription:
             from leaves cut from its inputs (``GPipe.step``).
         loss: the losses, computed on the last partition (a step's, on its rank).
         unpack_input: a tuple input is the first layer's positional arguments.
+        input_keywords: the names of the first layer's keyword arguments, the last values
+            of the input tuple.
         unpacks: a tuple passed between partitions is the next layer's positional arguments
             (a :class:`~gpipe_core.PipeSequential`'s convention).
         skip_layout: the skip connections of the pipeline (None without any).
@@ -68,6 +70,7 @@ class RunDescription:
     autograd_backward: bool
     loss: LossSpec | None = None
     unpack_input: bool = False
+    input_keywords: tuple[str, ...] = ()
     unpacks: bool = False
     skip_layout: SkipLayout | None = None
     placement: Sequence[int] | None = None
@@ -82,6 +85,10 @@ class RunDescription:
     def unpack(self, j: int) -> bool:
         """Whether partition ``j`` takes a tuple as its first layer's positional arguments."""
         return self.unpack_input if j == 0 else self.unpacks
+
+    def keywords(self, j: int) -> tuple[str, ...]:
+        """The names of partition ``j``'s keyword inputs (the first partition's)."""
+        return self.input_keywords if j == 0 else ()
 
     def loss_of(self, j: int) -> LossSpec | None:
         """The losses partition ``j`` computes (the last partition's)."""

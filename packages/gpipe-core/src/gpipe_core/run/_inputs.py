@@ -16,13 +16,13 @@ run it is told.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, cast
 
 import torch
 
 from gpipe_checkpoint import is_checkpointing, is_recomputing
-from gpipe_microbatch import Batch, NoChunk, make_tuple, scatter
+from gpipe_microbatch import Batch, NoChunk, make_tuple, make_value, mapping_kind, scatter
 
 from ..schedule._schedules import GPipeSchedule, Schedule, get_schedule
 from ..transport._agreement import Fields, run_fields
@@ -39,6 +39,7 @@ __all__ = [
     "check_input_device",
     "check_loss_denominator",
     "check_reduction",
+    "first_call",
     "forward_inputs",
     "items",
     "positional",
@@ -57,8 +58,31 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 
 def items(value: object) -> tuple[object, ...]:
-    """The values of a mini-batch: the elements of a tuple, or the value itself."""
-    return value if isinstance(value, tuple) else (value,)
+    """The values of a mini-batch: the elements of a tuple, the values of a mapping, or the
+    value itself."""
+    if isinstance(value, tuple):
+        return value
+    if isinstance(value, Mapping):
+        return tuple(value.values())
+    return (value,)
+
+
+def names(value: object, what: str) -> list[str]:
+    """How errors name each of the :func:`items` of ``value`` (named ``what``)."""
+    if isinstance(value, tuple):
+        return [f"{what}[{k}]" for k in range(len(value))]
+    if isinstance(value, Mapping):
+        return [f"{what}[{key!r}]" for key in value]
+    return [what]
+
+
+def remade(value: object, values: Sequence[object]) -> object:
+    """``value`` (a tuple, a mapping or one value) with ``values`` as its :func:`items`."""
+    if isinstance(value, tuple):
+        return make_tuple(type(value), values)
+    if isinstance(value, Mapping):
+        return make_value(mapping_kind(value), values)
+    return values[0]
 
 
 def tensor_of(item: object) -> torch.Tensor | None:
@@ -85,8 +109,8 @@ def positional(inputs: tuple[Any, ...]) -> tuple[object, bool, str]:
     name it."""
     if not inputs:
         raise TypeError(
-            "GPipe needs an input: the first layer's positional arguments, at least one of "
-            "them holding a tensor to split into micro-batches (inputs: ())"
+            "GPipe needs an input: the first layer's positional or keyword arguments, at "
+            "least one of them holding a tensor to split into micro-batches (inputs: ())"
         )
     if len(inputs) == 1:
         return inputs[0], False, "input"
@@ -103,20 +127,63 @@ def _alone(count: float | None) -> float:
     return 0.0 if count is None else count
 
 
+class FirstCall(NamedTuple):
+    """How the first layer is called on the mini-batch of ``forward(*inputs, **keywords)``.
+
+    Attributes:
+        value: the mini-batch: one value, or the tuple of the positional arguments followed
+            by the keyword arguments' values.
+        unpack: whether the tuple is the first layer's arguments.
+        what: how error messages name the mini-batch.
+        keywords: the names of the keyword arguments, the last values of the tuple.
+        names: how error messages name each value of the tuple (None: ``what[k]``).
+    """
+
+    value: object
+    unpack: bool
+    what: str
+    keywords: tuple[str, ...] = ()
+    names: list[str] | None = None
+
+
+def first_call(inputs: tuple[Any, ...], keywords: Mapping[str, Any]) -> FirstCall:
+    """The mini-batch of ``forward(*inputs, **keywords)`` (see :class:`FirstCall`): with
+    keyword arguments, the first layer is called ``layer(*inputs, **keywords)``, each value
+    split like a positional one; without, as :func:`positional` says.
+
+    Raises:
+        TypeError: neither positional nor keyword arguments.
+
+    Example:
+        >>> call = first_call((1,), {"mask": 2})
+        >>> call.value, call.keywords, call.names
+        ((1, 2), ('mask',), ['inputs[0]', 'mask'])
+    """
+    if not keywords:
+        return FirstCall(*positional(inputs))
+    names = [f"inputs[{k}]" for k in range(len(inputs))] + list(keywords)
+    return FirstCall((*inputs, *keywords.values()), True, "inputs", tuple(keywords), names)
+
+
 #: ``step()``'s ``target`` when it is not given by keyword.
 UNSET: Any = object()
 
 
-def check_input_device(value: object, what: str, devices: Sequence[torch.device]) -> None:
-    """Refuse a tensor of the input ``value`` (named ``what`` in errors) that is not on the
-    first partition's device (an empty pipeline takes its input where it is)."""
+def check_input_device(
+    value: object,
+    what: str,
+    devices: Sequence[torch.device],
+    labels: Sequence[str] | None = None,
+) -> None:
+    """Refuse a tensor of the input ``value`` (named ``what`` in errors, its values
+    ``labels`` if given) that is not on the first partition's device (an empty pipeline
+    takes its input where it is)."""
     if not devices:
         return
     expected = devices[0]
-    for index, item in enumerate(items(value)):
+    for where, item in zip(labels or names(value, what), items(value), strict=True):
         tensor = tensor_of(item)
         if tensor is not None and tensor.device != expected:
-            where = f"{what}[{index}]" if isinstance(value, tuple) else what
             raise ValueError(
                 f"{where} must be on the first partition's device "
                 f"(devices[0]: {expected}, {where}: {tensor.device})"
@@ -212,7 +279,7 @@ class Leaves:
                 else item
                 for item in values
             )
-            self.value = make_tuple(type(value), cut) if isinstance(value, tuple) else cut[0]
+            self.value = remade(value, cut)
 
     def backward(self) -> None:
         pairs = [
@@ -232,6 +299,8 @@ class RunInputs:
         batches: the input's micro-batches (none off the first partition's rank).
         sizes: the number of samples in each micro-batch (on every rank).
         unpack: whether the input is a tuple of the first layer's positional arguments.
+        keywords: the names of the first layer's keyword arguments, the last values of
+            the input tuple.
         schedule: the step's schedule (a forward's: fill-drain).
         loss: the loss spec, on the last partition's rank of a step (None elsewhere).
         output: an empty pipeline's forward output (its input; None otherwise).
@@ -247,8 +316,10 @@ class RunInputs:
         reduction: Reduction = "mean",
         backward: bool = False,
         input: Leaves | None = None,
+        keywords: tuple[str, ...] = (),
     ) -> None:
         self.batches = batches
+        self.keywords = keywords
         self.sizes = sizes
         self.unpack = unpack
         self.schedule = schedule
@@ -284,12 +355,12 @@ class RunInputs:
 
 
 def _split(
-    value: object, what: str, chunks: int, share: Share, fields: Fields, *, first: bool
+    value: object, call: FirstCall, chunks: int, share: Share, fields: Fields, *, first: bool
 ) -> tuple[list[Batch], list[int]]:
-    """The micro-batches of ``value`` (named ``what`` in errors) and their sizes, on the
-    first partition's rank (``first``); on other ranks, no micro-batches, and their sizes
-    from that rank, which sends them with the run's ``fields``."""
-    batches = scatter(value, chunks, what=what) if first else []
+    """The micro-batches of ``value`` (named as ``call`` says in errors) and their sizes, on
+    the first partition's rank (``first``); on other ranks, no micro-batches, and their
+    sizes from that rank, which sends them with the run's ``fields``."""
+    batches = scatter(value, chunks, what=call.what, names=call.names) if first else []
     plan = (batch_sizes(value, batches),) if first else None
     (sizes,) = share(plan, fields)
     return batches, list(sizes)
@@ -297,6 +368,7 @@ def _split(
 
 def forward_inputs(
     inputs: tuple[Any, ...],
+    keywords: Mapping[str, Any],
     chunks: int,
     devices: Sequence[torch.device],
     share: Share,
@@ -304,32 +376,39 @@ def forward_inputs(
     training: bool,
     first: bool,
 ) -> RunInputs:
-    """``forward(*inputs)``'s inputs, split into ``chunks`` micro-batches (the input's on
-    the first partition's rank, ``first``). An empty pipeline (no ``devices``) is the
-    identity: its :attr:`~RunInputs.output` is its input, as the first layer would see it.
+    """``forward(*inputs, **keywords)``'s inputs, split into ``chunks`` micro-batches (the
+    input's on the first partition's rank, ``first``; the other ranks read none). An empty
+    pipeline (no ``devices``) is the identity: its :attr:`~RunInputs.output` is its input,
+    as the first layer would see it.
 
     Raises:
-        TypeError: no input, or an input without a tensor to split.
+        TypeError: no input, an input without a tensor to split, or keyword inputs to an
+            empty pipeline.
         ValueError: a tensor is not on ``devices[0]``, or the tensors to split have
             different batch sizes.
     """
-    value: object = None
-    unpack, what = False, "input"
+    call = FirstCall(None, False, "input")
     fields = run_fields("forward", chunks=chunks, training=training)
     if first:
-        value, unpack, what = positional(inputs)
-        check_input_device(value, what, devices)
+        call = first_call(inputs, keywords)
+        check_input_device(call.value, call.what, devices, call.names)
         if not devices:
-            scatter(value, chunks, what=what)  # the same checks
-            given = RunInputs([], [], unpack, GPipeSchedule())
-            given.output = scatter(value, 1, what=what)[0].value
+            if keywords:
+                raise TypeError(
+                    "an empty pipeline is the identity of one input and takes no keyword "
+                    f"inputs (keywords: {list(keywords)})"
+                )
+            scatter(call.value, chunks, what=call.what)  # the same checks
+            given = RunInputs([], [], call.unpack, GPipeSchedule())
+            given.output = scatter(call.value, 1, what=call.what)[0].value
             return given
-    batches, sizes = _split(value, what, chunks, share, fields, first=first)
-    return RunInputs(batches, sizes, unpack, GPipeSchedule())
+    batches, sizes = _split(call.value, call, chunks, share, fields, first=first)
+    return RunInputs(batches, sizes, call.unpack, GPipeSchedule(), keywords=call.keywords)
 
 
 def step_inputs(
     inputs: tuple[Any, ...],
+    keywords: Mapping[str, Any],
     target: object,
     loss_fn: object,
     schedule: str | Schedule,
@@ -368,7 +447,7 @@ def step_inputs(
 
     try:
         return _step_inputs(
-            inputs, target, loss_fn, schedule, reduction, chunks=chunks, devices=devices,
+            inputs, keywords, target, loss_fn, schedule, reduction, chunks=chunks, devices=devices,
             share=share, training=training, ends=ends, count_mean=mean,
         )  # fmt: skip
     except BaseException:
@@ -381,6 +460,7 @@ def step_inputs(
 
 def _step_inputs(
     inputs: tuple[Any, ...],
+    keywords: Mapping[str, Any],
     target: object,
     loss_fn: object,
     schedule: str | Schedule,
@@ -393,10 +473,13 @@ def _step_inputs(
     ends: tuple[bool, bool],
     count_mean: CountMean,
 ) -> RunInputs:
+    call = FirstCall(None, False, "input")
     if target is not UNSET and loss_fn is not None:
-        value, unpack, what = positional(inputs) if inputs else (None, False, "input")
+        if inputs or keywords:
+            call = first_call(inputs, keywords)
     elif target is UNSET and loss_fn is None and len(inputs) == 3:
-        (value, target, loss_fn), unpack, what = inputs, False, "input"
+        target, loss_fn = inputs[1:]
+        call = first_call(inputs[:1], keywords)
     else:
         told = ", ".join(
             f"{name}: {'given' if present else 'missing'}"
@@ -407,13 +490,14 @@ def _step_inputs(
         )
         raise TypeError(
             "step() takes the first layer's positional arguments with target and loss_fn by "
-            "keyword, step(*inputs, target=..., loss_fn=...), or one input, its target and "
-            "the loss function positionally, step(input, target, loss_fn) "
+            "keyword, step(*inputs, target=..., loss_fn=..., **keywords), or one input, its "
+            "target and the loss function positionally, step(input, target, loss_fn) "
             f"({len(inputs)} positional arguments given; {told})"
         )
     first, last = ends
+    value = call.value
     if first:
-        check_input_device(value, what, devices)
+        check_input_device(value, call.what, devices, call.names)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (loss_fn: {type(loss_fn).__name__})")
     checked = check_reduction(loss_fn, reduction)
@@ -428,10 +512,11 @@ def _step_inputs(
         "step", chunks=chunks, schedule=schedule, reduction=checked, training=training
     )
     cut = Leaves(value, backward) if first else None
-    batches, sizes = _split(cut.value if cut else None, what, chunks, share, fields, first=first)
+    batches, sizes = _split(cut.value if cut else None, call, chunks, share, fields, first=first)
     given = RunInputs(
-        batches, sizes, unpack, resolved, reduction=checked, backward=backward, input=cut
-    )
+        batches, sizes, call.unpack, resolved, reduction=checked, backward=backward, input=cut,
+        keywords=call.keywords,
+    )  # fmt: skip
     if last:
         given._target = Leaves(target, backward)
         device = devices[-1] if devices else None

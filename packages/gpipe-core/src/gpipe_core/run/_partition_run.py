@@ -119,6 +119,7 @@ class PartitionRun:
         checkpoint_stop = run.checkpoint_stop
         self.index = index
         self.unpack = run.unpack(index)
+        self.keywords = run.keywords(index)
         self.partition = partition
         self.device = device
         self.stream = stream
@@ -275,7 +276,9 @@ class PartitionRun:
         if self.skippable:
             assert self.layout is not None
             provides = [route.key for route in self.layout.provides(self.index)]
-            call = SkipCall(self.partition, self.what, batch, skips, provides, self.unpack)
+            call = SkipCall(
+                self.partition, self.what, batch, skips, provides, self.unpack, self.keywords
+            )
             batch = call.flat_input(batch, skips)
         checkpointed = i < self.checkpoint_stop
         tracer = self.tracer
@@ -290,10 +293,12 @@ class PartitionRun:
         if call is not None:
             function = call  # it checks the partition's output itself
         else:
-            partition, what, unpack = self.partition, self.what, self.unpack
+            partition, what, unpack, keywords = (
+                self.partition, self.what, self.unpack, self.keywords
+            )  # fmt: skip
 
             def function(input: Any) -> object:
-                return check_output(call_partition(partition, input, unpack), what)
+                return check_output(call_partition(partition, input, unpack, keywords), what)
 
         chk: Checkpointing | None = None
         compute: Callable[[], Batch]

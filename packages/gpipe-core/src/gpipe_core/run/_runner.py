@@ -46,12 +46,12 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from functools import partial
 from types import TracebackType
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import Tensor
 
-from gpipe_microbatch import Batch, ThreadState, use_device
+from gpipe_microbatch import Batch, Kind, ThreadState, use_device
 from gpipe_skip import SkipKey
 
 from .._errors import add_note
@@ -458,7 +458,7 @@ class _Executor:
                 output.values,
                 atomic=output.atomic,
                 needs_grad=needs_grad,
-                tuple_type=output.kind,
+                kind=output.kind,
             )
         for target, keys in partition.stashes.items():
             values = [stashed[key] for key in keys]
@@ -494,16 +494,14 @@ class _Executor:
         *,
         atomic: bool = False,
         needs_grad: bool = False,
-        tuple_type: type[tuple[Any, ...]] = tuple,
+        kind: Kind = tuple,
     ) -> None:
         """Send a message (see :func:`outgoing`): into the mailbox between partitions of
         one worker (one device, one compute stream: nothing to wait for), else through the
         transport. Its tensors keep their graph where autograd drives the backward pass
         (``forward()``): each partition of a step starts its own."""
         detach = not self.partition(key.source).autograd_backward
-        message = outgoing(
-            values, atomic=atomic, needs_grad=needs_grad, detach=detach, tuple_type=tuple_type
-        )
+        message = outgoing(values, atomic=atomic, needs_grad=needs_grad, detach=detach, kind=kind)
         if self.workers[key.source] != self.workers[key.target]:
             self.transport.send(key, message)
         else:

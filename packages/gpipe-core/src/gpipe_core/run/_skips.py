@@ -18,21 +18,20 @@ runner's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from torch import Tensor, nn
 
-from gpipe_microbatch import Batch, check_output, make_tuple
+from gpipe_microbatch import Batch, Kind, check_output, make_value
 from gpipe_skip import SkipKey, SkipTracker, use_skip_tracker
 
 from .._sequential import call_partition
 
 __all__ = ["SkipCall"]
 
-# How a partition's flat output splits: the type of its output tuple (None for one
-# value), which of its values are tensors, and which outgoing skips are tensors (the
+# How a partition's flat output splits: the kind of its output tuple or mapping (None for
+# one value), which of its values are tensors, and which outgoing skips are tensors (the
 # others are None).
-_Structure = tuple[type[tuple[Any, ...]] | None, tuple[bool, ...], tuple[SkipKey, ...]]
+_Structure = tuple[Kind | None, tuple[bool, ...], tuple[SkipKey, ...]]
 
 
 class SkipCall:
@@ -51,10 +50,12 @@ class SkipCall:
         skips_in: dict[SkipKey, Tensor | None],
         provides: Sequence[SkipKey],
         unpack: bool = False,
+        keywords: tuple[str, ...] = (),
     ) -> None:
         self.partition = partition
         self.what = what
         self.unpack = unpack
+        self.keywords = keywords
         self.atomic = batch.atomic
         self.kind = batch.kind
         #: How many values the partition's input has, and how many of them are tensors.
@@ -74,23 +75,25 @@ class SkipCall:
 
     def __call__(self, flat: object) -> tuple[object, ...]:
         values = flat if isinstance(flat, tuple) else (flat,)
-        input = values[0] if self.atomic else make_tuple(self.kind, values[: self.values])
+        input = values[0] if self.atomic else make_value(self.kind, values[: self.values])
         skips: dict[SkipKey, Tensor | None] = dict(
             zip(self.in_keys, values[self.values :], strict=True)
         )
         skips.update(dict.fromkeys(self.none_in))
         tracker = SkipTracker(skips, history=True)
         with use_skip_tracker(tracker):
-            output = check_output(call_partition(self.partition, input, self.unpack), self.what)
+            called = call_partition(self.partition, input, self.unpack, self.keywords)
+            output = check_output(called, self.what)
         stashed = tracker.stashed()
         history = tuple(tracker.history or ())
-        outputs = output if isinstance(output, tuple) else (output,)
+        taken = Batch(output)
+        outputs = taken.values
         skip_values = [stashed[key] for key in self.provides]
         present = tuple(
             key for key, value in zip(self.provides, skip_values, strict=True) if value is not None
         )
         kinds = tuple(isinstance(value, Tensor) for value in outputs)
-        structure = (type(output) if isinstance(output, tuple) else None, kinds, present)
+        structure = (None if taken.atomic else taken.kind, kinds, present)
         if self.structure is None:
             self.structure, self.history = structure, history
         elif structure != self.structure or history != self.history:
@@ -110,7 +113,7 @@ class SkipCall:
         kind, kinds, present = self.structure
         values = flat.values
         count = len(kinds)
-        output = Batch(values[0] if kind is None else make_tuple(kind, values[:count]))
+        output = Batch(values[0] if kind is None else make_value(kind, values[:count]))
         skips: dict[SkipKey, Tensor | None] = dict.fromkeys(self.provides)
         skips.update(zip(present, values[count:], strict=True))  # type: ignore[arg-type]
         return output, skips

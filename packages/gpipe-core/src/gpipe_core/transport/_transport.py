@@ -6,7 +6,7 @@ are (:class:`MessageKey`): the activations of micro-batch ``i`` from partition `
 ``j + 1``, their gradients back, and the skip tensors and their gradients between the
 partition that stashes and the partition that pops. A message carries its tensors and what the
 receiver needs to know of them (:class:`Message`): which values are tensors, whether each
-tensor required grad, whether the value was one value or a tuple. Values that are not
+tensor required grad, whether the value was one value, a tuple or a mapping. Values that are not
 tensors (``None`` included: a missing gradient, a ``None`` skip; or a number, a string,
 a small container a partition returned) travel as Python objects beside the tensors.
 
@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from gpipe_checkpoint import is_differentiable
-from gpipe_microbatch import Batch, make_tuple
+from gpipe_microbatch import Batch, Kind, make_value
 
 from .._stream import AbstractStream, is_cuda
 from ..trace._tracing import Tracer
@@ -93,8 +93,10 @@ class Message(NamedTuple):
     tensors: Batch
     #: The values that are not tensors (``None`` included), in order, as Python objects.
     others: tuple[object, ...] = ()
-    #: The type of the tuple the values were (a namedtuple, say); ``tuple`` for one value.
-    tuple_type: type[tuple[Any, ...]] = tuple
+    #: What the values were: the type of their tuple (a namedtuple, say), or the
+    #: :class:`~gpipe_microbatch.MappingKind` of their mapping (its type and keys); ``tuple``
+    #: for one value.
+    kind: Kind = tuple
 
     def values(self) -> list[object]:
         """Every value, in order: the tensors, and :attr:`others` where ``present`` is
@@ -103,9 +105,9 @@ class Message(NamedTuple):
         return [next(tensors) if here else next(others) for here in self.present]
 
     def value(self, values: Sequence[object]) -> object:
-        """What the message's :meth:`values` were sent as (one value, or a tuple of type
-        :attr:`tuple_type`), with ``values`` in their place."""
-        return values[0] if self.atomic else make_tuple(self.tuple_type, values)
+        """What the message's :meth:`values` were sent as (one value, or a tuple or a
+        mapping of :attr:`kind`), with ``values`` in their place."""
+        return values[0] if self.atomic else make_value(self.kind, values)
 
     def detached(self) -> Message:
         """The message with its tensors detached from their graph (itself if none has
@@ -127,7 +129,7 @@ def outgoing(
     atomic: bool = False,
     needs_grad: bool = False,
     detach: bool,
-    tuple_type: type[tuple[Any, ...]] = tuple,
+    kind: Kind = tuple,
 ) -> Message:
     """The message that carries ``values`` (the one place a message is built): its tensors
     are detached from their graph if ``detach``.
@@ -139,8 +141,8 @@ def outgoing(
         needs_grad: the values come from a checkpointed forward pass, without
             autograd history; their recomputation will need gradients.
         detach: detach the tensors from their graph (each partition starts its own).
-        tuple_type: the type of the tuple the values are (a namedtuple, say), which the
-            receiver gets back (:meth:`Message.value`).
+        kind: the type of the tuple the values are (a namedtuple, say), or the kind of
+            their mapping, which the receiver gets back (:meth:`Message.value`).
     """
     # One pass over the values: this runs for every message.
     tensors: list[Tensor] = []
@@ -162,7 +164,7 @@ def outgoing(
     if detach:
         tensors = [tensor.detach() for tensor in tensors]
     return Message(
-        atomic, tuple(present), requires_grad, carried(tensors, atomic), tuple(others), tuple_type
+        atomic, tuple(present), requires_grad, carried(tensors, atomic), tuple(others), kind
     )
 
 
