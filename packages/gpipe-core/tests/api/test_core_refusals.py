@@ -105,14 +105,18 @@ def test_balance_without_an_order_is_refused(balance: Any) -> None:
         lambda output, target: (output > target).sum(),
     ],
 )
-def test_a_loss_without_autograd_history_is_refused_in_training(loss_fn: Any) -> None:
+def test_a_loss_without_autograd_history_is_refused_with_grad_mode(loss_fn: Any) -> None:
     pipe = GPipe(model(), [2, 1], chunks=2)
     x, y = torch.randn(4, 4), torch.randn(4, 2)
     with pytest.raises(ValueError, match=r"loss_fn must return a loss with autograd history"):
         pipe.step(x, y, loss_fn, reduction="mean")
-    # In eval mode there is nothing to differentiate: the losses are returned.
+    # In eval mode the step computes gradients too (as autograd does): refused alike.
     pipe.eval()
-    assert len(pipe.step(x, y, loss_fn, reduction="mean")) == 2
+    with pytest.raises(ValueError, match=r"loss_fn must return a loss with autograd history"):
+        pipe.step(x, y, loss_fn, reduction="mean")
+    # Without grad mode there is nothing to differentiate: the losses are returned.
+    with torch.no_grad():
+        assert len(pipe.step(x, y, loss_fn, reduction="mean")) == 2
 
 
 def test_an_output_without_a_batch_dimension_names_the_partition() -> None:
