@@ -16,8 +16,6 @@ from torch import Tensor, nn
 from gpipe_balance import balance_by_size, balance_by_time, profile_sizes, profile_times
 from gpipe_microbatch import NoChunk
 
-pytestmark = pytest.mark.timeout(120)
-
 
 class Embed(nn.Module):
     def __init__(self) -> None:
