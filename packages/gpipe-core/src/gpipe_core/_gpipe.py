@@ -156,6 +156,26 @@ class GPipe(Collectives):
         >>> output = model(torch.randn(32, 8, device=model.devices[0]))
         >>> output.shape, output.device == model.devices[-1]
         (torch.Size([32, 2]), True)
+
+        A model built on the meta device: the ``Linear`` has ``reset_parameters()``, the
+        norm's weight needs ``init`` (without it, the constructor refuses, naming
+        ``1.weight``):
+
+        >>> class Norm(nn.Module):  # no reset_parameters()
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.weight = nn.Parameter(torch.ones(2))
+        ...
+        ...     def forward(self, x):
+        ...         return x * self.weight
+        >>> def init(layer):
+        ...     if isinstance(layer, Norm):
+        ...         layer.weight.fill_(1.0)
+        >>> with torch.device("meta"):
+        ...     module = nn.Sequential(nn.Linear(2, 2), Norm())
+        >>> model = GPipe(module, [2], init=init)
+        >>> model.partitions[0][1].weight.tolist()
+        [1.0, 1.0]
     """
 
     partitions: nn.ModuleList
