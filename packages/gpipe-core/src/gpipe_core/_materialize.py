@@ -23,7 +23,8 @@ seen (use ``torch.isnan`` in a test of your initialiser).
 **Initialisation**, for each layer of this rank that holds a tensor on the meta device:
 
 1. the layer is made on its partition's device (:meth:`~torch.nn.Module.to_empty`; its
-   tensors that were not on meta keep their values) and the new tensors are filled;
+   tensors that were not on meta are kept, and a meta tensor held in several places, tied,
+   is made once for all of them) and the new tensors are filled;
 2. ``reset_parameters()`` of each of its modules that has one, and that holds a tensor
    that came from meta (inner modules before the modules that hold them, as
    constructors run);
@@ -48,7 +49,7 @@ from typing import TypeAlias, cast
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Init", "InitStep", "check_init", "materialize", "refuse_uninitialised", "unmaterialize"]
+__all__ = ["Init", "InitStep", "Materializer", "check_init"]
 
 #: One way to initialise a layer made from the meta device: a callable called on the layer,
 #: or a state dict (the plain model's keys) loaded into it.
@@ -120,25 +121,67 @@ def _fill(tensor: Tensor) -> bool | int | float:
     return int(torch.iinfo(tensor.dtype).max)
 
 
+#: Where a module holds a tensor: the module, ``"_parameters"`` or ``"_buffers"``, the name.
+_Slot = tuple[nn.Module, str, str]
+
+
+def _slots(layer: nn.Module) -> list[tuple[_Slot, Tensor]]:
+    """Every place ``layer``'s modules hold a tensor, with the tensor (a tensor held in
+    several places, tied, once per place)."""
+    found: list[tuple[_Slot, Tensor]] = []
+    for module in layer.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, tensor in getattr(module, kind).items():
+                if tensor is not None:
+                    found.append(((module, kind, name), tensor))
+    return found
+
+
 class _Made:
     """One layer made from meta here: its filled tensors, by key, with the identity and
-    version counter of each integer one after the fill."""
+    version counter of each integer one after the fill.
 
-    def __init__(self, name: str, layer: nn.Module, device: torch.device) -> None:
+    The layer is made with :meth:`~torch.nn.Module.to_empty`, which gives every place a
+    tensor is held a new tensor; then each place gets back its tensor that was not on meta,
+    and a meta tensor held in several places (tied weights, in this layer or one made
+    before: ``made``) one new tensor, so that ties hold as they do for a model built on
+    a device. Then the layer moves to ``device``, as layers not from meta do.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        layer: nn.Module,
+        device: torch.device,
+        made: dict[int, tuple[Tensor, Tensor]],
+    ) -> None:
         self.name, self.layer = name, layer
-        before = _tensors(layer)
-        kept = {key: tensor for key, tensor in before.items() if not tensor.is_meta}
+        self.before = _slots(layer)
         layer.to_empty(device=device)
+        fresh: set[int] = set()
+        for (module, kind, slot), original in self.before:
+            holder = getattr(module, kind)
+            if not original.is_meta:
+                holder[slot] = original
+            elif id(original) in made:
+                holder[slot] = made[id(original)][1]
+            else:
+                made[id(original)] = (original, holder[slot])
+                fresh.add(id(holder[slot]))
+        layer.to(device)
         after = _tensors(layer)
-        self.keys = [key for key in before if key not in kept and key in after]
+        self.keys = [key for key, tensor in after.items() if id(tensor) in fresh]
         self.versions: dict[str, tuple[int, int]] = {}
         with torch.no_grad():
-            for key, tensor in kept.items():
-                after[key].copy_(tensor)
             for key in self.keys:
                 tensor = after[key]
                 tensor.fill_(_fill(tensor))
                 self.versions[key] = (id(tensor), tensor._version)
+
+    def revert(self) -> None:
+        """Every place of the layer back to the tensor it held (on meta, for those made)."""
+        for (module, kind, slot), original in self.before:
+            getattr(module, kind)[slot] = original
 
     def reset(self) -> None:
         """``reset_parameters()`` of each module holding a tensor that came from meta,
@@ -205,41 +248,60 @@ class _Made:
         return f"{full}, a buffer of {kind}"
 
 
-def materialize(
-    partition: nn.Sequential, device: torch.device, steps: Sequence[InitStep], made: list[nn.Module]
-) -> list[str]:
-    """Make ``partition``'s layers on ``device``, those built on the meta device initialised
-    as the module docstring says (each appended to ``made``), the others moved; the
-    tensors left uninitialised, described for :func:`refuse_uninitialised`.
+class Materializer:
+    """Makes the partitions' layers on their devices, one partition after the other
+    (:meth:`place`), those built on the meta device initialised by ``steps`` as the module
+    docstring says; then refuses what is left uninitialised (:meth:`check`), or puts the
+    layers made back on meta (:meth:`revert`)."""
 
-    Raises:
-        ValueError: a state dict in ``steps`` holds keys a layer cannot load.
-    """
-    layers: list[_Made] = []
-    for name, layer in partition._modules.items():
-        assert layer is not None
-        if any(tensor.is_meta for tensor in _tensors(layer).values()):
-            made.append(layer)
-            layers.append(_Made(name, layer, device))
-        else:
-            layer.to(device)
-    for entry in layers:
-        entry.reset()
-        entry.apply(steps)
-    return [
-        f"{_layer_name(entry.name)} ({type(entry.layer).__name__}): {key}"
-        for entry in layers
-        for key in entry.uninitialised()
-    ]
+    def __init__(self, steps: Sequence[InitStep]) -> None:
+        self.steps = steps
+        self.layers: list[_Made] = []
+        #: Each meta tensor made here, by id: the meta tensor (kept alive) and its new one.
+        self.made: dict[int, tuple[Tensor, Tensor]] = {}
+        self.left: list[tuple[int, list[str]]] = []
 
+    def place(self, index: int, partition: nn.Sequential, device: torch.device) -> None:
+        """Make partition ``index``'s layers on ``device``: those built on the meta device
+        initialised, the others moved.
 
-def refuse_uninitialised(left: Sequence[str]) -> None:
-    """Refuse the tensors ``left`` uninitialised (see :func:`materialize`), if any.
+        Raises:
+            ValueError: a state dict in the steps holds keys a layer cannot load.
+        """
+        layers: list[_Made] = []
+        for name, layer in partition._modules.items():
+            assert layer is not None
+            if any(tensor.is_meta for _, tensor in _slots(layer)):
+                layers.append(_Made(name, layer, device, self.made))
+                self.layers.append(layers[-1])
+            else:
+                layer.to(device)
+        for entry in layers:
+            entry.reset()
+            entry.apply(self.steps)
+        left = [
+            f"{_layer_name(entry.name)} ({type(entry.layer).__name__}): {key}"
+            for entry in layers
+            for key in entry.uninitialised()
+        ]
+        self.left.append((index, left))
 
-    Raises:
-        ValueError: naming the layers and tensors, and what to do.
-    """
-    if left:
+    def revert(self) -> None:
+        """Put the layers made back as they were, on the meta device."""
+        for entry in reversed(self.layers):
+            entry.revert()
+        self.layers.clear()
+        self.made.clear()
+
+    def check(self) -> None:
+        """Refuse the tensors left uninitialised in the partitions placed, if any.
+
+        Raises:
+            ValueError: naming the layers and tensors, and what to do.
+        """
+        left = [key for _, keys in sorted(self.left) for key in keys]
+        if not left:
+            return
         shown = "; ".join(left[:_SHOWN])
         if len(left) > _SHOWN:
             shown += f"; and {len(left) - _SHOWN} more"
@@ -250,9 +312,3 @@ def refuse_uninitialised(left: Sequence[str]) -> None:
             "layer made from meta that sets them, and/or a state dict of the plain model's "
             f"keys (see 'Large models: build only your own layers' in the docs) ({shown})"
         )
-
-
-def unmaterialize(made: Sequence[nn.Module]) -> None:
-    """Put the layers :func:`materialize` made back on the meta device (after a refusal)."""
-    for layer in made:
-        layer.to_empty(device="meta")

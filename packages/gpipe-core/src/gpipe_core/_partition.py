@@ -15,7 +15,7 @@ from torch import nn
 
 from gpipe_microbatch import Device, check_balance, normalize_device
 
-from ._materialize import InitStep, materialize, refuse_uninitialised, unmaterialize
+from ._materialize import InitStep, Materializer
 from ._state_dict import KeyMap, map_keys
 
 __all__ = [
@@ -425,8 +425,7 @@ def split_module(
     _check_shared(partitions, devices)
     # Last partition first: a parameter shared by partitions on different devices ends on
     # its first partition's device (its owner's), where the others tie to it.
-    made: list[nn.Module] = []
-    left: list[list[str]] = [[] for _ in partitions]
+    materializer = Materializer(init)
     try:
         for j, (partition, device) in reversed(
             list(enumerate(zip(partitions, devices, strict=False)))
@@ -434,9 +433,9 @@ def split_module(
             if local is not None and not local[j]:
                 partitions[j] = nn.Sequential()
             else:
-                left[j] = materialize(partition, device, init, made)
-        refuse_uninitialised([entry for found in left for entry in found])
+                materializer.place(j, partition, device)
+        materializer.check()
     except BaseException:
-        unmaterialize(made)
+        materializer.revert()
         raise
     return partitions

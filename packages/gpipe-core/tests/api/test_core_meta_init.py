@@ -226,3 +226,34 @@ def test_a_refusal_on_one_rank_does_not_hang_the_other(cluster2: Any) -> None:
     assert "4.rotary.inv_freq" in told["message"]
     # A pipeline built next on the group steps on both ranks.
     assert results[0]["reduced"] == results[1]["reduced"]
+
+
+def tied_model() -> nn.Sequential:
+    embedding = nn.Embedding(5, 4)
+    head = nn.Linear(4, 5, bias=False)
+    head.weight = embedding.weight  # tied, as a language model's input and output
+    return nn.Sequential(embedding, nn.Tanh(), head).double()
+
+
+@pytest.mark.parametrize("balance", [[3], [2, 1]])
+def test_tied_weights_stay_tied(balance: list[int]) -> None:
+    torch.manual_seed(SEED)
+    plain = tied_model()
+    with torch.device("meta"):
+        module = tied_model()
+    # A refusal puts the layers back on meta, tied as they were.
+    with pytest.raises(ValueError, match=r"[02].weight, a parameter of (Embedding|Linear), which"):
+        GPipe(module, balance, init=lambda layer: layer.weight.fill_(float("nan")))
+    assert module[0].weight is module[2].weight and module[0].weight.is_meta
+    pipe = GPipe(module, balance, chunks=2, init=plain.state_dict())
+    weights = [layer.weight for partition in pipe.partitions for layer in partition[::2]]
+    if balance == [3]:
+        assert weights[0] is weights[1]
+    ids = torch.tensor([0, 3, 1, 4, 2, 2])
+    y = torch.randn(6, 5, dtype=torch.float64)
+    losses = pipe.step(ids, y, nn.MSELoss())
+    loss = nn.MSELoss()(plain(ids), y)
+    loss.backward()
+    torch.testing.assert_close(losses.reduced(), loss.detach(), **TIGHT)
+    assert plain[0].weight.grad is not None
+    torch.testing.assert_close(pipe.partitions[0][0].weight.grad, plain[0].weight.grad, **TIGHT)
