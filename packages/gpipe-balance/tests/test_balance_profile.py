@@ -423,10 +423,11 @@ def test_tuples_and_outputs_without_grad() -> None:
     model = nn.Sequential(nn.Linear(4, 4), Split(), Join(), ArgMax())
     assert len(profile_times(model, torch.randn(3, 4), timeout=0)) == 4
     assert len(profile_sizes(model, torch.randn(3, 4))) == 4
+    # A tuple that the first layer takes as one argument goes in a one-element tuple.
     first = nn.Sequential(Join(), nn.Linear(4, 4))
     pair = (torch.randn(3, 2), torch.randn(3, 2))
-    assert len(profile_times(first, pair, timeout=0)) == 2
-    assert balance_by_size(2, first, pair, chunks=3) == [1, 1]
+    assert len(profile_times(first, (pair,), timeout=0)) == 2
+    assert balance_by_size(2, first, (pair,), chunks=3) == [1, 1]
 
 
 def test_tuple_subclasses_reach_the_layers_with_their_type() -> None:
@@ -444,8 +445,8 @@ def test_tuple_subclasses_reach_the_layers_with_their_type() -> None:
     assert len(profile_sizes(model, torch.randn(3, 4))) == 3
     sample = torch.randn(3, 4).max(dim=1)
     first = nn.Sequential(FromMax(), nn.Linear(3, 3))
-    assert len(profile_times(first, sample, timeout=0)) == 2
-    assert len(profile_sizes(first, sample)) == 2
+    assert len(profile_times(first, (sample,), timeout=0)) == 2
+    assert len(profile_sizes(first, (sample,))) == 2
 
 
 # A skip connection kept in thread-local state, the way skippable layers work outside a
@@ -542,7 +543,8 @@ def test_sample_on_another_device(balancer: str) -> None:
     ):
         BALANCERS[balancer](1, model, torch.randn(2, 2), device="meta")
     with pytest.raises(ValueError, match=rf"{name} must be on one device"):
-        BALANCERS[balancer](1, model, (torch.randn(2, 2), torch.randn(2, 2, device="meta")))
+        pair = (torch.randn(2, 2), torch.randn(2, 2, device="meta"))
+        BALANCERS[balancer](1, nn.Sequential(nn.Bilinear(2, 2, 2)), pair)
     # The matching device, named in any form, is accepted.
     assert BALANCERS[balancer](1, model, torch.randn(2, 2), device=torch.device("cpu")) == [1]
     assert BALANCERS[balancer](1, model, torch.randn(2, 2), device="cpu") == [1]
@@ -564,16 +566,26 @@ def test_sample_on_cpu_profiled_on_cuda(balancer: str) -> None:
 @pytest.mark.parametrize("balancer", list(BALANCERS))
 def test_sample_not_tensors(balancer: str) -> None:
     model = nn.Sequential(nn.Linear(2, 2))
-    with pytest.raises(TypeError, match="must be a tensor or a tuple of tensors"):
+    name = "sample" if balancer == "balance_by_time" else "input"
+    with pytest.raises(
+        TypeError, match=rf"{name} must be a tensor, a tuple or a dict: .*\({name}: list\)"
+    ):
         BALANCERS[balancer](1, model, [torch.randn(2, 2)])
+    with pytest.raises(TypeError, match=rf"{name} must hold a tensor, .*\({name}: tuple of 2"):
+        BALANCERS[balancer](1, model, (1, None))
+    with pytest.raises(TypeError, match=rf"{name} given as a mapping .*\({name} keys: \['0'\]"):
+        BALANCERS[balancer](1, model, {0: torch.randn(2, 2)})
 
 
 def test_layer_output_not_tensors() -> None:
     class Bad(nn.Module):
-        def forward(self, x: Tensor) -> dict[str, Tensor]:
-            return {"x": x}
+        def forward(self, x: Tensor) -> dict[str, object]:
+            return {"x": x.shape}
 
-    with pytest.raises(TypeError, match=r"output of layer 1 must be a tensor"):
+    with pytest.raises(
+        TypeError,
+        match=r"output of layer 1 must be a tensor, or hold one .*\(output of layer 1: dict\)",
+    ):
         profile_times(nn.Sequential(nn.Identity(), Bad()), torch.randn(2, 2), timeout=0)
 
 

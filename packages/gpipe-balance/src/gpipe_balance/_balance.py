@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from gpipe_microbatch import Device, TensorOrTensors, check_module
+from gpipe_microbatch import Device, check_module
 
 from ._profile import MIN_PASSES, _profile_times, profile_sizes
+from ._sample import Sample
 from ._solver import check_partitions, solve
 
 __all__ = ["balance_by_size", "balance_by_time"]
@@ -15,7 +16,7 @@ __all__ = ["balance_by_size", "balance_by_time"]
 def balance_by_time(
     partitions: int,
     module: nn.Sequential,
-    sample: TensorOrTensors,
+    sample: Sample,
     *,
     timeout: float | None = None,
     passes: int = MIN_PASSES,
@@ -43,8 +44,12 @@ def balance_by_time(
     Args:
         partitions: the number of partitions, from 1 to the number of layers.
         module: the model to split.
-        sample: an input of the model (a tensor or a tuple of tensors) of any batch size;
-            the batch size of one micro-batch gives the most faithful times.
+        sample: the first layer's arguments, of any batch size (one micro-batch's gives
+            the most faithful times): a tensor is its one argument, a tuple its positional
+            arguments (``layer(*sample)``), a dict its keyword arguments
+            (``layer(**sample)``); a tuple or a dict the first layer takes as one argument
+            goes in a one-element tuple, ``(pair,)``. Tensors may sit inside tuples, lists
+            and dicts. Later layers get the previous layer's output as one argument.
         timeout: seconds to keep repeating the measurements for, counted from the start;
             ``0`` runs the warm-up and the minimum passes only. None (the default): for 1 s,
             or until the minimum passes are done if they take longer (without a warning).
@@ -61,8 +66,9 @@ def balance_by_time(
     Raises:
         BalanceError: ``partitions`` is not a positive integer or exceeds the number of
             layers.
-        TypeError: ``module`` is not ``nn.Sequential``, or ``sample`` is not a tensor or a
-            tuple of tensors.
+        TypeError: ``module`` is not ``nn.Sequential``, ``sample`` is not a tensor, a tuple
+            or a dict holding a tensor, or the first layer's ``forward`` does not take the
+            arguments it stands for (the message names the sample's form and what to pass).
         ValueError: ``sample`` is not on ``device``, ``timeout`` is negative or not finite,
             or ``passes`` is not a positive integer.
 
@@ -78,6 +84,22 @@ def balance_by_time(
         >>> balance = balance_by_time(2, model, torch.randn(8, 16), timeout=0.1)
         >>> len(balance), sum(balance)
         (2, 3)
+
+        A first layer with several inputs takes them as a tuple, or as a dict of keywords:
+
+        >>> class Embed(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.table = nn.Embedding(10, 16)
+        ...
+        ...     def forward(self, ids, attention_mask):
+        ...         return self.table(ids) * attention_mask.unsqueeze(-1)
+        >>> model = nn.Sequential(Embed(), nn.Linear(16, 16), nn.Linear(16, 4))
+        >>> ids, mask = torch.randint(10, (8, 5)), torch.ones(8, 5)
+        >>> len(balance_by_time(2, model, (ids, mask), timeout=0))
+        2
+        >>> len(balance_by_time(2, model, {"ids": ids, "attention_mask": mask}, timeout=0))
+        2
     """
     module = check_module(module)
     check_partitions(partitions, len(module))
@@ -96,7 +118,7 @@ def balance_by_time(
 def balance_by_size(
     partitions: int,
     module: nn.Sequential,
-    input: TensorOrTensors,
+    input: Sample,
     *,
     chunks: int = 1,
     param_scale: float = 2.0,
@@ -117,7 +139,10 @@ def balance_by_size(
     Args:
         partitions: the number of partitions, from 1 to the number of layers.
         module: the model to split.
-        input: a mini-batch of the size used in training (a tensor or a tuple of tensors).
+        input: a mini-batch of the size used in training, as the first layer takes it: a
+            tensor, a tuple of positional arguments or a dict of keyword arguments (see
+            :func:`balance_by_time`). Its tensors are split into ``chunks`` along dimension
+            0; :class:`~gpipe_microbatch.NoChunk` tensors and other values are passed whole.
         chunks: the number of micro-batches in training (default 1).
         param_scale: how many copies of the parameters training keeps: 2 for parameters
             and gradients (the default), more for optimizers with state (see the guide).
@@ -132,10 +157,12 @@ def balance_by_size(
     Raises:
         BalanceError: ``partitions`` is not a positive integer or exceeds the number of
             layers.
-        TypeError: ``module`` is not ``nn.Sequential``, or ``input`` is not a tensor or a
-            tuple of tensors.
-        ValueError: ``input`` is not on ``device``, ``chunks`` is not a positive integer, or
-            ``param_scale`` is negative or not finite.
+        TypeError: ``module`` is not ``nn.Sequential``, ``input`` is not a tensor, a tuple
+            or a dict holding a tensor, or the first layer's ``forward`` does not take the
+            arguments it stands for.
+        ValueError: ``input`` is not on ``device``, ``chunks`` is not a positive integer,
+            ``param_scale`` is negative or not finite, or the tensors to split have
+            different batch sizes.
 
     Example:
         >>> import torch

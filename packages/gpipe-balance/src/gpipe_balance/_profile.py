@@ -6,10 +6,12 @@ itself is never run, so its parameters, buffers (BatchNorm running statistics in
 ``requires_grad`` flags, gradients, training mode and device stay as they were; the random
 number generator states (CPU, and the profiled CUDA device) are restored afterwards.
 
-The layers run in order in the calling thread, each on the previous layer's output, so
-layers that hand tensors to later layers through thread-local state (skippable layers, for
-example) work as in a plain forward pass. The profiled device is the current CUDA device
-while they run, as a partition's device is in a pipeline.
+The first layer gets the sample as its arguments (a tuple: positional, a dict: keywords;
+see :func:`~gpipe_balance.balance_by_time`). The layers run in order in the calling thread,
+each on the previous layer's output, so layers that hand tensors to later layers through
+thread-local state (skippable layers, for example) work as in a plain forward pass. The
+profiled device is the current CUDA device while they run, as a partition's device is in a
+pipeline.
 """
 
 from __future__ import annotations
@@ -28,30 +30,22 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_checkpoint import device_rng_lock, restore_rng_states, save_rng_states
-from gpipe_microbatch import (
-    Batch,
-    Device,
-    TensorOrTensors,
-    check,
-    check_chunks,
-    check_module,
-    normalize_device,
-    scatter,
-    use_device,
-)
+from gpipe_microbatch import Device, check_chunks, check_module, normalize_device, use_device
 
 from ._progress import Progress
+from ._sample import Arguments, Sample, arguments, check_call, first_micro_batch, map_tensors
+from ._sample import tensors as tensors_in
 
 __all__ = ["profile_sizes", "profile_times", "resolve_device"]
 
 
-def resolve_device(batch: Batch, device: Device | None, what: str) -> torch.device:
-    """The profiled device: ``device``, or the device of ``batch`` when it is None.
+def resolve_device(tensors: list[Tensor], device: Device | None, what: str) -> torch.device:
+    """The profiled device: ``device``, or the device of ``tensors`` when it is None.
 
     Raises:
-        ValueError: the tensors of ``batch`` are on several devices, or not on ``device``.
+        ValueError: ``tensors`` are on several devices, or not on ``device``.
     """
-    devices = list(dict.fromkeys(tensor.device for tensor in batch))
+    devices = list(dict.fromkeys(tensor.device for tensor in tensors))
     if len(devices) > 1:
         raise ValueError(
             f"{what} must be on one device ({what} devices: {[str(d) for d in devices]})"
@@ -129,27 +123,47 @@ class _Alias(torch.autograd.Function):
         return grad
 
 
-def _layer_input(batch: Batch) -> tuple[list[Tensor], TensorOrTensors]:
-    """Leaves cut from ``batch``'s tensors (keeping ``requires_grad``) and the input made
-    of them (of the batch's tuple type)."""
-    leaves: list[Tensor] = []
-    inputs: list[Tensor] = []
-    for value in batch:
+class _Cut:
+    """Cuts a layer's input from the graph before it: each tensor becomes a leaf (keeping
+    ``requires_grad``), seen by the layer through an :class:`_Alias`; :attr:`leaves` lists
+    them."""
+
+    def __init__(self) -> None:
+        self.leaves: list[Tensor] = []
+
+    def __call__(self, value: Tensor) -> Tensor:
         leaf = value.detach()
-        if value.requires_grad:
-            leaf.requires_grad_()
-            alias: Tensor = _Alias.apply(leaf)  # type: ignore[no-untyped-call]
-            inputs.append(alias)
-        else:
-            inputs.append(leaf)
-        leaves.append(leaf)
-    return leaves, cast(TensorOrTensors, batch.with_tensors(inputs).value)
+        self.leaves.append(leaf)
+        if not value.requires_grad:
+            return leaf
+        leaf.requires_grad_()
+        return cast(Tensor, _Alias.apply(leaf))  # type: ignore[no-untyped-call]
 
 
-def _first_input(sample: Batch) -> Batch:
+def _call_layer(layer: nn.Module, input: object) -> tuple[list[Tensor], Callable[[], object]]:
+    """The leaves of ``input`` (the previous layer's output, or the first layer's
+    :class:`~gpipe_balance._sample.Arguments`) and the call of ``layer`` on it."""
+    cut = _Cut()
+    if isinstance(input, Arguments):
+        given = input.map(cut)
+        return cut.leaves, lambda: given.call(layer)
+    value = map_tensors(input, cut)
+    return cut.leaves, lambda: layer(value)
+
+
+def _check_output(output: object, index: int) -> object:
+    """Refuse a layer output without a tensor, which the next layer could not be profiled on."""
+    if next(tensors_in(output), None) is None:
+        raise TypeError(
+            f"output of layer {index} must be a tensor, or hold one in a tuple, a list or a "
+            f"dict (output of layer {index}: {type(output).__name__})"
+        )
+    return output
+
+
+def _first_input(sample: Arguments) -> Arguments:
     """A copy of the sample, so that layers that work in place leave the user's sample alone."""
-    copies = [t.detach().clone().requires_grad_(t.requires_grad) for t in sample]
-    return sample.with_tensors(copies)
+    return sample.map(lambda t: t.detach().clone().requires_grad_(t.requires_grad))
 
 
 def _check_real(value: object, name: str) -> float:
@@ -181,7 +195,7 @@ def check_passes(passes: object) -> int:
 
 def profile_times(
     module: nn.Sequential,
-    sample: TensorOrTensors,
+    sample: Sample,
     *,
     timeout: float | None = None,
     passes: int = MIN_PASSES,
@@ -206,7 +220,9 @@ def profile_times(
 
     Args:
         module: the model, which is not changed (see the module docstring).
-        sample: an input of the model: a tensor or a tuple of tensors.
+        sample: the first layer's arguments: a tensor (its one argument), a tuple (its
+            positional arguments) or a dict (its keyword arguments); ``(pair,)`` passes a
+            tuple as one argument. Tensors may sit inside tuples, lists and dicts.
         timeout: seconds to keep repeating the passes for, counted from the start, warm-up
             included. ``0`` runs the minimum passes only. None (the default): until 1 s has
             passed, or the minimum passes are done if they take longer, which is no reason
@@ -221,8 +237,10 @@ def profile_times(
         One time per layer, in seconds.
 
     Raises:
-        TypeError: ``module`` is not ``nn.Sequential``, or ``sample`` is not a tensor or a
-            tuple of tensors, or a layer returns something else.
+        TypeError: ``module`` is not ``nn.Sequential``, ``sample`` is not a tensor, a tuple
+            or a dict holding a tensor, the first layer's ``forward`` does not take the
+            arguments it stands for (the message says what to pass), or a layer returns
+            no tensor.
         ValueError: ``sample`` is not on ``device``, ``timeout`` is negative or not finite,
             or ``passes`` is not a positive integer.
 
@@ -252,7 +270,7 @@ def profile_times(
 
 def _profile_times(
     module: nn.Sequential,
-    sample: TensorOrTensors,
+    sample: Sample,
     *,
     timeout: float | None,
     passes: int,
@@ -262,8 +280,10 @@ def _profile_times(
 ) -> list[float]:
     """:func:`profile_times`, warning ``stacklevel`` frames up (3: the public caller's caller)."""
     module = check_module(module)
-    batch = Batch(check(sample, "sample"))
-    target = resolve_device(batch, device, "sample")
+    given = arguments(sample, "sample")
+    if len(module):
+        check_call(module[0], sample, given, "sample")
+    target = resolve_device(given.tensors(), device, "sample")
     # Only a timeout the caller chose can be run past; the default one is a budget.
     chosen = timeout is not None
     timeout = DEFAULT_TIMEOUT if timeout is None else _check_real(timeout, "timeout")
@@ -287,9 +307,9 @@ def _profile_times(
 
         # The first pass pays one-time costs (allocations, kernel selection, lazy
         # initialization): it warms up and is not counted.
-        _time_pass(module, batch, target, tick)
+        _time_pass(module, given, target, tick)
         while len(measured) < passes:
-            measured.append(_time_pass(module, batch, target, tick))
+            measured.append(_time_pass(module, given, target, tick))
         elapsed = time.perf_counter() - start
         if chosen and 0 < timeout < elapsed:
             warnings.warn(
@@ -301,30 +321,30 @@ def _profile_times(
                 stacklevel=stacklevel,
             )
         while elapsed < timeout:
-            measured.append(_time_pass(module, batch, target, tick))
+            measured.append(_time_pass(module, given, target, tick))
             elapsed = time.perf_counter() - start
         bar.update(100)
     return [statistics.median(times) for times in zip(*measured, strict=True)]
 
 
 def _time_pass(
-    module: nn.Sequential, sample: Batch, device: torch.device, tick: Callable[[], None]
+    module: nn.Sequential, sample: Arguments, device: torch.device, tick: Callable[[], None]
 ) -> list[float]:
     """One pass over the layers; the time of each."""
     times: list[float] = []
-    batch = _first_input(sample)
+    value: object = _first_input(sample)
     for index, layer in enumerate(_layer_copies(module, device)):
-        leaves, input = _layer_input(batch)
+        leaves, call = _call_layer(layer, value)
 
         _synchronize(device)
         began = time.perf_counter()
-        output = layer(input)
+        output = call()
         _synchronize(device)
         elapsed = time.perf_counter() - began
 
-        batch = Batch(check(output, f"output of layer {index}"))
-        del input, output
-        outputs = [tensor for tensor in batch if tensor.requires_grad]
+        value = _check_output(output, index)
+        del call, output
+        outputs = [tensor for tensor in tensors_in(value) if tensor.requires_grad]
         # Backward reaches this layer's input and parameters, and nothing before them: a
         # tensor that came from an earlier layer by another way (a skip connection) has been
         # through its own layer's backward already.
@@ -366,7 +386,7 @@ def _tensor_bytes(tensors: Iterator[Tensor]) -> int:
 
 def profile_sizes(
     module: nn.Sequential,
-    input: TensorOrTensors,
+    input: Sample,
     *,
     chunks: int = 1,
     param_scale: float = 2.0,
@@ -390,7 +410,11 @@ def profile_sizes(
 
     Args:
         module: the model, which is not changed (see the module docstring).
-        input: a mini-batch of the size used in training: a tensor or a tuple of tensors.
+        input: a mini-batch of the size used in training, as the first layer takes it: a
+            tensor (its one argument), a tuple (its positional arguments) or a dict (its
+            keyword arguments), as for :func:`profile_times`. Its tensors are split along
+            dimension 0; :class:`~gpipe_microbatch.NoChunk` tensors, and values that are
+            not tensors, are passed whole.
         chunks: the number of micro-batches it will be split into (default 1); the first,
             largest, micro-batch is profiled.
         param_scale: how many copies of the parameters training keeps (default 2.0: the
@@ -403,10 +427,12 @@ def profile_sizes(
         One size per layer, in bytes.
 
     Raises:
-        TypeError: ``module`` is not ``nn.Sequential``, or ``input`` is not a tensor or a
-            tuple of tensors, or a layer returns something else.
-        ValueError: ``input`` is not on ``device``, ``chunks`` is not a positive integer or
-            ``param_scale`` is negative or not finite.
+        TypeError: ``module`` is not ``nn.Sequential``, ``input`` is not a tensor, a tuple
+            or a dict holding a tensor, the first layer's ``forward`` does not take the
+            arguments it stands for, or a layer returns no tensor.
+        ValueError: ``input`` is not on ``device``, ``chunks`` is not a positive integer,
+            ``param_scale`` is negative or not finite, or the tensors to split have no batch
+            dimension or different batch sizes.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
@@ -415,16 +441,18 @@ def profile_sizes(
         [128.0, 128.0]
     """
     module = check_module(module)
-    batch = Batch(check(input, "input"))
+    given = arguments(input, "input")
+    if len(module):
+        check_call(module[0], input, given, "input")
     chunks = check_chunks(chunks)
     param_scale = _check_real(param_scale, "param_scale")
-    target = resolve_device(batch, device, "input")
-    micro_batch = scatter(batch.value, chunks)[0]
+    target = resolve_device(given.tensors(), device, "input")
+    micro_batch = first_micro_batch(given, chunks, "input")
 
     sizes: list[float] = []
     bar = Progress("profiling layer sizes", len(module), unit="layer", enabled=progress)
     with bar, use_device(target), _preserved_rng(target), torch.enable_grad():
-        batch = _first_input(micro_batch)
+        value: object = _first_input(micro_batch)
         # Storages saved by the previous and the current layer, kept alive while they are
         # remembered so that their addresses cannot be reused by new storages.
         previous: dict[tuple[object, ...], Tensor] = {}
@@ -446,11 +474,11 @@ def profile_sizes(
                     saved += _storage_bytes(tensor)
                 return tensor
 
-            _, input_value = _layer_input(batch)
+            _, call = _call_layer(layer, value)
             with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-                output = layer(input_value)
-            batch = Batch(check(output, f"output of layer {index}"))
-            del input_value, output
+                output = call()
+            value = _check_output(output, index)
+            del call, output
 
             parameters = _tensor_bytes(layer.parameters())
             buffers = _tensor_bytes(layer.buffers())

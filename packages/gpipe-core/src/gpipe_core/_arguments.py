@@ -20,6 +20,7 @@ from torch import nn
 from gpipe_microbatch import Device, check_chunks, check_module
 from gpipe_skip import verify_skippables
 
+from ._materialize import Init, check_init
 from ._partition import balance_from_placement, placed_layers
 from ._placement import check_timeout
 from .run._threads import check_intra_op_threads
@@ -62,6 +63,8 @@ class Arguments(NamedTuple):
     timeout: float | datetime.timedelta | None
     intra_op_threads: int | None
     placement: str | Sequence[int] | None
+    #: How layers built on the meta device are initialised; a tuple of steps once checked.
+    init: Init
 
 
 def check_construction(arguments: Arguments) -> Arguments:
@@ -84,6 +87,7 @@ def check_construction(arguments: Arguments) -> Arguments:
     checkpoint = check_checkpoint(arguments.checkpoint)
     seconds = check_timeout(arguments.timeout, group if group is not None else data_group)
     threads = check_intra_op_threads(arguments.intra_op_threads)
+    init = check_init(arguments.init, list(module._modules))
     if data_group is not None:
         check_group(data_group, "data_group")
     if group is not None and balance is None:
@@ -103,7 +107,7 @@ def check_construction(arguments: Arguments) -> Arguments:
         )
     return arguments._replace(
         balance=balance, devices=devices, chunks=chunks, checkpoint=checkpoint,
-        timeout=seconds, intra_op_threads=threads,
+        timeout=seconds, intra_op_threads=threads, init=init,
     )  # fmt: skip
 
 

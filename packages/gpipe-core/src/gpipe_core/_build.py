@@ -24,6 +24,7 @@ from gpipe_microbatch import ThreadState
 from gpipe_skip import SkipLayout, inspect_skip_layout
 
 from ._arguments import Arguments, CheckpointMode, check_construction, check_data_group_devices
+from ._materialize import InitStep
 from ._partition import check_module_balance, check_split, layer_groups, placed_layers, split_module
 from ._placement import Placement
 from ._sequential import PipeSequential
@@ -174,7 +175,9 @@ def build(arguments: Arguments, construction: Construction | None) -> Configurat
         for name in layers._modules
     }
     unpacks = isinstance(module, PipeSequential)
-    partitions = split_module(module, balance, devices, local)
+    partitions = split_module(
+        module, balance, devices, local, cast(tuple[InitStep, ...], checked.init)
+    )
     if unpacks:
         partitions = [PipeSequential(OrderedDict(p._modules)) for p in partitions]
     layer_names = list(module._modules)

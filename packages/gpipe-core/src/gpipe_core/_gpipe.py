@@ -32,6 +32,7 @@ from gpipe_skip import SkipLayout
 from ._arguments import Arguments, CheckpointMode
 from ._build import Configuration, build
 from ._collectives import Collectives
+from ._materialize import Init
 from ._moves import check_cpu, check_cuda, check_to
 from ._placement import DEFAULT_TIMEOUT, construction_for
 from ._state_dict import PartitionKeys, map_keys
@@ -116,6 +117,14 @@ class GPipe(Collectives):
             on worker ``j % W``; ``"v"`` puts partitions ``j`` and ``2W - 1 - j`` on worker
             ``j``; a list gives each partition's worker. ``None`` (default): each
             partition is a worker of its own.
+        init: how this process's layers built on the meta device are initialised, after
+            each module's ``reset_parameters()``: a callable called on each such layer
+            (under ``torch.no_grad()``), a state dict of the plain model's keys
+            (``"3.norm.weight"``) loaded into them, or a list of both, applied in order.
+            A tensor of such a layer that none of them sets is refused, naming the layer
+            and the tensor (no silent NaN): a layer without ``reset_parameters()`` needs
+            ``init``, and so does a non-persistent buffer, which no state dict holds (see
+            :ref:`meta-device`). Layers not on the meta device are left as they are.
 
     Across processes, the ranks compare what they build and, at every run, how they are
     called; where they differ, every rank raises the same
@@ -125,14 +134,17 @@ class GPipe(Collectives):
 
     Raises:
         TypeError: ``module`` is not an :class:`~torch.nn.Sequential`, its skippable
-            layers do not pair up (see :func:`gpipe_skip.verify_skippables`), or a
-            :class:`~gpipe_core.WithDevice` is nested in a layer.
+            layers do not pair up (see :func:`gpipe_skip.verify_skippables`), a
+            :class:`~gpipe_core.WithDevice` is nested in a layer, or ``init`` is not a
+            callable, a state dict or a list of them.
         BalanceError: ``balance`` does not split ``module`` into non-empty partitions.
         ValueError: too few devices, bad ``chunks``, ``checkpoint`` or ``timeout``, a
             buffer shared by partitions on different devices of this process, a
             :class:`~gpipe_core.WithDevice` layer in a partition on another device, or a
             NCCL ``data_group`` for partitions that are not on CUDA, or a ``placement``
-            that does not fit the partitions and workers.
+            that does not fit the partitions and workers; a layer built on the meta
+            device left with a tensor that nothing initialised (the layers go back to
+            the meta device), or an ``init`` state dict with keys of no layer.
         RanksDisagree: across processes, the ranks would build different pipelines.
         RemoteStageError: across processes, another rank's constructor failed.
         TimeoutError: across processes, a rank did not build the pipeline within
@@ -144,6 +156,26 @@ class GPipe(Collectives):
         >>> output = model(torch.randn(32, 8, device=model.devices[0]))
         >>> output.shape, output.device == model.devices[-1]
         (torch.Size([32, 2]), True)
+
+        A model built on the meta device: the ``Linear`` has ``reset_parameters()``, the
+        norm's weight needs ``init`` (without it, the constructor refuses, naming
+        ``1.weight``):
+
+        >>> class Norm(nn.Module):  # no reset_parameters()
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.weight = nn.Parameter(torch.ones(2))
+        ...
+        ...     def forward(self, x):
+        ...         return x * self.weight
+        >>> def init(layer):
+        ...     if isinstance(layer, Norm):
+        ...         layer.weight.fill_(1.0)
+        >>> with torch.device("meta"):
+        ...     module = nn.Sequential(nn.Linear(2, 2), Norm())
+        >>> model = GPipe(module, [2], init=init)
+        >>> model.partitions[0][1].weight.tolist()
+        [1.0, 1.0]
     """
 
     partitions: nn.ModuleList
@@ -166,11 +198,12 @@ class GPipe(Collectives):
         timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
         intra_op_threads: int | None = None,
         placement: str | Sequence[int] | None = None,
+        init: Init = None,
     ) -> None:
         super().__init__()
         arguments = Arguments(
             module, balance, devices, chunks, checkpoint, deferred_batch_norm,
-            group, data_group, timeout, intra_op_threads, placement,
+            group, data_group, timeout, intra_op_threads, placement, init,
         )  # fmt: skip
         construction = construction_for(group)
         try:

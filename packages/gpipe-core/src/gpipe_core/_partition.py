@@ -15,6 +15,7 @@ from torch import nn
 
 from gpipe_microbatch import Device, check_balance, normalize_device
 
+from ._materialize import InitStep, Materializer
 from ._state_dict import KeyMap, map_keys
 
 __all__ = [
@@ -395,39 +396,46 @@ def split_module(
     balance: Sequence[int],
     devices: Sequence[torch.device],
     local: Sequence[bool] | None = None,
+    init: Sequence[InitStep] = (),
 ) -> list[nn.Sequential]:
     """Split ``module`` into ``len(balance)`` partitions and move each to its device.
 
     Layers keep their names, so ``partitions[1][0]`` may be the original ``module[3]``; a
     :class:`WithDevice` layer is replaced by the layer it wraps. ``module`` itself keeps
-    its layers and wrappers. A partition whose layers are on the meta device is made on
-    its device with uninitialized tensors, then each layer's ``reset_parameters()``
-    initializes it.
+    its layers and wrappers. A layer on the meta device is made on its partition's device
+    and initialised (``reset_parameters()``, then the ``init`` steps), or refused: see
+    :mod:`gpipe_core._materialize`.
 
     Args:
         local: which partitions this process keeps (default: all); the others are
             released (an empty :class:`~torch.nn.Sequential` stands in for each) and
             their layers are not moved.
+        init: the checked ``init`` of :class:`~gpipe_core.GPipe`
+            (:func:`~gpipe_core._materialize.check_init`).
 
     Raises:
         TypeError: a :class:`WithDevice` is nested in a layer.
-        ValueError: a :class:`WithDevice` layer is in a partition on another device, or a
-            buffer is shared by partitions on different devices.
+        ValueError: a :class:`WithDevice` layer is in a partition on another device, a
+            buffer is shared by partitions on different devices, or a layer made from
+            the meta device was left with uninitialised tensors (then the layers made
+            from meta are back on meta).
     """
     partitions = layer_groups(module, balance)
     _check_placement(module, balance, devices)
     _check_shared(partitions, devices)
     # Last partition first: a parameter shared by partitions on different devices ends on
     # its first partition's device (its owner's), where the others tie to it.
-    for j, (partition, device) in reversed(list(enumerate(zip(partitions, devices, strict=False)))):
-        if local is not None and not local[j]:
-            partitions[j] = nn.Sequential()
-        elif any(tensor.is_meta for tensor in (*partition.parameters(), *partition.buffers())):
-            partition.to_empty(device=device)
-            for layer in partition.modules():
-                reset = getattr(layer, "reset_parameters", None)
-                if callable(reset):
-                    reset()
-        else:
-            partition.to(device)
+    materializer = Materializer(init)
+    try:
+        for j, (partition, device) in reversed(
+            list(enumerate(zip(partitions, devices, strict=False)))
+        ):
+            if local is not None and not local[j]:
+                partitions[j] = nn.Sequential()
+            else:
+                materializer.place(j, partition, device)
+        materializer.check()
+    except BaseException:
+        materializer.revert()
+        raise
     return partitions

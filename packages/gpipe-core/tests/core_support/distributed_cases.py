@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from core_support import meta_models
 from core_support.models import DictToOutput, FromMapping, OutputToDict, Pop, Stash, ToDict
 from gpipe_checkpoint import is_recomputing
 from gpipe_core import Action, BatchMean, GPipe, NoChunk, Schedule
@@ -1658,6 +1659,36 @@ def case_leave(rank: int) -> None:
     x, y = data(0, 4)
     pipe.step(x, y, nn.MSELoss())
     LEFT.append(pipe)
+
+
+def case_meta_init(rank: int, *, how: str, seed: int) -> dict[str, Any]:
+    """Build meta_models' model on the meta device, keep this rank's layers, initialised by
+    ``init=`` (``how``: ``"state"``, the plain model's state dict and the buffers rebuilt;
+    ``"seeded"``, a seeded init of each layer; ``"refused"``, only rank 0 rebuilds its
+    buffers); a step's loss, this rank's gradients and the inference output. A refusal is
+    returned as an error, with the loss of a pipeline built next on the group."""
+    module = meta_models.meta_model()
+    state = meta_models.plain_model(seed).state_dict()
+    if how == "seeded":
+        init: Any = meta_models.seeded_init(module, seed)
+    elif how == "state" or rank == 0:
+        init = [state, meta_models.rebuild_buffers]
+    else:
+        init = state
+    try:
+        pipe = GPipe(module, [3, 3], chunks=2, group=dist.group.WORLD, timeout=60, init=init)
+    except Exception as caught:
+        again = GPipe(build(("linear",) * 2, 0), [1, 1], group=dist.group.WORLD, timeout=60)
+        x, y = data(0, 4)
+        reduced = again.step(x, y, nn.MSELoss()).reduced().item()
+        return {"error": _error(caught), "reduced": reduced}
+    x, y = meta_models.data(seed, 6)
+    losses = pipe.step(x, y, nn.MSELoss())
+    grads = {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()}
+    pipe.eval()
+    with torch.no_grad():
+        output = pipe(x if pipe.partition_ranks[0] == rank else None)
+    return {"reduced": losses.reduced().item(), "grads": grads, "output": output}
 
 
 CASES: dict[str, Callable[..., Any]] = {
