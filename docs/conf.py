@@ -116,10 +116,10 @@ def _public_base(base: type) -> type:
 
 
 def _public_bases(app: object, name: str, obj: object, options: object, bases: list[type]) -> None:
-    """A base class from a private module of gpipe (GPipe's ``_collectives.Collectives``,
-    itself a ``_layers.LayersModule``) shows as the first public class it derives from: its
-    members are documented on the class itself."""
-    bases[:] = [_public_base(base) for base in bases]
+    """A base class from a private module of gpipe (GPipe's ``_moves.FixedDevices`` and
+    ``_collectives.Collectives``, itself a ``_layers.LayersModule``) shows as the first public
+    class it derives from, once: its members are documented on the class itself."""
+    bases[:] = list(dict.fromkeys(_public_base(base) for base in bases))
 
 
 def setup(app: object) -> None:

@@ -33,7 +33,7 @@ from ._arguments import Arguments, CheckpointMode
 from ._build import Configuration, build
 from ._collectives import Collectives
 from ._materialize import Init
-from ._moves import check_cpu, check_cuda, check_to
+from ._moves import FixedDevices
 from ._placement import DEFAULT_TIMEOUT, construction_for
 from ._state_dict import PartitionKeys, map_keys
 from ._stream import AbstractStream
@@ -49,7 +49,7 @@ from .transport._session import run_session, share_plan
 __all__ = ["GPipe"]
 
 
-class GPipe(Collectives):
+class GPipe(FixedDevices, Collectives):
     """Pipeline parallelism with micro-batches and checkpointing, as in GPipe.
 
     The layers of ``module`` are split into partitions, ``balance[j]`` layers each, and
@@ -309,39 +309,6 @@ class GPipe(Collectives):
         for partition in self.partitions:
             partition.training = mode
         return self
-
-    # -- placement is fixed by ``devices`` -------------------------------------------
-
-    def cuda(self, device: Any = None) -> GPipe:
-        """Nothing to do when every partition is on that CUDA device already; otherwise
-        refused: partitions stay on their devices.
-
-        Raises:
-            TypeError: a partition is on another device.
-        """
-        check_cuda(device, self._placement.local_devices(), self.devices)
-        return self
-
-    def cpu(self) -> GPipe:
-        """Nothing to do when every partition is on the CPU already; otherwise refused:
-        partitions stay on their devices.
-
-        Raises:
-            TypeError: a partition is on another device.
-        """
-        check_cpu(self._placement.local_devices(), self.devices)
-        return self
-
-    def to(self, *args: Any, **kwargs: Any) -> GPipe:
-        """Convert the dtype of parameters and buffers; a device is accepted only where every
-        partition is already, and moving to another one is refused.
-
-        Raises:
-            TypeError: the arguments name a device (or a tensor, which has one) that a
-                partition is not on.
-        """
-        rest = check_to(args, kwargs, self._placement.local_devices(), self.devices)
-        return super().to(*rest[0], **rest[1]) if rest is not None else self
 
     # -- forward ---------------------------------------------------------------------
 

@@ -2,18 +2,25 @@
 on the devices given at construction.
 
 This module owns which moves are nothing to do (every partition of this process is on that
-device already) and the refusal of the others. It must not know runs or processes: it is
-given the devices of this process's partitions, and of every partition for the error.
+device already) and the refusal of the others, and the methods that apply them
+(:class:`FixedDevices`, a base of :class:`~gpipe_core.GPipe`). It must not know runs or
+processes: the placement gives the devices of this process's partitions, and of every
+partition for the error.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
+from torch import nn
 
-__all__ = ["check_cpu", "check_cuda", "check_to"]
+from ._placement import Placement
+
+__all__ = ["FixedDevices", "check_cpu", "check_cuda", "check_to"]
+
+_Moved = TypeVar("_Moved", bound="FixedDevices")
 
 
 def _refuse(how: str, device: object, devices: Sequence[torch.device]) -> NoReturn:
@@ -75,3 +82,42 @@ def check_to(
     if device is not None and not _stays(device, local):
         _refuse(".to(device)", device, devices)
     return args, kwargs
+
+
+class FixedDevices(nn.Module):
+    """The device moves of a module whose partitions stay on the devices of its
+    ``_placement`` (:class:`~gpipe_core.GPipe`): a move to where they are is nothing to do,
+    any other is refused."""
+
+    _placement: Placement
+
+    def cuda(self: _Moved, device: Any = None) -> _Moved:
+        """Nothing to do when every partition is on that CUDA device already; otherwise
+        refused: partitions stay on their devices.
+
+        Raises:
+            TypeError: a partition is on another device.
+        """
+        check_cuda(device, self._placement.local_devices(), self._placement.devices)
+        return self
+
+    def cpu(self: _Moved) -> _Moved:
+        """Nothing to do when every partition is on the CPU already; otherwise refused:
+        partitions stay on their devices.
+
+        Raises:
+            TypeError: a partition is on another device.
+        """
+        check_cpu(self._placement.local_devices(), self._placement.devices)
+        return self
+
+    def to(self: _Moved, *args: Any, **kwargs: Any) -> _Moved:
+        """Convert the dtype of parameters and buffers; a device is accepted only where every
+        partition is already, and moving to another one is refused.
+
+        Raises:
+            TypeError: the arguments name a device (or a tensor, which has one) that a
+                partition is not on.
+        """
+        rest = check_to(args, kwargs, self._placement.local_devices(), self._placement.devices)
+        return super().to(*rest[0], **rest[1]) if rest is not None else self
