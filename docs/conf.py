@@ -78,6 +78,8 @@ napoleon_use_rtype = False
 # must all resolve.
 
 nitpick_ignore_regex = [
+    # The type variable of FixedDevices' moves, which return the module they are called on.
+    (r"py:class", r"gpipe_core\._moves\._Moved"),
     (r"py:.*", r"torch(\..*)?"),
     (r"py:.*", r"(typing|typing_extensions|collections|collections\.abc|contextlib)\..*"),
     (r"py:.*", r"(_thread|types|threading|queue|enum|abc|dataclasses|functools|argparse)\..*"),

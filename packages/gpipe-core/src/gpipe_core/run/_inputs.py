@@ -406,6 +406,30 @@ def forward_inputs(
     return RunInputs(batches, sizes, call.unpack, GPipeSchedule(), keywords=call.keywords)
 
 
+class _TellingReplicas:
+    """The count of a :class:`~gpipe_core.BatchMean` given to ``count_mean`` at most once
+    (calling it), and, if the step fails before on the last partition's rank
+    (``last``), None in its place: the data-parallel replicas wait for one or the other."""
+
+    def __init__(self, count_mean: CountMean, *, last: bool) -> None:
+        self.count_mean = count_mean
+        self.last = last
+        self.told = False
+        #: Whether the step's loss is a BatchMean (known once its arguments are read).
+        self.batch_mean = False
+
+    def __call__(self, count: float | None) -> float:
+        self.told = True
+        return self.count_mean(count)
+
+    def __enter__(self) -> _TellingReplicas:
+        return self
+
+    def __exit__(self, kind: object, error: object, traceback: object) -> None:
+        if error is not None and self.last and self.batch_mean and not self.told:
+            self.count_mean(None)
+
+
 def step_inputs(
     inputs: tuple[Any, ...],
     keywords: Mapping[str, Any],
@@ -438,92 +462,61 @@ def step_inputs(
             or ``target``'s batch size differs from the input's.
         RuntimeError: the step is called inside a checkpointed function.
     """
-    told = False
-
-    def mean(count: float | None) -> float:
-        nonlocal told
-        told = True
-        return count_mean(count)
-
-    try:
-        return _step_inputs(
-            inputs, keywords, target, loss_fn, schedule, reduction, chunks=chunks, devices=devices,
-            share=share, training=training, ends=ends, count_mean=mean,
-        )  # fmt: skip
-    except BaseException:
-        # The loss function given by keyword, or the third of step(input, target, loss_fn).
-        given_loss = inputs[2] if loss_fn is None and len(inputs) == 3 else loss_fn
-        if ends[1] and isinstance(given_loss, BatchMean) and not told:
-            count_mean(None)
-        raise
-
-
-def _step_inputs(
-    inputs: tuple[Any, ...],
-    keywords: Mapping[str, Any],
-    target: object,
-    loss_fn: object,
-    schedule: str | Schedule,
-    reduction: Reduction | None,
-    *,
-    chunks: int,
-    devices: Sequence[torch.device],
-    share: Share,
-    training: bool,
-    ends: tuple[bool, bool],
-    count_mean: CountMean,
-) -> RunInputs:
-    call = FirstCall(None, False, "input")
-    if target is not UNSET and loss_fn is not None:
-        if inputs or keywords:
-            call = first_call(inputs, keywords)
-    elif target is UNSET and loss_fn is None and len(inputs) == 3:
-        target, loss_fn = inputs[1:]
-        call = first_call(inputs[:1], keywords)
-    else:
-        told = ", ".join(
-            f"{name}: {'given' if present else 'missing'}"
-            for name, present in (
-                ("target", target is not UNSET),
-                ("loss_fn", loss_fn is not None),
+    with _TellingReplicas(count_mean, last=ends[1]) as counting:
+        call = FirstCall(None, False, "input")
+        if target is not UNSET and loss_fn is not None:
+            if inputs or keywords:
+                call = first_call(inputs, keywords)
+        elif target is UNSET and loss_fn is None and len(inputs) == 3:
+            target, loss_fn = inputs[1:]
+            call = first_call(inputs[:1], keywords)
+        else:
+            seen = ", ".join(
+                f"{name}: {'given' if present else 'missing'}"
+                for name, present in (
+                    ("target", target is not UNSET),
+                    ("loss_fn", loss_fn is not None),
+                )
             )
+            raise TypeError(
+                "step() takes the first layer's positional arguments with target and loss_fn by "
+                "keyword, step(*inputs, target=..., loss_fn=..., **keywords), or one input, its "
+                "target and the loss function positionally, step(input, target, loss_fn) "
+                f"({len(inputs)} positional arguments given; {seen})"
+            )
+        counting.batch_mean = isinstance(loss_fn, BatchMean)
+        first, last = ends
+        value = call.value
+        if first:
+            check_input_device(value, call.what, devices, call.names)
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable (loss_fn: {type(loss_fn).__name__})")
+        checked = check_reduction(loss_fn, reduction)
+        resolved = get_schedule(schedule)
+        if is_checkpointing() or is_recomputing():
+            raise RuntimeError(
+                "GPipe.step cannot run inside a checkpointed or recomputed function "
+                f"(checkpointing: {is_checkpointing()}, recomputing: {is_recomputing()})"
+            )
+        backward = torch.is_grad_enabled()  # in eval mode too, as autograd does
+        fields = run_fields(
+            "step", chunks=chunks, schedule=schedule, reduction=checked, training=training
         )
-        raise TypeError(
-            "step() takes the first layer's positional arguments with target and loss_fn by "
-            "keyword, step(*inputs, target=..., loss_fn=..., **keywords), or one input, its "
-            "target and the loss function positionally, step(input, target, loss_fn) "
-            f"({len(inputs)} positional arguments given; {told})"
+        cut = Leaves(value, backward) if first else None
+        batches, sizes = _split(
+            cut.value if cut else None, call, chunks, share, fields, first=first
         )
-    first, last = ends
-    value = call.value
-    if first:
-        check_input_device(value, call.what, devices, call.names)
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable (loss_fn: {type(loss_fn).__name__})")
-    checked = check_reduction(loss_fn, reduction)
-    resolved = get_schedule(schedule)
-    if is_checkpointing() or is_recomputing():
-        raise RuntimeError(
-            "GPipe.step cannot run inside a checkpointed or recomputed function "
-            f"(checkpointing: {is_checkpointing()}, recomputing: {is_recomputing()})"
-        )
-    backward = torch.is_grad_enabled()  # in eval mode too, as autograd does
-    fields = run_fields(
-        "step", chunks=chunks, schedule=schedule, reduction=checked, training=training
-    )
-    cut = Leaves(value, backward) if first else None
-    batches, sizes = _split(cut.value if cut else None, call, chunks, share, fields, first=first)
-    given = RunInputs(
-        batches, sizes, call.unpack, resolved, reduction=checked, backward=backward, input=cut,
-        keywords=call.keywords,
-    )  # fmt: skip
-    if last:
-        given._target = Leaves(target, backward)
-        device = devices[-1] if devices else None
-        given.loss = _losses(
-            given._target.value, sizes, chunks, device, loss_fn, checked, backward, count_mean
-        )
-    return given
+        given = RunInputs(
+            batches, sizes, call.unpack, resolved, reduction=checked, backward=backward, input=cut,
+            keywords=call.keywords,
+        )  # fmt: skip
+        if last:
+            given._target = Leaves(target, backward)
+            device = devices[-1] if devices else None
+            given.loss = _losses(
+                given._target.value, sizes, chunks, device, loss_fn, checked, backward, counting
+            )
+        return given
 
 
 def _losses(
