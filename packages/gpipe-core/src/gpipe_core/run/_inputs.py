@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 
@@ -350,8 +350,7 @@ class RunInputs:
             self._target.backward()
         if self.loss is None:
             return None
-        losses = cast(list[torch.Tensor], self.loss.losses)
-        return Losses(losses, self.sizes, self.reduction, self.loss.counts)
+        return self.loss.result(self.sizes, self.reduction)
 
 
 def _split(

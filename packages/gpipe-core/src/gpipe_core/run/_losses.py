@@ -9,7 +9,7 @@ the micro-batches it is given.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 import torch
 from torch import Tensor, nn
@@ -155,7 +155,7 @@ class LossSpec:
             gradient it is seeded with, :meth:`seed`).
         backward: whether the losses are differentiated (grad mode on).
         counts: with a :class:`BatchMean`, each micro-batch's count (its loss is then
-            ``loss_fn.total``, and what it records ``total / count``).
+            ``loss_fn.total``; :meth:`result` divides each by its count).
     """
 
     def __init__(
@@ -197,11 +197,19 @@ class LossSpec:
                 f"(micro-batch {i}, loss_fn returned a tensor that does not require grad: "
                 "detached, constant or integer)"
             )
-        recorded = loss.detach()
-        if self.counts is not None:
-            recorded = recorded / self.counts[i]  # the micro-batch's own mean
-        self.losses[i] = recorded
+        self.losses[i] = loss.detach()
         return loss
+
+    def result(self, sizes: Sequence[int], reduction: Reduction) -> Losses:
+        """The step's :class:`Losses`, once every micro-batch's loss is recorded: with a
+        :class:`BatchMean`, each total divided by its count (one division for them all, off
+        the partitions' path)."""
+        losses = cast(list[Tensor], self.losses)
+        if self.counts is not None and losses:
+            totals = torch.stack(losses)
+            counts = torch.tensor(self.counts, dtype=totals.dtype, device=totals.device)
+            losses = list((totals / counts).unbind())
+        return Losses(losses, sizes, reduction, self.counts)
 
     def _where(self, i: int, output: Batch, target: Batch) -> str:
         """Where ``loss_fn`` failed: the micro-batch's shapes beside the mini-batch's size
