@@ -24,6 +24,7 @@ NAMES = [
     "check_output",
     "gather",
     "get_phony",
+    "labels",
     "make_tuple",
     "make_value",
     "mapping_kind",

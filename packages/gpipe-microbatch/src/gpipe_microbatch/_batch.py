@@ -30,6 +30,7 @@ __all__ = [
     "check_chunks",
     "check_output",
     "gather",
+    "labels",
     "make_tuple",
     "make_value",
     "scatter",
@@ -213,8 +214,13 @@ def _items(value: object, what: str) -> tuple[object, ...] | None:
     return None
 
 
-def _labels(value: object, what: str) -> list[str]:
-    """How errors name the values of ``value``: ``what[0]``, ``what['key']``, or ``what``."""
+def labels(value: object, what: str) -> list[str]:
+    """How errors name the values of ``value``: ``what[0]``, ``what['key']``, or ``what``.
+
+    Example:
+        >>> labels({"ids": 1, "mask": 2}, "input"), labels((1, 2), "input")
+        (["input['ids']", "input['mask']"], ['input[0]', 'input[1]'])
+    """
     if isinstance(value, tuple):
         return [f"{what}[{k}]" for k in range(len(value))]
     if isinstance(value, Mapping):
@@ -270,19 +276,19 @@ def check_output(value: object, what: str = "output") -> object:
         elif parts is not None and isinstance(item, NoChunk):
             raise TypeError(
                 f"{what} holds a NoChunk, which marks inputs only: return the tensor itself "
-                f"({_seen(_labels(value, what)[index], item)})"
+                f"({_seen(labels(value, what)[index], item)})"
             )
         elif parts is not None and _holds_tensor(item):
             raise TypeError(
                 f"{what} holds a tensor inside another value, where it can be neither moved "
                 "between devices nor gathered: make it a value of the output tuple or mapping "
-                f"({_seen(_labels(value, what)[index], item)})"
+                f"({_seen(labels(value, what)[index], item)})"
             )
     if found:
         return value
     if parts is not None:
-        labels = _labels(value, what)
-        seen = ", ".join(_seen(name, item) for name, item in zip(labels, items, strict=True))
+        named = labels(value, what)
+        seen = ", ".join(_seen(name, item) for name, item in zip(named, items, strict=True))
         seen = seen or f"{what}: empty {_type_name(value)}"
     else:
         seen = _seen(what, value)
@@ -517,13 +523,13 @@ def _values_to_split(
     their names in errors."""
     parts = _items(input, what)
     items = (input,) if parts is None else parts
-    labels = _labels(input, what)
+    named = labels(input, what)
     if names is not None and parts is not None:
         if len(names) != len(items):
             raise ValueError(
                 f"names must name each value of {what} (names: {len(names)}, values: {len(items)})"
             )
-        labels = list(names)
+        named = list(names)
     values = list(items)
     split: list[int] = []
     for k, item in enumerate(items):
@@ -535,16 +541,16 @@ def _values_to_split(
             raise TypeError(
                 f"{what} holds a tensor inside another value, where it can be neither split "
                 "into micro-batches nor moved between devices: pass the tensor itself, or "
-                f"NoChunk(tensor) to pass it whole to every micro-batch ({_seen(labels[k], item)})"
+                f"NoChunk(tensor) to pass it whole to every micro-batch ({_seen(named[k], item)})"
             )
     if not split:
-        seen = ", ".join(_seen(name, item) for name, item in zip(labels, items, strict=True))
+        seen = ", ".join(_seen(name, item) for name, item in zip(named, items, strict=True))
         empty = f"{what}: empty {_type_name(input)}"
         raise TypeError(
             f"{what} must hold a tensor to split into micro-batches; NoChunk tensors and "
             f"values that are not tensors are passed whole ({seen or empty})"
         )
-    return values, split, labels
+    return values, split, named
 
 
 def scatter(

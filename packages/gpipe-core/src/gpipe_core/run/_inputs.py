@@ -23,6 +23,7 @@ import torch
 
 from gpipe_checkpoint import is_checkpointing, is_recomputing
 from gpipe_microbatch import Batch, NoChunk, make_tuple, make_value, mapping_kind, scatter
+from gpipe_microbatch import labels as microbatch_labels
 
 from ..schedule._schedules import GPipeSchedule, Schedule, get_schedule
 from ..transport._agreement import Fields, run_fields
@@ -65,15 +66,6 @@ def items(value: object) -> tuple[object, ...]:
     if isinstance(value, Mapping):
         return tuple(value.values())
     return (value,)
-
-
-def names(value: object, what: str) -> list[str]:
-    """How errors name each of the :func:`items` of ``value`` (named ``what``)."""
-    if isinstance(value, tuple):
-        return [f"{what}[{k}]" for k in range(len(value))]
-    if isinstance(value, Mapping):
-        return [f"{what}[{key!r}]" for key in value]
-    return [what]
 
 
 def remade(value: object, values: Sequence[object]) -> object:
@@ -181,7 +173,7 @@ def check_input_device(
     if not devices:
         return
     expected = devices[0]
-    for where, item in zip(labels or names(value, what), items(value), strict=True):
+    for where, item in zip(labels or microbatch_labels(value, what), items(value), strict=True):
         tensor = tensor_of(item)
         if tensor is not None and tensor.device != expected:
             raise ValueError(
