@@ -1,0 +1,269 @@
+"""A causal LM as a sequence of layers: what runs before the decoder layers
+(:class:`Embed`), each decoder layer (:class:`Decoder`), and what runs after them
+(:class:`Head`), each running the family's own code.
+
+The family's code around its layers is its base model's ``forward`` and its causal LM's
+``forward``. They are called, unchanged, on a *stand-in*: a shallow copy of the model
+(:func:`stand_in`) whose children are the model's own but for a few, replaced for the call:
+
+- :class:`Embed` calls the base model's forward with each decoder layer replaced by a
+  recorder, which notes the arguments the forward gives that layer (the attention mask
+  the family built for it, its rotary position embeddings, its position ids) and passes the
+  hidden states on; the first module after the layers stops the call. Its output is the
+  first layer's hidden states and every layer's arguments (a :class:`Carry`).
+- :class:`Decoder` calls its decoder layer with the hidden states and the arguments noted
+  for it.
+- :class:`Head` calls the modules after the layers (the final norm), then the causal
+  LM's forward with its base model replaced by one that returns the hidden states: the
+  head, logit scaling and soft-capping run as the family wrote them.
+
+The model itself is never changed, so that it stays usable on its own, and the stand-ins
+follow its mode. It must not know pipelines or losses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Carry", "Decoder", "Embed", "Head", "stand_in"]
+
+# The carry's keys: the hidden states, the layers' arguments (a value that is not a
+# tensor: their structure) and their tensors, each once, as t0, t1, ...
+HIDDEN = "hidden_states"
+ARGUMENTS = "layer_arguments"
+
+
+def stand_in(module: nn.Module, training: bool, **children: object) -> nn.Module:
+    """A shallow copy of ``module`` whose children named in ``children`` are replaced (by
+    any callables), in ``training`` mode; ``module`` is not changed."""
+    copy = object.__new__(type(module))
+    copy.__dict__.update(module.__dict__)
+    copy.__dict__["_modules"] = {**module._modules, **children}
+    copy.__dict__["training"] = training
+    return copy
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """Where a layer's argument is a tensor: the carry's ``t<index>``."""
+
+    index: int
+
+
+def _flatten(value: object, tensors: dict[int, int], table: list[Tensor]) -> object:
+    """``value`` with each tensor replaced by a :class:`_Ref` into ``table`` (each tensor
+    once, by identity)."""
+    if isinstance(value, Tensor):
+        index = tensors.get(id(value))
+        if index is None:
+            index = tensors[id(value)] = len(table)
+            table.append(value)
+        return _Ref(index)
+    if type(value) in (tuple, list):
+        return type(value)(_flatten(item, tensors, table) for item in value)  # type: ignore[call-arg]
+    if type(value) is dict:
+        return {key: _flatten(item, tensors, table) for key, item in value.items()}
+    return value
+
+
+def _unflatten(value: object, table: Mapping[str, object]) -> Any:
+    if isinstance(value, _Ref):
+        return table[f"t{value.index}"]
+    if type(value) in (tuple, list):
+        return type(value)(_unflatten(item, table) for item in value)  # type: ignore[call-arg]
+    if type(value) is dict:
+        return {key: _unflatten(item, table) for key, item in value.items()}
+    return value
+
+
+class Carry:
+    """What passes from layer to layer: a dict of the hidden states, the structure of
+    every decoder layer's other arguments, and their tensors (``t0``, ``t1``, ...)."""
+
+    @staticmethod
+    def make(hidden: Tensor, calls: list[tuple[tuple[object, ...], dict[str, object]]]) -> dict[str, object]:
+        """The carry of ``hidden`` and each layer's other arguments ``calls``."""
+        tensors: dict[int, int] = {}
+        table: list[Tensor] = []
+        structure = tuple(_flatten(call, tensors, table) for call in calls)
+        carry: dict[str, object] = {HIDDEN: hidden, ARGUMENTS: structure}
+        carry.update((f"t{k}", tensor) for k, tensor in enumerate(table))
+        return carry
+
+    @staticmethod
+    def arguments(carry: Mapping[str, object], index: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The other arguments of decoder layer ``index``."""
+        structure = carry[ARGUMENTS]
+        assert isinstance(structure, tuple)
+        args, kwargs = _unflatten(structure[index], carry)
+        return args, kwargs
+
+
+class _Stop(Exception):
+    """Ends the base model's forward at the first module after the layers."""
+
+
+class _Recorder:
+    """Stands for a decoder layer in the base model's forward: notes its arguments and
+    passes the hidden states on; its other attributes are the layer's."""
+
+    __slots__ = ("calls", "first", "layer")
+
+    def __init__(self, layer: nn.Module, calls: list[Any], first: list[Tensor]) -> None:
+        self.layer, self.calls, self.first = layer, calls, first
+
+    def __call__(self, hidden: Tensor, *args: object, **kwargs: object) -> Tensor:
+        if not self.first:
+            self.first.append(hidden)
+        self.calls.append((args, kwargs))
+        return hidden
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.layer, name)
+
+
+def _stop(*args: object, **kwargs: object) -> None:
+    raise _Stop
+
+
+class Embed(nn.Module):
+    """What the base model's forward does before its first decoder layer, as its own code.
+
+    It holds the base model's children that run before the layers (under their own names)
+    and returns a :class:`Carry`.
+    """
+
+    def __init__(self, base: nn.Module, names: tuple[str, ...], layers_name: str, tail: str) -> None:
+        super().__init__()
+        for name in names:
+            self.add_module(name, base._modules[name])
+        # The base model and its layers are not this module's children: the pipeline
+        # holds each layer once, in its Decoder.
+        layers = base._modules[layers_name]
+        assert isinstance(layers, nn.ModuleList)
+        self.__dict__["_base"] = base
+        self.__dict__["_layers"] = list(layers)
+        self.__dict__["_layers_name"] = layers_name
+        self.__dict__["_tail"] = tail
+
+    def forward(self, *args: Any, **kwargs: Any) -> dict[str, object]:
+        calls: list[tuple[tuple[object, ...], dict[str, object]]] = []
+        first: list[Tensor] = []
+        recorders = [_Recorder(layer, calls, first) for layer in self._layers]
+        base = stand_in(self._base, self.training, **{self._tail: _stop, self._layers_name: recorders})
+        kwargs.setdefault("use_cache", False)
+        try:
+            base.forward(*args, **kwargs)
+        except _Stop:
+            pass
+        else:
+            raise RuntimeError(
+                f"{type(self._base).__name__}.forward returned without calling "
+                f"{self._tail!r} after its decoder layers: its layout is not the one its "
+                "pipeline plan describes"
+            )
+        if len(calls) != len(self._layers) or not first:
+            raise RuntimeError(
+                f"{type(self._base).__name__}.forward called {len(calls)} of its "
+                f"{len(self._layers)} decoder layers: a pipeline runs each layer once"
+            )
+        return Carry.make(first[0], calls)
+
+
+class Decoder(nn.Module):
+    """Decoder layer ``index``, called with the arguments the base model's forward gives it.
+
+    The last decoder layer returns its hidden states alone; the others a :class:`Carry`.
+    """
+
+    def __init__(self, layer: nn.Module, index: int, last: bool) -> None:
+        super().__init__()
+        self.layer = layer
+        self.index = index
+        self.last = last
+
+    def forward(self, carry: dict[str, object]) -> object:
+        args, kwargs = Carry.arguments(carry, self.index)
+        hidden = carry[HIDDEN]
+        output = self.layer(hidden, *args, **kwargs)
+        if isinstance(output, tuple):  # layers of older families return (hidden, ...)
+            output = output[0]
+        if self.last:
+            return output
+        return {**carry, HIDDEN: output}
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}"
+
+
+class _BaseOutput:
+    """What the base model's forward returns, for the causal LM's forward: the hidden
+    states, and None for what a pipeline does not return (cache, attentions)."""
+
+    def __init__(self, hidden: Tensor) -> None:
+        self.last_hidden_state = hidden
+
+    def __getitem__(self, index: int) -> Tensor:
+        if index != 0:
+            raise IndexError(index)
+        return self.last_hidden_state
+
+    def __getattr__(self, name: str) -> None:
+        return None
+
+
+class Head(nn.Module):
+    """What runs after the last decoder layer: the base model's modules after its layers
+    (the final norm), then the causal LM's forward (the head, logit scaling,
+    soft-capping), as the family's own code. It returns the logits.
+
+    It holds the modules after the layers and the causal LM's own children besides its
+    base model, under their own names.
+    """
+
+    def __init__(self, model: nn.Module, base: nn.Module, base_name: str, tail: tuple[str, ...], head: tuple[str, ...]) -> None:
+        super().__init__()
+        for name in tail:
+            self.add_module(name, base._modules[name])
+        for name in head:
+            self.add_module(name, model._modules[name])
+        self.__dict__["_model"] = model
+        self.__dict__["_base_name"] = base_name
+        self.__dict__["_tail"] = tail
+
+    def forward(self, carry: object) -> Tensor:
+        hidden = carry[HIDDEN] if isinstance(carry, Mapping) else carry
+        assert isinstance(hidden, Tensor)
+        for name in self._tail:
+            hidden = self._modules[name](hidden)  # type: ignore[misc]
+        output = _BaseOutput(hidden)
+        model = stand_in(self._model, self.training, **{self._base_name: lambda *a, **k: output})
+        result = model.forward(use_cache=False, return_dict=True)
+        logits = result.logits if hasattr(result, "logits") else result[0]
+        assert isinstance(logits, Tensor)
+        return logits
+
+
+def causal_lm_total(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """The summed next-token loss: each position predicts the next label, ``ignore_index``
+    labels (and the last position) count nothing; in float32 at least, as Hugging Face's
+    causal LM loss upcasts (float64 stays float64)."""
+    if logits.dtype != torch.float64:
+        logits = logits.float()
+    shifted = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        shifted.reshape(-1).to(logits.device),
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
+
+
+def causal_lm_count(labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """How many next-token targets ``labels`` holds (the ones not ``ignore_index``)."""
+    return (labels[..., 1:] != ignore_index).sum()

@@ -1,0 +1,233 @@
+"""A Hugging Face causal LM as a pipeline: :func:`pipeline` and :class:`CausalLMPipe`.
+
+It turns a model's layout (:mod:`._layout`) into a sequence of its own modules
+(:mod:`._pieces`), converts a balance of decoder layers into the sequence's, and trains to
+the model's own loss (a :class:`~gpipe_core.BatchMean` of the next-token loss).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gpipe_core import BatchMean, CheckpointMode, GPipe, Losses
+
+from ._layout import Layout, LayoutError, find_layout
+from ._pieces import Decoder, Embed, Head, causal_lm_count, causal_lm_total
+
+__all__ = ["CausalLMPipe", "pipeline", "sequence"]
+
+# What a pipeline does not return or cannot do, refused before anything runs.
+_REFUSED = {
+    "output_attentions": "a pipeline returns the logits only",
+    "output_hidden_states": "a pipeline returns the logits only",
+    "past_key_values": "generation with a KV cache is not supported",
+    "cache": "generation with a KV cache is not supported",
+    "return_dict": "a pipeline returns the logits only",
+}
+
+
+def sequence(model: nn.Module) -> nn.Sequential:
+    """The causal LM ``model`` as an :class:`~torch.nn.Sequential` of its own modules: what
+    runs before the decoder layers (the embeddings), each decoder layer, and what runs after
+    them (the final norm and the head). Called with the model's inputs
+    (``input_ids=..., attention_mask=...``), it returns the model's logits.
+
+    This is the sequence :func:`pipeline` splits; pass it to
+    :func:`~gpipe_balance.balance_by_time` to balance by measured times (the balance then
+    counts its layers: one more on the first partition, one more on the last).
+
+    Raises:
+        TypeError, LayoutError: as :func:`pipeline`.
+    """
+    layout = find_layout(model)
+    return _sequence(layout)
+
+
+def _sequence(layout: Layout) -> nn.Sequential:
+    count = len(layout.layers)
+    pieces: OrderedDict[str, nn.Module] = OrderedDict()
+    pieces["embed"] = Embed(layout.base, layout.pre_names(), layout.layers_name, layout.tail_names[0])
+    for index, layer in enumerate(layout.layers):
+        pieces[f"layer{index}"] = Decoder(layer, index, last=index == count - 1)
+    pieces["head"] = Head(layout.model, layout.base, layout.base_name, layout.tail_names, layout.head_names())
+    return nn.Sequential(pieces)
+
+
+def _even(layers: int, parts: int) -> list[int]:
+    share, extra = divmod(layers, parts)
+    return [share + (k < extra) for k in range(parts)]
+
+
+def _partition_count(devices: Sequence[Any] | None, group: dist.ProcessGroup | None, placement: object) -> int:
+    if isinstance(placement, Sequence) and not isinstance(placement, str):
+        return len(placement)
+    workers = group.size() if group is not None else len(devices) if devices is not None else 1
+    return workers * 2 if placement in ("loop", "v") else workers
+
+
+def _sequence_balance(balance: object, layers: int, parts: int, name: str) -> list[int]:
+    """The sequence's balance for ``balance`` decoder layers per partition (None: even)."""
+    if balance is None:
+        if parts > layers:
+            raise ValueError(
+                f"a pipeline of {parts} partitions needs at least {parts} decoder layers; "
+                f"give balance, or fewer devices or ranks (model: {name}, decoder layers: "
+                f"{layers})"
+            )
+        counts = _even(layers, parts)
+    else:
+        if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
+            raise TypeError(f"balance must be a sequence of ints (balance: {balance!r})")
+        counts = list(balance)
+        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+            raise ValueError(f"balance must hold non-negative ints (balance: {counts})")
+        if sum(counts) == layers + 2:
+            return counts  # the sequence's own balance (balance_by_time's)
+        if sum(counts) != layers:
+            raise ValueError(
+                "balance counts decoder layers per partition and must sum to the model's "
+                f"{layers} decoder layers (balance: {counts}, sum: {sum(counts)}; a balance "
+                f"of the whole sequence sums to {layers + 2})"
+            )
+    counts = list(counts)
+    counts[0] += 1
+    counts[-1] += 1
+    return counts
+
+
+class CausalLMPipe(GPipe):
+    """A pipeline of a Hugging Face causal LM (see :func:`pipeline`): a
+    :class:`~gpipe_core.GPipe` whose step takes ``labels`` and trains to the model's own
+    loss."""
+
+    def __init__(self, model: nn.Module, layout: Layout, module: nn.Sequential, balance: list[int], **options: Any) -> None:
+        super().__init__(module, balance, **options)
+        self.__dict__["_model"] = model
+        self.__dict__["_layout"] = layout
+        #: The model's loss: the next-token cross entropy, averaged over the non-ignored
+        #: labels of the whole mini-batch.
+        self.loss = BatchMean(causal_lm_total, causal_lm_count)
+
+    @property
+    def model(self) -> nn.Module:
+        """The causal LM this pipeline trains (its modules are the pipeline's)."""
+        model: nn.Module = self.__dict__["_model"]
+        return model
+
+    def forward(self, *inputs: Any, **keywords: Any) -> Any:
+        """The logits of the model's inputs (``input_ids=..., attention_mask=...``), as
+        ``model(...).logits``."""
+        _check_inputs(keywords, "forward")
+        return super().forward(*inputs, **keywords)
+
+    def step(  # type: ignore[override]
+        self, *inputs: Any, labels: Tensor | None = None, **keywords: Any
+    ) -> Losses:
+        """A training step. With ``labels``, the loss is the model's own (``model(...,
+        labels=labels).loss``: the next-token loss over every label that is not -100, of
+        the whole mini-batch) and ``.reduced()`` equals it; without, the step is
+        :meth:`GPipe.step <gpipe_core.GPipe.step>`'s (``target=`` and ``loss_fn=``
+        given)."""
+        if labels is None:
+            return super().step(*inputs, **keywords)
+        for own in ("target", "loss_fn"):
+            if own in keywords:
+                raise TypeError(
+                    f"step takes labels or {own}, not both: labels trains to the model's own "
+                    f"loss ({own}: {type(keywords[own]).__name__})"
+                )
+        _check_inputs(keywords, "step")
+        return super().step(*inputs, target=labels, loss_fn=self.loss, **keywords)
+
+
+def _check_inputs(keywords: dict[str, Any], method: str) -> None:
+    for name, why in _REFUSED.items():
+        if name in keywords and keywords[name] not in (None, False):
+            raise ValueError(f"{name} is not supported: {why} ({name}: {keywords[name]!r})")
+    if keywords.get("use_cache"):
+        raise ValueError(
+            "use_cache is not supported: generation with a KV cache is not (use_cache: True)"
+        )
+    if method == "forward" and "labels" in keywords:
+        raise TypeError(
+            "forward returns the logits: pass labels to step(), which returns the model's "
+            "own loss (labels given to forward)"
+        )
+
+
+def pipeline(
+    model: nn.Module,
+    *,
+    balance: Sequence[int] | None = None,
+    chunks: int = 1,
+    checkpoint: CheckpointMode = "except_last",
+    devices: Sequence[Any] | None = None,
+    group: dist.ProcessGroup | None = None,
+    data_group: dist.ProcessGroup | None = None,
+    placement: str | Sequence[int] | None = None,
+    timeout: float | datetime.timedelta | None | object = ...,
+) -> CausalLMPipe:
+    """A pipeline of the Hugging Face causal LM ``model``'s own modules.
+
+    Works for every causal LM whose configuration has a pipeline plan
+    (``base_model_pp_plan``: Llama, Mistral, Qwen2, Gemma and most decoders) and for GPT-2.
+    What the family does before its first decoder layer (embedding scaling, masks, rotary
+    position embeddings, dropout) runs on the first partition and after its last (the final
+    norm, the head, logit scaling, soft-capping) on the last, as the family's own code.
+
+    Args:
+        model: the causal LM (``AutoModelForCausalLM.from_config(...)``).
+        balance: decoder layers per partition (the embeddings go with the first, the norm
+            and the head with the last); default: the layers split evenly over the
+            partitions (one per device, or per rank of ``group``). A balance of the whole
+            :func:`sequence` (two more layers, as
+            :func:`~gpipe_balance.balance_by_time` gives) is taken as it is.
+        chunks, checkpoint, devices, group, data_group, placement, timeout: as
+            :class:`~gpipe_core.GPipe`'s.
+
+    Returns:
+        The pipeline: ``pipe(input_ids=..., attention_mask=...)`` gives the logits,
+        ``pipe.step(input_ids=..., attention_mask=..., labels=...)`` the model's own loss
+        and its gradients.
+
+    Raises:
+        TypeError: ``model`` is not a Hugging Face model.
+        LayoutError: the model's layout cannot be found (the message names what is
+            missing), or it is not supported (encoder-decoder models, a mixture-of-experts
+            auxiliary loss).
+        ValueError: ``balance`` does not sum to the decoder layers.
+
+    Example:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                      num_hidden_layers=2, num_attention_heads=2)
+        >>> model = LlamaForCausalLM(config)
+        >>> pipe = pipeline(model, balance=[1, 1], chunks=2)
+        >>> ids = torch.randint(64, (4, 8))
+        >>> losses = pipe.step(input_ids=ids, labels=ids)
+        >>> torch.allclose(losses.reduced(), model(input_ids=ids, labels=ids).loss)
+        True
+    """
+    layout = find_layout(model)
+    name = type(model).__name__
+    parts = _partition_count(devices, group, placement)
+    counts = _sequence_balance(balance, len(layout.layers), parts, name)
+    options: dict[str, Any] = dict(
+        devices=devices, chunks=chunks, checkpoint=checkpoint, group=group,
+        data_group=data_group, placement=placement,
+    )  # fmt: skip
+    if timeout is not ...:
+        options["timeout"] = timeout
+    return CausalLMPipe(model, layout, _sequence(layout), counts, **options)
+
+
+
+
