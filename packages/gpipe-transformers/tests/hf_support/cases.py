@@ -1,0 +1,51 @@
+"""What each rank of a test cluster runs (see :mod:`hf_support.ranks`): every case builds the
+same tiny model on each rank, pipelines it over the ranks, and returns numbers to compare."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpipe_transformers import pipeline
+from hf_support.models import batch, largest_grad_difference, model, reference
+
+
+def exact(
+    rank: int,
+    world: int,
+    *,
+    family: str,
+    schedules: tuple[str, ...] = ("gpipe", "1f1b"),
+    checkpoint: str = "except_last",
+    chunks: int = 3,
+    attn: str = "sdpa",
+    placement: str | None = None,
+    balance: list[int] | None = None,
+    layers: int = 4,
+) -> dict[str, Any]:
+    """For each schedule, the difference of the pipeline's loss from the float64 reference
+    (every rank gets it) and of this rank's gradients from the reference's; the last
+    rank also the difference of the logits under ``torch.no_grad``."""
+    torch.set_default_dtype(torch.float64)
+    built = model(family, attn=attn, layers=layers)
+    data = batch(1, size=8)
+    plain, loss, logits = reference(built, data)
+    pipe = pipeline(
+        built, chunks=chunks, checkpoint=checkpoint,  # type: ignore[arg-type]
+        group=dist.group.WORLD, placement=placement, balance=balance,
+    )  # fmt: skip
+    found: dict[str, Any] = {}
+    for schedule in schedules:
+        pipe.zero_grad(set_to_none=True)
+        losses = pipe.step(**data, schedule=schedule)
+        found[schedule] = (
+            abs(losses.reduced().item() - loss.item()),
+            largest_grad_difference(built, plain, family),
+        )
+    with torch.no_grad():
+        out = pipe(input_ids=data["input_ids"], attention_mask=data["attention_mask"])
+    found["logits"] = (out - logits).abs().max().item() if out is not None else None
+    found["parameters"] = sum(p.numel() for p in pipe.parameters())
+    return found

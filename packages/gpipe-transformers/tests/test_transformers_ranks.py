@@ -1,0 +1,43 @@
+"""A Hugging Face causal LM pipelined over two gloo ranks trains to the model's own loss
+and gradients, for each family and every schedule."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_support.models import FAMILIES
+from hf_support.ranks import run
+
+TOLERANCE = 1e-10
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_ranks_equal_the_model(family: str) -> None:
+    results = run("exact", family=family, schedules=("gpipe", "1f1b"), attn="eager" if family == "gpt2" else "sdpa")
+    for rank, found in enumerate(results):
+        for schedule in ("gpipe", "1f1b"):
+            loss, grad = found[schedule]
+            assert loss < TOLERANCE, (rank, schedule, loss)
+            assert grad < TOLERANCE, (rank, schedule, grad)
+    assert results[-1]["logits"] < TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("schedules", "placement", "checkpoint"),
+    [
+        (("interleaved-1f1b", "zb-h1"), "loop", "always"),
+        (("zbv",), "v", "never"),
+        (("gpipe", "1f1b"), None, "never"),
+    ],
+)
+def test_two_ranks_several_partitions_each(
+    schedules: tuple[str, ...], placement: str | None, checkpoint: str
+) -> None:
+    results = run(
+        "exact", family="llama", schedules=schedules, placement=placement,
+        checkpoint=checkpoint, chunks=4,
+    )  # fmt: skip
+    for rank, found in enumerate(results):
+        for schedule in schedules:
+            loss, grad = found[schedule]
+            assert loss < TOLERANCE and grad < TOLERANCE, (rank, schedule, loss, grad)
