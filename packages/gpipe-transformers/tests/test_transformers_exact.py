@@ -12,7 +12,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpipe_transformers import pipeline
-from hf_support.models import FAMILIES, batch, largest_grad_difference, model, reference, reference_loss
+from hf_support.models import (
+    FAMILIES,
+    batch,
+    largest_grad_difference,
+    model,
+    reference,
+    reference_loss,
+)
 
 pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
 TOLERANCE = 1e-10
@@ -88,7 +95,11 @@ def test_position_ids_and_a_length_that_changes_between_steps() -> None:
     for length in (5, 9, 3):
         data = batch(length, size=4, length=length)
         positions = torch.arange(length).repeat(4, 1) + 2
-        logits = plain(input_ids=data["input_ids"], attention_mask=data["attention_mask"], position_ids=positions).logits
+        logits = plain(
+            input_ids=data["input_ids"],
+            attention_mask=data["attention_mask"],
+            position_ids=positions,
+        ).logits
         loss = reference_loss(logits, data["labels"])
         loss.backward()
         losses = pipe.step(**data, position_ids=positions)

@@ -13,7 +13,12 @@ TOLERANCE = 1e-10
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_two_ranks_equal_the_model(family: str) -> None:
-    results = run("exact", family=family, schedules=("gpipe", "1f1b"), attn="eager" if family == "gpt2" else "sdpa")
+    results = run(
+        "exact",
+        family=family,
+        schedules=("gpipe", "1f1b"),
+        attn="eager" if family == "gpt2" else "sdpa",
+    )
     for rank, found in enumerate(results):
         for schedule in ("gpipe", "1f1b"):
             loss, grad = found[schedule]

@@ -102,7 +102,7 @@ class Collectives(LayersModule):
         )
         counted = (
             (name, p)
-            for name, p in self.named_parameters()
+            for name, p in self._plain_named_parameters()
             if name not in self._config.shared.foreign
         )
         with run_session(self._placement, self._pool) as session:
@@ -138,8 +138,13 @@ class Collectives(LayersModule):
             {}
         """
         if not self._config.shared.sets:  # no tensor shared across ranks: nothing to compare
-            return self._config.shared.drift(self._placement.transport().exchange)
-        fields = (("the method called", "shared_drift"),)
-        with run_session(self._placement, self._pool):
-            share_plan(self._placement, (), fields)
-            return self._config.shared.drift(self._placement.transport().exchange)
+            drift = self._config.shared.drift(self._placement.transport().exchange)
+        else:
+            fields = (("the method called", "shared_drift"),)
+            with run_session(self._placement, self._pool):
+                share_plan(self._placement, (), fields)
+                drift = self._config.shared.drift(self._placement.transport().exchange)
+        renaming = self._renaming()
+        if renaming is None:
+            return drift
+        return {renaming.rename(key) or key: value for key, value in drift.items()}

@@ -214,7 +214,10 @@ class GPipe(FixedDevices, Collectives):
             self.partitions = nn.ModuleList(config.partitions)
             self._init_runtime()
             # Checkpoints use the plain module's keys, whatever the balance.
-            map_keys(self, PartitionKeys(self._partition_list(), config.remote_layers))
+            map_keys(
+                self,
+                PartitionKeys(self._partition_list(), config.remote_layers, self._renaming()),
+            )
             if construction is not None:
                 construction.agree((), config.timeout)  # every rank has built its partitions
                 self._connect_replicas()

@@ -21,6 +21,7 @@ from gpipe_bn import convert_plain_batch_norm
 
 from ._sequential import PipeSequential
 from ._shared import SharedReplicas, views
+from ._state_dict import Renaming
 
 __all__ = ["LayersModule", "Layout", "PlainLayers", "named_modules"]
 
@@ -192,8 +193,30 @@ class LayersModule(nn.Module):
         self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Module]]:
         """The pipeline, then its layers and theirs under the plain module's names (see
-        :meth:`named_children`)."""
-        yield from named_modules(self, self.named_children(), memo, prefix, remove_duplicate)
+        :meth:`named_children`), or under the names a subclass gives them (a model's own)."""
+        renaming = self._renaming()
+        if renaming is None:
+            yield from named_modules(self, self.named_children(), memo, prefix, remove_duplicate)
+            return
+        for path, module in named_modules(self, self.named_children(), memo, "", remove_duplicate):
+            name = renaming.rename(path) if path else ""
+            if name is not None:
+                yield ".".join(filter(None, (prefix, name))), module
+
+    def _renaming(self) -> Renaming | None:
+        """The names this pipeline shows for the plain keys, if not those (see
+        :class:`~gpipe_core._state_dict.Renaming`); a subclass's to give."""
+        return None
+
+    def _plain_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The parameters under the plain module's keys, each once, whatever names the
+        pipeline shows (its own bookkeeping: the shared replicas, clipping across ranks)."""
+        seen: set[nn.Parameter] = set()
+        for path, module in named_modules(self, self.named_children(), None, "", True):
+            for name, parameter in module._parameters.items():
+                if parameter is not None and parameter not in seen:
+                    seen.add(parameter)
+                    yield ".".join(filter(None, (path, name))), parameter
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -23,11 +23,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from types import CodeType
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from torch import nn
 
-__all__ = ["KeyMap", "PartitionKeys", "map_keys"]
+__all__ = ["KeyMap", "PartitionKeys", "Renaming", "map_keys"]
+
+
+class Renaming(Protocol):
+    """Other names for a pipeline's plain keys: a model's own names, for a pipeline of
+    pieces that hold its modules (gpipe-transformers' causal LMs). The pipeline's
+    :meth:`~torch.nn.Module.named_parameters`, ``named_buffers``, ``named_modules`` and
+    ``state_dict`` show them; its own bookkeeping keeps the plain keys."""
+
+    def rename(self, key: str) -> str | None:
+        """The name of the plain key (or module path) ``key``; None for a module of the
+        pipeline's own that the model does not have (a piece)."""
+
+    def key(self, name: str) -> str | None:
+        """The plain key of the name ``name``; None for a name that is not one of them."""
 
 
 class KeyMap(ABC):
@@ -211,23 +225,32 @@ class PartitionKeys(KeyMap):
     Args:
         partitions: the partitions (this rank's; another rank's are empty).
         remote: the names of the layers other ranks run.
+        renaming: the names the keys are saved and loaded under, if not the plain keys.
     """
 
-    def __init__(self, partitions: Sequence[nn.Sequential], remote: set[str]) -> None:
+    def __init__(
+        self,
+        partitions: Sequence[nn.Sequential],
+        remote: set[str],
+        renaming: Renaming | None = None,
+    ) -> None:
         super().__init__()
         self.owner = {
             name: j for j, partition in enumerate(partitions) for name in partition._modules
         }
         self.remote = remote
+        self.renaming = renaming
 
     def to_plain(self, module: nn.Module, key: str) -> str | None:
         if key == "partitions" or (key.count(".") < 2 and key.startswith("partitions.")):
             return None  # the partitions themselves
         if key.startswith("partitions."):
-            return key.split(".", 2)[2]
-        return key
+            key = key.split(".", 2)[2]
+        return key if self.renaming is None else self.renaming.rename(key)
 
     def from_plain(self, module: nn.Module, key: str) -> str | None:
+        if self.renaming is not None:
+            key = self.renaming.key(key) or key
         layer = key.partition(".")[0]
         j = self.owner.get(layer)
         if j is not None:

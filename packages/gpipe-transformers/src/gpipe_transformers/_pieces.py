@@ -64,8 +64,8 @@ def _flatten(value: object, tensors: dict[int, int], table: list[Tensor]) -> obj
             index = tensors[id(value)] = len(table)
             table.append(value)
         return _Ref(index)
-    if type(value) in (tuple, list):
-        return type(value)(_flatten(item, tensors, table) for item in value)  # type: ignore[call-arg]
+    if isinstance(value, (tuple, list)) and type(value) in (tuple, list):
+        return type(value)(_flatten(item, tensors, table) for item in value)
     if type(value) is dict:
         return {key: _flatten(item, tensors, table) for key, item in value.items()}
     return value
@@ -74,8 +74,8 @@ def _flatten(value: object, tensors: dict[int, int], table: list[Tensor]) -> obj
 def _unflatten(value: object, table: Mapping[str, object]) -> Any:
     if isinstance(value, _Ref):
         return table[f"t{value.index}"]
-    if type(value) in (tuple, list):
-        return type(value)(_unflatten(item, table) for item in value)  # type: ignore[call-arg]
+    if isinstance(value, (tuple, list)) and type(value) in (tuple, list):
+        return type(value)(_unflatten(item, table) for item in value)
     if type(value) is dict:
         return {key: _unflatten(item, table) for key, item in value.items()}
     return value
@@ -86,7 +86,9 @@ class Carry:
     every decoder layer's other arguments, and their tensors (``t0``, ``t1``, ...)."""
 
     @staticmethod
-    def make(hidden: Tensor, calls: list[tuple[tuple[object, ...], dict[str, object]]]) -> dict[str, object]:
+    def make(
+        hidden: Tensor, calls: list[tuple[tuple[object, ...], dict[str, object]]]
+    ) -> dict[str, object]:
         """The carry of ``hidden`` and each layer's other arguments ``calls``."""
         tensors: dict[int, int] = {}
         table: list[Tensor] = []
@@ -96,7 +98,9 @@ class Carry:
         return carry
 
     @staticmethod
-    def arguments(carry: Mapping[str, object], index: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def arguments(
+        carry: Mapping[str, object], index: int
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The other arguments of decoder layer ``index``."""
         structure = carry[ARGUMENTS]
         assert isinstance(structure, tuple)
@@ -138,7 +142,14 @@ class Embed(nn.Module):
     and returns a :class:`Carry`.
     """
 
-    def __init__(self, base: nn.Module, names: tuple[str, ...], layers_name: str, tail: str) -> None:
+    _base: nn.Module
+    _layers: list[nn.Module]
+    _layers_name: str
+    _tail: str
+
+    def __init__(
+        self, base: nn.Module, names: tuple[str, ...], layers_name: str, tail: str
+    ) -> None:
         super().__init__()
         for name in names:
             self.add_module(name, base._modules[name])
@@ -155,7 +166,9 @@ class Embed(nn.Module):
         calls: list[tuple[tuple[object, ...], dict[str, object]]] = []
         first: list[Tensor] = []
         recorders = [_Recorder(layer, calls, first) for layer in self._layers]
-        base = stand_in(self._base, self.training, **{self._tail: _stop, self._layers_name: recorders})
+        base = stand_in(
+            self._base, self.training, **{self._tail: _stop, self._layers_name: recorders}
+        )
         kwargs.setdefault("use_cache", False)
         try:
             base.forward(*args, **kwargs)
@@ -226,7 +239,18 @@ class Head(nn.Module):
     base model, under their own names.
     """
 
-    def __init__(self, model: nn.Module, base: nn.Module, base_name: str, tail: tuple[str, ...], head: tuple[str, ...]) -> None:
+    _model: nn.Module
+    _base_name: str
+    _tail: tuple[str, ...]
+
+    def __init__(
+        self,
+        model: nn.Module,
+        base: nn.Module,
+        base_name: str,
+        tail: tuple[str, ...],
+        head: tuple[str, ...],
+    ) -> None:
         super().__init__()
         for name in tail:
             self.add_module(name, base._modules[name])
@@ -240,7 +264,9 @@ class Head(nn.Module):
         hidden = carry[HIDDEN] if isinstance(carry, Mapping) else carry
         assert isinstance(hidden, Tensor)
         for name in self._tail:
-            hidden = self._modules[name](hidden)  # type: ignore[misc]
+            module = self._modules[name]
+            assert module is not None
+            hidden = module(hidden)
         output = _BaseOutput(hidden)
         model = stand_in(self._model, self.training, **{self._base_name: lambda *a, **k: output})
         result = model.forward(use_cache=False, return_dict=True)

@@ -12,13 +12,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe_core import BatchMean, CheckpointMode, GPipe, Losses
 
-from ._layout import Layout, LayoutError, find_layout
+from ._layout import Layout, find_layout
+from ._names import EMBED, HEAD, ModelNames, layer_name
 from ._pieces import Decoder, Embed, Head, causal_lm_count, causal_lm_total
 
 __all__ = ["CausalLMPipe", "pipeline", "sequence"]
@@ -53,10 +53,12 @@ def sequence(model: nn.Module) -> nn.Sequential:
 def _sequence(layout: Layout) -> nn.Sequential:
     count = len(layout.layers)
     pieces: OrderedDict[str, nn.Module] = OrderedDict()
-    pieces["embed"] = Embed(layout.base, layout.pre_names(), layout.layers_name, layout.tail_names[0])
+    pieces[EMBED] = Embed(layout.base, layout.pre_names(), layout.layers_name, layout.tail_names[0])
     for index, layer in enumerate(layout.layers):
-        pieces[f"layer{index}"] = Decoder(layer, index, last=index == count - 1)
-    pieces["head"] = Head(layout.model, layout.base, layout.base_name, layout.tail_names, layout.head_names())
+        pieces[layer_name(index)] = Decoder(layer, index, last=index == count - 1)
+    pieces[HEAD] = Head(
+        layout.model, layout.base, layout.base_name, layout.tail_names, layout.head_names()
+    )
     return nn.Sequential(pieces)
 
 
@@ -65,7 +67,9 @@ def _even(layers: int, parts: int) -> list[int]:
     return [share + (k < extra) for k in range(parts)]
 
 
-def _partition_count(devices: Sequence[Any] | None, group: dist.ProcessGroup | None, placement: object) -> int:
+def _partition_count(
+    devices: Sequence[Any] | None, group: dist.ProcessGroup | None, placement: object
+) -> int:
     if isinstance(placement, Sequence) and not isinstance(placement, str):
         return len(placement)
     workers = group.size() if group is not None else len(devices) if devices is not None else 1
@@ -107,19 +111,38 @@ class CausalLMPipe(GPipe):
     :class:`~gpipe_core.GPipe` whose step takes ``labels`` and trains to the model's own
     loss."""
 
-    def __init__(self, model: nn.Module, layout: Layout, module: nn.Sequential, balance: list[int], **options: Any) -> None:
-        super().__init__(module, balance, **options)
-        self.__dict__["_model"] = model
+    def __init__(
+        self, layout: Layout, module: nn.Sequential, balance: list[int], **options: Any
+    ) -> None:
+        # Before GPipe's constructor, which asks for the names (see _renaming).
         self.__dict__["_layout"] = layout
+        self.__dict__["_names"] = ModelNames(layout)
+        super().__init__(module, balance, **options)
+        _free_remote(module, [piece for partition in self._partition_list() for piece in partition])
         #: The model's loss: the next-token cross entropy, averaged over the non-ignored
         #: labels of the whole mini-batch.
         self.loss = BatchMean(causal_lm_total, causal_lm_count)
 
     @property
-    def model(self) -> nn.Module:
-        """The causal LM this pipeline trains (its modules are the pipeline's)."""
-        model: nn.Module = self.__dict__["_model"]
-        return model
+    def causal_lm(self) -> nn.Module:
+        """The causal LM this pipeline trains: its modules are the pipeline's, so in one
+        process its own ``save_pretrained`` writes the trained weights."""
+        return self.__dict__["_layout"].model  # type: ignore[no-any-return]
+
+    def _renaming(self) -> ModelNames:
+        names: ModelNames = self.__dict__["_names"]
+        return names
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            # The model's own children (``pipe.model``, ``pipe.lm_head``), so that its
+            # names resolve on the pipeline: ``pipe.get_parameter("lm_head.weight")``.
+            layout = self.__dict__.get("_layout")
+            if layout is not None and not name.startswith("_") and name in layout.model._modules:
+                return layout.model._modules[name]
+            raise
 
     def forward(self, *inputs: Any, **keywords: Any) -> Any:
         """The logits of the model's inputs (``input_ids=..., attention_mask=...``), as
@@ -127,9 +150,7 @@ class CausalLMPipe(GPipe):
         _check_inputs(keywords, "forward")
         return super().forward(*inputs, **keywords)
 
-    def step(  # type: ignore[override]
-        self, *inputs: Any, labels: Tensor | None = None, **keywords: Any
-    ) -> Losses:
+    def step(self, *inputs: Any, labels: Tensor | None = None, **keywords: Any) -> Losses:
         """A training step. With ``labels``, the loss is the model's own (``model(...,
         labels=labels).loss``: the next-token loss over every label that is not -100, of
         the whole mini-batch) and ``.reduced()`` equals it; without, the step is
@@ -145,6 +166,26 @@ class CausalLMPipe(GPipe):
                 )
         _check_inputs(keywords, "step")
         return super().step(*inputs, target=labels, loss_fn=self.loss, **keywords)
+
+
+def _free_remote(module: nn.Sequential, local: list[nn.Module]) -> None:
+    """Free the tensors of ``module``'s pieces that other ranks run (not in ``local``),
+    unless a local piece uses them too (a tied head): they move to the meta device, in the
+    model itself, so that a rank holds only its own layers."""
+    held = {id(t) for piece in local for t in (*piece.parameters(), *piece.buffers())}
+    mine = {id(piece) for piece in local}
+    for piece in module:
+        if id(piece) in mine:
+            continue
+        for inner in piece.modules():
+            for name, parameter in list(inner._parameters.items()):
+                if parameter is not None and id(parameter) not in held:
+                    inner._parameters[name] = nn.Parameter(
+                        parameter.to("meta"), requires_grad=parameter.requires_grad
+                    )
+            for name, buffer in list(inner._buffers.items()):
+                if buffer is not None and id(buffer) not in held:
+                    inner._buffers[name] = buffer.to("meta")
 
 
 def _check_inputs(keywords: dict[str, Any], method: str) -> None:
@@ -172,7 +213,7 @@ def pipeline(
     group: dist.ProcessGroup | None = None,
     data_group: dist.ProcessGroup | None = None,
     placement: str | Sequence[int] | None = None,
-    timeout: float | datetime.timedelta | None | object = ...,
+    timeout: float | datetime.timedelta | object | None = ...,
 ) -> CausalLMPipe:
     """A pipeline of the Hugging Face causal LM ``model``'s own modules.
 
@@ -207,8 +248,13 @@ def pipeline(
     Example:
         >>> import torch
         >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-        ...                      num_hidden_layers=2, num_attention_heads=2)
+        >>> config = LlamaConfig(
+        ...     vocab_size=64,
+        ...     hidden_size=16,
+        ...     intermediate_size=32,
+        ...     num_hidden_layers=2,
+        ...     num_attention_heads=2,
+        ... )
         >>> model = LlamaForCausalLM(config)
         >>> pipe = pipeline(model, balance=[1, 1], chunks=2)
         >>> ids = torch.randint(64, (4, 8))
@@ -220,14 +266,10 @@ def pipeline(
     name = type(model).__name__
     parts = _partition_count(devices, group, placement)
     counts = _sequence_balance(balance, len(layout.layers), parts, name)
-    options: dict[str, Any] = dict(
-        devices=devices, chunks=chunks, checkpoint=checkpoint, group=group,
-        data_group=data_group, placement=placement,
-    )  # fmt: skip
+    options: dict[str, Any] = {
+        "devices": devices, "chunks": chunks, "checkpoint": checkpoint, "group": group,
+        "data_group": data_group, "placement": placement,
+    }  # fmt: skip
     if timeout is not ...:
         options["timeout"] = timeout
-    return CausalLMPipe(model, layout, _sequence(layout), counts, **options)
-
-
-
-
+    return CausalLMPipe(layout, _sequence(layout), counts, **options)

@@ -49,3 +49,25 @@ def exact(
     found["logits"] = (out - logits).abs().max().item() if out is not None else None
     found["parameters"] = sum(p.numel() for p in pipe.parameters())
     return found
+
+
+def names(rank: int, world: int, *, family: str) -> dict[str, Any]:
+    """This rank's names of parameters and state-dict keys, the model's names of the
+    tensors it holds (not on the meta device), how many elements it holds against the
+    model's total, and whether a state dict of the whole model loads strictly."""
+    torch.set_default_dtype(torch.float64)
+    built = model(family)
+    total = sum(p.numel() for p in built.parameters())
+    whole = {key: value.clone() for key, value in built.state_dict().items()}
+    pipe = pipeline(built, chunks=2, group=dist.group.WORLD)
+    held = [n for n, p in built.named_parameters(remove_duplicate=False) if p.device.type != "meta"]
+    loaded = pipe.load_state_dict(whole, strict=True)
+    return {
+        "parameters": [n for n, _ in pipe.named_parameters()],
+        "state_dict": list(pipe.state_dict()),
+        "held": held,
+        "numel": sum(p.numel() for p in pipe.parameters()),
+        "total": total,
+        "loaded": (loaded.missing_keys, loaded.unexpected_keys),
+        "drift": pipe.shared_drift(),
+    }

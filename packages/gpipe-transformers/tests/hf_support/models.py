@@ -15,11 +15,13 @@ VOCAB = 40
 FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gpt2")
 
 
-def config(family: str, *, layers: int = 4, attn: str = "sdpa", dropout: float = 0.0, **extra: Any) -> Any:
+def config(
+    family: str, *, layers: int = 4, attn: str = "sdpa", dropout: float = 0.0, **extra: Any
+) -> Any:
     """The configuration of a tiny ``family`` model with ``layers`` decoder layers."""
     import transformers
 
-    common: dict[str, Any] = dict(vocab_size=VOCAB, num_hidden_layers=layers, pad_token_id=0)
+    common: dict[str, Any] = {"vocab_size": VOCAB, "num_hidden_layers": layers, "pad_token_id": 0}
     if family == "gpt2":
         made = transformers.GPT2Config(
             n_embd=16, n_head=2, n_positions=64, resid_pdrop=dropout, embd_pdrop=dropout,
@@ -42,7 +44,9 @@ def config(family: str, *, layers: int = 4, attn: str = "sdpa", dropout: float =
     return made
 
 
-def model(family: str, seed: int = 0, *, dtype: torch.dtype = torch.float64, **options: Any) -> nn.Module:
+def model(
+    family: str, seed: int = 0, *, dtype: torch.dtype = torch.float64, **options: Any
+) -> nn.Module:
     """A tiny ``family`` causal LM in ``dtype``, its weights drawn from ``seed``."""
     import transformers
 

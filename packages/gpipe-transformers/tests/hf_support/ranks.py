@@ -43,8 +43,11 @@ def run(case: str, world: int = 2, timeout: float = 240.0, **kwargs: Any) -> lis
         processes = [
             subprocess.Popen(
                 [sys.executable, __file__, case, str(rank), str(world), str(port), str(out)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-            )  # fmt: skip
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
             for rank, out in enumerate(outs)
         ]
         try:
