@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as dsd
 
 from gpipe_transformers import pipeline
 from hf_support.models import FAMILIES, batch, model
@@ -83,6 +84,18 @@ def test_distributed_checkpoint_saves_and_loads_under_the_models_names(tmp_path)
     assert all(
         torch.equal(a, b) for a, b in zip(pipe.parameters(), other.parameters(), strict=True)
     )
+
+
+def test_distributed_checkpoints_state_dict_helpers_see_the_models_names() -> None:
+    built = model("llama")
+    pipe = pipeline(built, balance=[2, 2])
+    optimizer = torch.optim.Adam(pipe.parameters())
+    pipe.step(**batch(1))
+    optimizer.step()
+    persistent = [key for key in built.state_dict() if "inv_freq" not in key]
+    assert list(dsd.get_model_state_dict(pipe)) == persistent
+    state = dsd.get_optimizer_state_dict(pipe, optimizer)["state"]
+    assert list(state) == [name for name, _ in built.named_parameters()]
 
 
 @pytest.mark.parametrize("family", ["gemma", "llama"])

@@ -107,3 +107,34 @@ def test_distributed_checkpoint_state_dicts_move_between_the_pipeline_and_the_pl
         optimizer.step()
     torch.testing.assert_close(other.state_dict(), plain.state_dict())
     torch.testing.assert_close(fresh.state_dict(), plain.state_dict())
+
+
+class _Prefixed:
+    """A renaming that shows each plain key under ``net.``, as a model's own names."""
+
+    def rename(self, key: str) -> str | None:
+        return f"net.{key}"
+
+    def key(self, name: str) -> str | None:
+        return name.removeprefix("net.") if name.startswith("net.") else None
+
+
+class _RenamedPipe(GPipe):
+    def _renaming(self) -> _Prefixed:
+        return _Prefixed()
+
+
+def test_a_subclass_shows_its_own_names_and_keeps_the_plain_keys_inside() -> None:
+    plain = model()
+    pipe = _RenamedPipe(copy.deepcopy(plain), [2, 2, 2], chunks=2)
+    want = [f"net.{name}" for name, _ in plain.named_parameters()]
+    assert [name for name, _ in pipe.named_parameters()] == want
+    assert list(pipe.state_dict()) == [f"net.{key}" for key in plain.state_dict()]
+    state = {f"net.{key}": value + 1 for key, value in plain.state_dict().items()}
+    del state["net.5.bias"]
+    result = pipe.load_state_dict(state, strict=False)
+    assert result.missing_keys == ["net.5.bias"] and result.unexpected_keys == []
+    assert torch.equal(pipe[0].weight, plain[0].weight + 1)
+    assert [name for name, _ in pipe._plain_named_parameters()] == [
+        name for name, _ in plain.named_parameters()
+    ]
