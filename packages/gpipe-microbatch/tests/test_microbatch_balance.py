@@ -67,3 +67,17 @@ def test_check_module_refuses(module: object, seen: str) -> None:
     # It says what to do, and where to read how.
     assert "write the model as a sequence of its layers" in str(caught.value)
     assert "guide's 'Models that are not a sequence'" in str(caught.value)
+
+
+def test_check_module_points_a_hugging_face_model_to_gpipe_transformers() -> None:
+    # A class as transformers defines one (its module under transformers.), without
+    # needing transformers installed.
+    model_class = type("GPT2LMHeadModel", (nn.Module,), {})
+    model_class.__module__ = "transformers.models.gpt2.modeling_gpt2"
+    with pytest.raises(TypeError) as caught:
+        check_module(model_class())
+    message = str(caught.value)
+    assert message.startswith(
+        "module must be nn.Sequential to be partitioned (module: GPT2LMHeadModel, a Hugging Face"
+    )
+    assert "gpipe.transformers.pipeline(model, balance=..., chunks=...)" in message

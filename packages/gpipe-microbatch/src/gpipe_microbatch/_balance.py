@@ -90,8 +90,16 @@ def check_module(module: object) -> nn.Sequential:
         TypeError: module must be nn.Sequential to be partitioned (module: Linear); write ...
     """
     if not isinstance(module, nn.Sequential):
+        name = type(module).__name__
+        if type(module).__module__.startswith("transformers."):
+            raise TypeError(
+                f"module must be nn.Sequential to be partitioned (module: {name}, a Hugging "
+                "Face model); a causal language model is pipelined as it is by "
+                "gpipe.transformers.pipeline(model, balance=..., chunks=...) (pip install "
+                "'gpipe[transformers]')"
+            )
         raise TypeError(
-            f"module must be nn.Sequential to be partitioned (module: {type(module).__name__}); "
+            f"module must be nn.Sequential to be partitioned (module: {name}); "
             "write the model as a sequence of its layers, with what its forward() does between "
             "them as layers of their own: see the guide's 'Models that are not a sequence'"
         )
