@@ -44,6 +44,21 @@ def config(
     return made
 
 
+def any_config(model_type: str, *, layers: int = 4, **extra: Any) -> Any:
+    """A tiny configuration of any family, by its model type, with the usual fields set
+    small (those a family does not have are ignored by it)."""
+    import transformers
+
+    small: dict[str, Any] = {
+        "vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 8, "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": 1,
+        "eos_token_id": 2,
+    }  # fmt: skip
+    small.update(extra)
+    return transformers.AutoConfig.for_model(model_type, **small)
+
+
 def model(
     family: str, seed: int = 0, *, dtype: torch.dtype = torch.float64, **options: Any
 ) -> nn.Module:
@@ -91,12 +106,16 @@ def reference(built: nn.Module, data: dict[str, Tensor]) -> tuple[nn.Module, Ten
     return plain, loss.detach(), logits.detach()
 
 
+#: Families whose norms compute in float32 even in a float64 model (``x.float()``).
+FLOAT32_NORMS = {"gemma", "gemma2", "gemma3_text", "cohere", "cohere2"}
+
+
 def float32_inside(family: str, name: str) -> bool:
     """Whether ``family`` computes the gradient of parameter ``name`` in float32 even in a
-    float64 model: Gemma's RMSNorm upcasts to float32 (``x.float()``), so its weights'
-    gradients summed over micro-batches differ from the whole batch's at float32's
-    precision, in the model's own code."""
-    return family == "gemma" and name.endswith("norm.weight")
+    float64 model: Gemma's and Cohere's norms upcast to float32 (``x.float()``), so their
+    weights' gradients summed over micro-batches differ from the whole batch's at
+    float32's precision, in the model's own code."""
+    return family in FLOAT32_NORMS and "norm" in name
 
 
 def largest_grad_difference(
