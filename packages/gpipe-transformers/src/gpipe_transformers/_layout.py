@@ -125,6 +125,12 @@ def find_layout(model: object) -> Layout:
             f"the decoder layers model.{prefix}.{layers_name} are missing or empty (model: "
             f"{name}, model.{prefix}.{layers_name}: {type(layers).__name__})"
         )
+    if not tail:
+        raise LayoutError(
+            f"the pipeline plan of {type(config).__name__} names no module after the decoder "
+            f"layers (a final norm), where the first partition's run of model.{prefix}'s "
+            f"forward stops (plan: {list(plan or {})}, model: {name})"
+        )
     missing = [key for key in tail if base._modules.get(key) is None]
     if missing:
         raise LayoutError(
