@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from gpipe_transformers import pipeline
@@ -67,23 +67,37 @@ def test_every_schedule_and_checkpoint_mode(schedule: str, checkpoint: str) -> N
     assert largest_grad_difference(built, plain) < TOLERANCE
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     family=st.sampled_from(FAMILIES),
-    split=st.integers(0, 3),
+    layers=st.integers(1, 5),
+    parts=st.integers(1, 3),
+    data=st.data(),
     chunks=st.integers(1, 6),
     schedule=st.sampled_from(["gpipe", "1f1b"]),
+    checkpoint=st.sampled_from(["always", "except_last", "never"]),
+    tie=st.booleans(),
+    attn=st.sampled_from(["eager", "sdpa"]),
     seed=st.integers(0, 2**16),
+    size=st.integers(1, 7),
     length=st.integers(2, 12),
 )
-def test_random_splits_and_batches(
-    family: str, split: int, chunks: int, schedule: str, seed: int, length: int
-) -> None:
-    built = model(family, seed=seed)
-    data = batch(seed, size=6, length=length)
-    plain, loss, _ = reference(built, data)
-    pipe = pipeline(built, balance=[split, 4 - split], chunks=chunks)
-    losses = pipe.step(**data, schedule=schedule)
+def test_random_models_splits_and_batches(
+    family: str, layers: int, parts: int, data: st.DataObject, chunks: int, schedule: str,
+    checkpoint: str, tie: bool, attn: str, seed: int, size: int, length: int,
+) -> None:  # fmt: skip
+    # Random models (layers, tied or not, attention), balances (empty partitions too),
+    # micro-batches, checkpoint modes and padded batches.
+    built = model(family, seed=seed, layers=layers, attn=attn, tie_word_embeddings=tie)
+    cuts = sorted(
+        data.draw(st.lists(st.integers(0, layers), min_size=parts - 1, max_size=parts - 1))
+    )
+    balance = [b - a for a, b in zip([0, *cuts], [*cuts, layers], strict=True)]
+    assume(all(balance[1:-1]))  # a partition between the first and the last holds a layer
+    batch_data = batch(seed, size=size, length=length)
+    plain, loss, _ = reference(built, batch_data)
+    pipe = pipeline(built, balance=balance, chunks=chunks, checkpoint=checkpoint)  # type: ignore[arg-type]
+    losses = pipe.step(**batch_data, schedule=schedule)
     assert abs(losses.reduced().item() - loss.item()) < TOLERANCE
     assert largest_grad_difference(built, plain, family) < TOLERANCE
 

@@ -169,6 +169,7 @@ def test_labels_given_to_forward_are_refused_naming_step() -> None:
         ([1, 1], ValueError, "must sum to the model's 4 decoder layers (balance: [1, 1], sum: 2"),
         ("2,2", TypeError, "balance must be a sequence of ints (balance: '2,2')"),
         ([2, -2, 4], ValueError, "balance must hold non-negative ints (balance: [2, -2, 4])"),
+        ([2, 0, 2], ValueError, "every partition but the first and the last a decoder layer"),
     ],
 )
 def test_a_wrong_balance_is_refused(balance: object, error: type, needle: str) -> None:

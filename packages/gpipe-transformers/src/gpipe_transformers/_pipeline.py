@@ -100,6 +100,11 @@ def _sequence_balance(balance: object, layers: int, parts: int, name: str) -> li
                 f"{layers} decoder layers (balance: {counts}, sum: {sum(counts)}; a balance "
                 f"of the whole sequence sums to {layers + 2})"
             )
+    if not all(counts[1:-1]):
+        raise ValueError(
+            "balance must give every partition but the first and the last a decoder layer "
+            f"(the first holds the embeddings, the last the head) (balance: {counts})"
+        )
     counts = list(counts)
     counts[0] += 1
     counts[-1] += 1
