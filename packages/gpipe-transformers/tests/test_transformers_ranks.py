@@ -46,3 +46,11 @@ def test_two_ranks_several_partitions_each(
         for schedule in schedules:
             loss, grad = found[schedule]
             assert loss < TOLERANCE and grad < TOLERANCE, (rank, schedule, loss, grad)
+
+
+def test_data_parallel_replicas_average_over_the_whole_batchs_labels() -> None:
+    # The replicas' label counts differ; the step's gradients are the whole batch's token
+    # mean's only if the count is summed over the replicas before any gradient is scaled.
+    results = run("data_parallel", family="llama")
+    for found in results:
+        assert found["grad"] < TOLERANCE, found

@@ -71,3 +71,22 @@ def names(rank: int, world: int, *, family: str) -> dict[str, Any]:
         "loaded": (loaded.missing_keys, loaded.unexpected_keys),
         "drift": pipe.shared_drift(),
     }
+
+
+def data_parallel(rank: int, world: int, *, family: str) -> dict[str, Any]:
+    """Each rank a replica of a whole pipeline in its process, stepping on its half of a
+    padded batch (different label counts): the loss and gradients of the step equal the
+    plain model's on the whole batch (the token mean over both halves)."""
+    torch.set_default_dtype(torch.float64)
+    built = model(family)
+    data = batch(3, size=8)
+    data["labels"][:4, 3:] = -100  # the first half counts far fewer labels
+    plain, loss, _ = reference(built, data)
+    pipe = pipeline(built, balance=[2, 2], chunks=2, data_group=dist.group.WORLD)
+    half = {key: value[rank * 4 : rank * 4 + 4] for key, value in data.items()}
+    losses = pipe.step(**half, schedule="1f1b")
+    total = torch.tensor([losses.reduced().item()])
+    return {
+        "loss": abs(total.item() - loss.item()),
+        "grad": largest_grad_difference(built, plain, family),
+    }
