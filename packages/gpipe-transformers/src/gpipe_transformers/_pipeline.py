@@ -8,6 +8,7 @@ the model's own loss (a :class:`~gpipe_core.BatchMean` of the next-token loss).
 from __future__ import annotations
 
 import datetime
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe_core import BatchMean, CheckpointMode, GPipe, Losses
+from gpipe_core._materialize import Init
 
 from ._layout import Layout, find_layout
 from ._names import EMBED, HEAD, ModelNames, layer_name
@@ -122,6 +124,7 @@ class CausalLMPipe(GPipe):
         # Before GPipe's constructor, which asks for the names (see _renaming).
         self.__dict__["_layout"] = layout
         self.__dict__["_names"] = ModelNames(layout)
+        self.__dict__["_groups"] = (options.get("group"), options.get("data_group"))
         super().__init__(module, balance, **options)
         _free_remote(module, [piece for partition in self._partition_list() for piece in partition])
         #: The model's loss: the next-token cross entropy, averaged over the non-ignored
@@ -133,6 +136,15 @@ class CausalLMPipe(GPipe):
         """The causal LM this pipeline trains: its modules are the pipeline's, so in one
         process its own ``save_pretrained`` writes the trained weights."""
         return self.__dict__["_layout"].model  # type: ignore[no-any-return]
+
+    def save_pretrained(self, path: str | os.PathLike[str]) -> None:
+        """Write the trained model to the directory ``path`` in its own format, which
+        ``AutoModelForCausalLM.from_pretrained(path)`` and :func:`from_pretrained` load:
+        called on every rank of the pipeline's ``group`` (a collective), each writes its
+        own tensors; see :func:`gpipe_transformers.save_pretrained`."""
+        from ._pretrained import save_pretrained
+
+        save_pretrained(self, path)
 
     def _renaming(self) -> ModelNames:
         names: ModelNames = self.__dict__["_names"]
@@ -219,6 +231,7 @@ def pipeline(
     data_group: dist.ProcessGroup | None = None,
     placement: str | Sequence[int] | None = None,
     timeout: float | datetime.timedelta | object | None = ...,
+    init: Init = None,
 ) -> CausalLMPipe:
     """A pipeline of the Hugging Face causal LM ``model``'s own modules.
 
@@ -235,8 +248,9 @@ def pipeline(
             partitions (one per device, or per rank of ``group``). A balance of the whole
             :func:`sequence` (two more layers, as
             :func:`~gpipe_balance.balance_by_time` gives) is taken as it is.
-        chunks, checkpoint, devices, group, data_group, placement, timeout: as
-            :class:`~gpipe_core.GPipe`'s.
+        chunks, checkpoint, devices, group, data_group, placement, timeout, init: as
+            :class:`~gpipe_core.GPipe`'s (``init`` initialises the layers of a model built
+            on the meta device; :func:`from_pretrained` gives it).
 
     Returns:
         The pipeline: ``pipe(input_ids=..., attention_mask=...)`` gives the logits,
@@ -277,4 +291,6 @@ def pipeline(
     }  # fmt: skip
     if timeout is not ...:
         options["timeout"] = timeout
+    if init is not None:
+        options["init"] = init
     return CausalLMPipe(layout, _sequence(layout), counts, **options)

@@ -90,3 +90,71 @@ def data_parallel(rank: int, world: int, *, family: str) -> dict[str, Any]:
         "loss": abs(total.item() - loss.item()),
         "grad": largest_grad_difference(built, plain, family),
     }
+
+
+def _grad_difference(pipe: Any, plain: Any, family: str) -> float:
+    """The largest difference of this rank's gradients (the pipeline's, by the model's
+    names) from ``plain``'s (a tied tensor found under either of its names)."""
+    from hf_support.models import float32_inside
+
+    theirs = dict(plain.named_parameters(remove_duplicate=False))
+    largest = 0.0
+    for name, parameter in pipe.named_parameters():
+        if parameter.grad is None or parameter.is_meta:
+            continue
+        other = theirs[name].grad
+        difference = (parameter.grad - other).abs().max().item()
+        if float32_inside(family, name):
+            assert difference <= 1e-6 * other.abs().max().item(), (name, difference)
+            continue
+        largest = max(largest, difference)
+    return largest
+
+
+def from_pretrained_exact(rank: int, world: int, *, folder: str, family: str) -> dict[str, Any]:
+    """A pipeline read by ``from_pretrained(folder)`` on the ranks against the model
+    ``AutoModelForCausalLM.from_pretrained(folder)`` loads: this rank's materialised
+    parameters against the model's total, the first step's loss and gradients, and the
+    largest difference of the buffers this rank holds (rotary ``inv_freq``, embedding
+    scales)."""
+    from transformers import AutoModelForCausalLM
+
+    from gpipe_transformers import from_pretrained
+
+    pipe = from_pretrained(folder, chunks=2, group=dist.group.WORLD)
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    loaded.train()
+    data = batch(1, size=8)
+    plain, loss, _ = reference(loaded, data)
+    losses = pipe.step(**data, schedule="1f1b")
+    buffers = dict(plain.named_buffers())
+    held = [(n, b) for n, b in pipe.causal_lm.named_buffers() if not b.is_meta]
+    return {
+        "numel": sum(p.numel() for p in pipe.parameters() if not p.is_meta),
+        "total": sum(p.numel() for p in plain.parameters()),
+        "held": sorted(n for n, p in pipe.causal_lm.named_parameters() if not p.is_meta),
+        "dtype": str(next(pipe.parameters()).dtype),
+        "loss": abs(losses.reduced().item() - loss.item()),
+        "grad": _grad_difference(pipe, plain, family),
+        "buffers": {n: (b - buffers[n]).abs().max().item() for n, b in held},
+        "nan": [
+            n for n, t in pipe.state_dict().items() if t.is_floating_point() and t.isnan().any()
+        ],
+    }
+
+
+def pretrained_round_trip(
+    rank: int, world: int, *, source: str, out: str, steps: int = 2, lr: float = 0.1
+) -> list[str]:
+    """Read ``source`` with ``from_pretrained`` on the ranks, train ``steps`` SGD steps on
+    batches 1, 2, ..., and ``save_pretrained(out)``; this rank's state-dict keys."""
+    from gpipe_transformers import from_pretrained
+
+    pipe = from_pretrained(source, chunks=2, group=dist.group.WORLD)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=lr)
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        pipe.step(**batch(step + 1, size=8))
+        optimizer.step()
+    pipe.save_pretrained(out)
+    return list(pipe.state_dict())
