@@ -87,12 +87,14 @@ def test_from_pretrained_on_two_ranks_equals_the_loaded_model(
     assert held >= {n for n, _ in built.named_parameters()}
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma"])
-def test_save_pretrained_on_two_ranks_writes_the_trained_model(family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("family", "whole"), [("llama", False), ("gemma", False), ("gemma", True)])
+def test_save_pretrained_on_two_ranks_writes_the_trained_model(
+    family: str, whole: bool, tmp_path: Path
+) -> None:
     built = model(family)
     source, out = tmp_path / "source", tmp_path / "out"
     built.save_pretrained(source)
-    keys = run("pretrained_round_trip", source=str(source), out=str(out))
+    keys = run("pretrained_round_trip", source=str(source), out=str(out), whole=whole)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]

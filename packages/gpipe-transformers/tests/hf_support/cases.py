@@ -144,13 +144,28 @@ def from_pretrained_exact(rank: int, world: int, *, folder: str, family: str) ->
 
 
 def pretrained_round_trip(
-    rank: int, world: int, *, source: str, out: str, steps: int = 2, lr: float = 0.1
+    rank: int,
+    world: int,
+    *,
+    source: str,
+    out: str,
+    steps: int = 2,
+    lr: float = 0.1,
+    whole: bool = False,
 ) -> list[str]:
-    """Read ``source`` with ``from_pretrained`` on the ranks, train ``steps`` SGD steps on
-    batches 1, 2, ..., and ``save_pretrained(out)``; this rank's state-dict keys."""
+    """Read ``source`` with ``from_pretrained`` on the ranks (``whole``: load the whole
+    model with transformers and pipeline it), train ``steps`` SGD steps on batches 1, 2,
+    ..., and ``save_pretrained(out)``; this rank's state-dict keys."""
+    from transformers import AutoModelForCausalLM
+
     from gpipe_transformers import from_pretrained
 
-    pipe = from_pretrained(source, chunks=2, group=dist.group.WORLD)
+    if whole:
+        loaded = AutoModelForCausalLM.from_pretrained(source)
+        loaded.train()
+        pipe = pipeline(loaded, chunks=2, group=dist.group.WORLD)
+    else:
+        pipe = from_pretrained(source, chunks=2, group=dist.group.WORLD)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=lr)
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
