@@ -75,6 +75,9 @@ def test_from_pretrained_on_two_ranks_equals_the_loaded_model(
         assert found["loss"] < TOLERANCE, (rank, found["loss"])
         assert found["grad"] < TOLERANCE, (rank, found["grad"])
         assert found["nan"] == []
+        # Each tensor it holds read once, and nothing else.
+        assert sorted(found["read"]) == sorted(set(found["read"]))
+        assert set(found["read"]) <= set(found["held"]) | {"model.embed_tokens.weight"}
         assert all(d == 0.0 for d in found["buffers"].values()), found["buffers"]
         held.update(found["held"])
     first, last = results
@@ -191,6 +194,19 @@ def test_a_missing_key_is_refused_by_name_and_file(key: str, tmp_path: Path) -> 
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(KeyError, match=rf"{key}.*{file}"):
         from_pretrained(tmp_path)
+
+
+def test_a_checkpoint_of_names_without_the_base_models_prefix_is_read(tmp_path: Path) -> None:
+    built = model("gpt2")
+    built.save_pretrained(tmp_path)
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    assert "transformer.h.0.attn.c_attn.weight" in tensors
+    bare = {key.removeprefix("transformer."): value for key, value in tensors.items()}
+    save_file(bare, file, metadata={"format": "pt"})
+    state = from_pretrained(tmp_path, balance=[2, 2]).state_dict()
+    for key, value in built.state_dict().items():
+        assert torch.equal(state[key], value), key
 
 
 def test_a_tied_head_absent_from_the_checkpoint_is_read_from_the_embedding(

@@ -109,8 +109,11 @@ class _Checkpoint:
 
 
 def _aliases(model: nn.Module) -> dict[str, list[str]]:
-    """Each parameter's and buffer's names in ``model``: itself first, then the names
-    of the same tensor elsewhere (a tied head and embedding)."""
+    """The names a checkpoint may hold each of ``model``'s parameters and buffers under:
+    its own first, then those of the same tensor elsewhere (a tied head and embedding),
+    then each without the base model's prefix (``transformer.h.0...`` as ``h.0...``, as
+    checkpoints of the base model alone have them)."""
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
     by_tensor: dict[int, list[str]] = {}
     for name, tensor in (
         *model.named_parameters(remove_duplicate=False),
@@ -120,7 +123,9 @@ def _aliases(model: nn.Module) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for names in by_tensor.values():
         for name in names:
-            found[name] = [name, *(other for other in names if other != name)]
+            own = [name, *(other for other in names if other != name)]
+            bare = [n[len(prefix) :] for n in own if prefix != "." and n.startswith(prefix)]
+            found[name] = own + bare
     return found
 
 

@@ -116,12 +116,23 @@ def from_pretrained_exact(rank: int, world: int, *, folder: str, family: str) ->
     ``AutoModelForCausalLM.from_pretrained(folder)`` loads: this rank's materialised
     parameters against the model's total, the first step's loss and gradients, and the
     largest difference of the buffers this rank holds (rotary ``inv_freq``, embedding
-    scales)."""
+    scales), and the checkpoint keys it read."""
     from transformers import AutoModelForCausalLM
 
-    from gpipe_transformers import from_pretrained
+    from gpipe_transformers import _pretrained, from_pretrained
 
-    pipe = from_pretrained(folder, chunks=2, group=dist.group.WORLD)
+    read: list[str] = []
+    reader = _pretrained._Checkpoint.read
+
+    def reading(self: Any, key: str) -> torch.Tensor:
+        read.append(key)
+        return reader(self, key)
+
+    _pretrained._Checkpoint.read = reading  # type: ignore[method-assign]
+    try:
+        pipe = from_pretrained(folder, chunks=2, group=dist.group.WORLD)
+    finally:
+        _pretrained._Checkpoint.read = reader  # type: ignore[method-assign]
     loaded = AutoModelForCausalLM.from_pretrained(folder)
     loaded.train()
     data = batch(1, size=8)
@@ -134,6 +145,7 @@ def from_pretrained_exact(rank: int, world: int, *, folder: str, family: str) ->
         "total": sum(p.numel() for p in plain.parameters()),
         "held": sorted(n for n, p in pipe.causal_lm.named_parameters() if not p.is_meta),
         "dtype": str(next(pipe.parameters()).dtype),
+        "read": read,
         "loss": abs(losses.reduced().item() - loss.item()),
         "grad": _grad_difference(pipe, plain, family),
         "buffers": {n: (b - buffers[n]).abs().max().item() for n, b in held},
