@@ -142,6 +142,13 @@ def test_save_pretrained_in_one_process_writes_the_trained_model(
         assert torch.equal(state[key], value), key
 
 
+def test_save_pretrained_with_data_parallel_replicas_writes_once(tmp_path: Path) -> None:
+    first, others = run("save_replica", out=str(tmp_path))
+    assert others == []
+    assert "model.safetensors" in first and "config.json" in first
+    assert _largest_difference(_loaded(tmp_path), model("llama")) == 0.0
+
+
 def test_from_pretrained_in_one_process_equals_the_loaded_model(tmp_path: Path) -> None:
     built = model("gemma")
     built.save_pretrained(tmp_path, max_shard_size="2KB")

@@ -185,3 +185,15 @@ def pretrained_round_trip(
         optimizer.step()
     pipe.save_pretrained(out)
     return list(pipe.state_dict())
+
+
+def save_replica(rank: int, world: int, *, out: str) -> list[str]:
+    """Each rank a replica of a whole pipeline in its process (``data_group``), each calling
+    ``save_pretrained(out)``: the first replica writes; the names of the files there when
+    this rank's call returned."""
+    torch.set_default_dtype(torch.float64)
+    pipe = pipeline(model("llama"), balance=[2, 2], data_group=dist.group.WORLD)
+    pipe.save_pretrained(out)
+    from pathlib import Path
+
+    return sorted(p.name for p in Path(out).glob("*")) if rank == 0 else []
