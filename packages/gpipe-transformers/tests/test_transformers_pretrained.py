@@ -90,7 +90,11 @@ def test_from_pretrained_on_two_ranks_equals_the_loaded_model(
     assert held >= {n for n, _ in built.named_parameters()}
 
 
-@pytest.mark.parametrize(("family", "whole"), [("llama", False), ("gemma", False), ("gemma", True)])
+@pytest.mark.parametrize(
+    ("family", "whole"),
+    [("llama", False), ("gemma", False), ("gemma", True)],
+    ids=["llama-from_pretrained", "gemma-from_pretrained", "gemma-whole-model"],
+)
 def test_save_pretrained_on_two_ranks_writes_the_trained_model(
     family: str, whole: bool, tmp_path: Path
 ) -> None:
