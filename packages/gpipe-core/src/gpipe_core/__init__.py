@@ -15,6 +15,7 @@ from .__about__ import __version__
 from ._arguments import CheckpointMode
 from ._errors import RemotePartitionError, RemoteStageError
 from ._gpipe import GPipe
+from ._materialize import Init
 from ._partition import WithDevice
 from ._sequential import PipeSequential
 from .run._losses import BatchMean, Losses
@@ -50,6 +51,7 @@ __all__ = [
     "CheckpointMode",
     "GPipe",
     "GPipeSchedule",
+    "Init",
     "Interleaved1F1BSchedule",
     "Losses",
     "NoChunk",

@@ -19,6 +19,7 @@ PUBLIC_NAMES = [
     "CheckpointMode",
     "GPipe",
     "GPipeSchedule",
+    "Init",
     "Interleaved1F1BSchedule",
     "Losses",
     "NoChunk",

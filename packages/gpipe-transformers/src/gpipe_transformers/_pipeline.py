@@ -16,8 +16,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gpipe_core import BatchMean, CheckpointMode, GPipe, Losses
-from gpipe_core._materialize import Init
+from gpipe_core import BatchMean, CheckpointMode, GPipe, Init, Losses
 
 from ._layout import Layout, find_layout
 from ._names import EMBED, HEAD, ModelNames, layer_name
