@@ -535,16 +535,18 @@ def build(session: nox.Session) -> None:
         return {canonicalize_name(i["metadata"]["name"]): i["download_info"]["url"] for i in items}
 
     # Each package README's commands, dry runs in the fresh venv: exactly the package's
-    # closure, every one from the wheel just built in dist/.
+    # closure (every wheel for a command that installs dist/*.whl, as gpipe's README does:
+    # its extras' siblings too), every one from the wheel just built in dist/.
     for package in packages:
         readme = package.path / "README.md"
         for command in _readme_install_commands(readme, expected=None):
             got = {n: url for n, url in installs(command).items() if n in by_name}
+            every = "dist/*.whl" in shlex.split(command)
             want = {
                 p.name: (DIST_DIR / f"{p.name.replace('-', '_')}-{p.version}-py3-none-any.whl")
                 .resolve()
                 .as_uri()
-                for p in closure(package)
+                for p in (packages if every else closure(package))
             }
             if got != want:
                 session.error(f"{readme.relative_to(ROOT)}: {command!r} installs {got}, not {want}")

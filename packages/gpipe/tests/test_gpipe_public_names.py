@@ -13,10 +13,12 @@ import gpipe.bn
 import gpipe.schedule
 import gpipe.skip
 import gpipe.timeline
+import gpipe.transformers
 import gpipe_balance
 import gpipe_bn
 import gpipe_core
 import gpipe_skip
+import gpipe_transformers
 
 NAMES = [
     "BalanceError",
@@ -39,7 +41,9 @@ NAMES = [
 ]
 
 #: The facade modules gpipe.<name>: user API. The command line and the demo are private.
-SUBMODULES = ["balance", "bn", "schedule", "skip", "timeline"]
+#: gpipe.transformers is imported when first used, and is not in __all__ (so that
+#: ``from gpipe import *`` needs no transformers).
+SUBMODULES = ["balance", "bn", "schedule", "skip", "timeline", "transformers"]
 
 #: The facade modules that re-export a distribution: every public name of it but those listed.
 REEXPORTS = {
@@ -51,6 +55,7 @@ REEXPORTS = {
         gpipe_skip,
         {"DEFAULT_NAMESPACE", "Pop", "SkipKey", "Stash", "__version__", "current_skip_tracker"},
     ),
+    "transformers": (gpipe_transformers, {"__version__"}),
 }
 
 #: The facade modules over gpipe-core, which keeps them among other names.

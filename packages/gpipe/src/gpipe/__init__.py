@@ -5,8 +5,9 @@ This is the facade over the gpipe distributions: everything a user needs, under 
 ``gpipe.BalanceError``, ``gpipe.RanksDisagree``, ``gpipe.RemotePartitionError`` (also
 ``gpipe.RemoteStageError``, its former name), ``gpipe.is_checkpointing`` and
 ``gpipe.is_recomputing`` are here; ``gpipe.skip``, ``gpipe.bn``, ``gpipe.balance``,
-``gpipe.timeline`` and ``gpipe.schedule`` re-export the rest, and ``python -m gpipe demo``
-runs the demo.
+``gpipe.timeline`` and ``gpipe.schedule`` re-export the rest, ``gpipe.transformers``
+pipelines Hugging Face causal language models (imported when first used, with the
+``transformers`` extra), and ``python -m gpipe demo`` runs the demo.
 
 Example:
     >>> import torch
@@ -34,6 +35,10 @@ from gpipe_core import (
 from . import balance, bn, schedule, skip, timeline  # the facade modules gpipe.<name>
 from .__about__ import __version__
 
+# The facade modules imported when first used, for what they need beyond gpipe's own
+# dependencies: gpipe.transformers needs transformers (the extra gpipe[transformers]).
+_ON_USE = ("transformers",)
+
 __all__ = [
     "BalanceError",
     "BatchMean",
@@ -53,3 +58,16 @@ __all__ = [
     "skip",
     "timeline",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # gpipe.transformers, imported on first use so that ``import gpipe`` needs no transformers.
+    if name in _ON_USE:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_ON_USE})
