@@ -1189,8 +1189,10 @@ def _rank_main(
     timeout: float,
     commands: Any,
     results: Any,
+    build: RankBuild | None = None,
 ) -> None:
-    """One rank: join the group, build the ways' stages, run one timed step per command.
+    """One rank: join the group, build the ways' stages (with ``build``, default
+    :func:`_rank_steps`), run one timed step per command.
 
     Each step starts right after a barrier; the rank reports when it started and ended
     (``time.perf_counter``, one clock for all processes of the machine).
@@ -1209,7 +1211,7 @@ def _rank_main(
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout),
         )
-        steps, unbuilt = _rank_steps(rank, world, case, ways, timeout)
+        steps, unbuilt = (build or _rank_steps)(rank, world, case, ways, timeout)
         results.put((rank, "ready", unbuilt))
         parent = os.getppid()
         while True:
@@ -1237,6 +1239,15 @@ def _rank_main(
         results.put((rank, "error", traceback.format_exc()))
 
 
+#: What builds one rank's steps of the ways: ``(rank, world, case, ways, timeout)`` to the
+#: steps and the reasons of the ways not built (:func:`_rank_steps` is one). A function of a
+#: module the spawned processes import (or of the script that starts them), so that it
+#: pickles by name.
+RankBuild = Callable[
+    [int, int, Any, Sequence[str], float], tuple[dict[str, RankStep], dict[str, str]]
+]
+
+
 class RankError(RuntimeError):
     """A rank of a :class:`Ranks` group raised, died, or did not answer in time."""
 
@@ -1244,6 +1255,10 @@ class RankError(RuntimeError):
 class Ranks:
     """``world`` processes in one gloo group (default: one per partition of ``case``), kept
     alive for one case and stepped from this process.
+
+    ``build`` builds each rank's steps (default :func:`_rank_steps`: the ways of
+    :func:`parse_way` on ``case``'s model); another one runs other models under the same
+    ways' names (``bench_transformers.py``).
 
     Each rank builds the ``ways`` it is given (``dist`` and ``pipe`` ways, see
     :func:`parse_way`) with ``torch.set_num_threads(threads)``; :meth:`step` runs one step
@@ -1262,6 +1277,7 @@ class Ranks:
         threads: int = 1,
         timeout: float = 120.0,
         world: int | None = None,
+        build: RankBuild | None = None,
     ) -> None:
         import torch.multiprocessing as mp
 
@@ -1289,6 +1305,7 @@ class Ranks:
                     timeout,
                     self.commands[rank],
                     self.results,
+                    build,
                 ),
                 name=f"rank-{rank}",
                 daemon=True,
