@@ -110,8 +110,11 @@ html_static_path: list[str] = []
 
 def _public_base(base: type) -> type:
     """``base``, or the first public class it derives from through gpipe's private modules."""
-    while base.__module__.startswith("gpipe") and any(
-        part.startswith("_") for part in base.__module__.split(".")[1:]
+    while (
+        base.__module__.startswith("gpipe")
+        and any(part.startswith("_") for part in base.__module__.split(".")[1:])
+        # a class its package exports (GPipe, a base of gpipe-transformers' pipeline) is public
+        and getattr(sys.modules[base.__module__.split(".")[0]], base.__name__, None) is not base
     ):
         base = base.__bases__[0]
     return base

@@ -132,7 +132,7 @@ class CausalLMPipe(GPipe):
 
     @property
     def causal_lm(self) -> nn.Module:
-        """The causal LM this pipeline trains: its modules are the pipeline's, so in one
+        """The causal LM this pipeline trains; its modules are the pipeline's, so in one
         process its own ``save_pretrained`` writes the trained weights."""
         return self.__dict__["_layout"].model  # type: ignore[no-any-return]
 
