@@ -13,7 +13,14 @@ import torch
 import gpipe
 import gpipe_transformers
 
-NAMES = ["CausalLMPipe", "LayoutError", "pipeline", "sequence"]
+NAMES = [
+    "CausalLMPipe",
+    "LayoutError",
+    "from_pretrained",
+    "pipeline",
+    "save_pretrained",
+    "sequence",
+]
 
 
 def _fresh(code: str) -> subprocess.CompletedProcess[str]:

@@ -22,6 +22,20 @@ Example:
     torch.Size([4, 8, 64])
 """
 
-from gpipe_transformers import CausalLMPipe, LayoutError, pipeline, sequence
+from gpipe_transformers import (
+    CausalLMPipe,
+    LayoutError,
+    from_pretrained,
+    pipeline,
+    save_pretrained,
+    sequence,
+)
 
-__all__ = ["CausalLMPipe", "LayoutError", "pipeline", "sequence"]
+__all__ = [
+    "CausalLMPipe",
+    "LayoutError",
+    "from_pretrained",
+    "pipeline",
+    "save_pretrained",
+    "sequence",
+]
