@@ -25,14 +25,6 @@ pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
 TOLERANCE = 1e-10
 
 
-@pytest.fixture(autouse=True)
-def _float64() -> object:
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
-
-
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_step_and_logits_equal_the_models(family: str, attn: str) -> None:

@@ -22,14 +22,6 @@ from hf_support.models import (
 TOLERANCE = 1e-10
 
 
-@pytest.fixture(autouse=True)
-def _float64() -> object:
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
-
-
 def _built(model_type: str, **extra: object) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 

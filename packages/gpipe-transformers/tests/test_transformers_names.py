@@ -15,14 +15,6 @@ from hf_support.models import FAMILIES, batch, model
 from hf_support.ranks import run
 
 
-@pytest.fixture(autouse=True)
-def _float64() -> object:
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_names_are_the_models(family: str) -> None:
     built = model(family)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,14 +18,6 @@ from hf_support.models import batch, model, reference_loss
 from hf_support.ranks import run
 
 TOLERANCE = 1e-10
-
-
-@pytest.fixture(autouse=True)
-def _float64() -> Iterator[None]:
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
 
 
 def _loaded(folder: Path, **options: str) -> torch.nn.Module:
