@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
+from torch import nn
 
 from gpipe._cli import build_parser, main
-from gpipe._demo import DemoConfig, run_demo
+from gpipe._demo import Bound, DemoConfig, DemoReport, _bound, demo_setup, run_demo
 
 TINY = ["--steps", "3", "--batch-size", "16", "--chunks", "2", "--width", "16", "--no-progress"]
 
@@ -89,8 +92,8 @@ def test_unusable_command_lines_exit_2(argv: list[str], capsys: pytest.CaptureFi
 
 def test_parser_defaults() -> None:
     args = build_parser().parse_args(["demo"])
-    assert (args.steps, args.batch_size, args.chunks, args.width) == (300, 256, 4, 512)
-    assert args.checkpoint == "except_last"
+    assert (args.steps, args.batch_size, args.chunks, args.width) == (60, 512, 4, 1024)
+    assert args.checkpoint == "never"
     assert args.progress is None  # bars only on a terminal
     assert build_parser().parse_args(["demo", "--progress"]).progress is True
     assert build_parser().parse_args(["demo", "--no-progress"]).progress is False
@@ -142,7 +145,7 @@ def test_schedule_option_in_one_process(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_run_demo_loss_decreases() -> None:
-    # The recorded losses are single-batch losses of a narrow eight-layer network, which
+    # The recorded losses are single-batch losses of a narrow ten-layer network, which
     # learns slowly at first: 60 steps are not enough to see it, 200 are (seed 0).
     report = run_demo(DemoConfig(steps=200, batch_size=16, chunks=2, width=16, progress=False))
     assert report.first_loss > 0
@@ -177,3 +180,56 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     installed = importlib.metadata.version("torch")
     assert out == f"gpipe {gpipe.__version__} (torch {installed})\n"
     assert torch.__version__.split("+")[0] == installed.split("+")[0]
+
+
+def test_report_gives_the_bound_and_why() -> None:
+    report = DemoReport(
+        devices=["cpu", "cpu"],
+        first_loss=2.0,
+        final_loss=1.0,
+        pipelined_samples_per_s=900.0,
+        plain_samples_per_s=1000.0,
+        bound=Bound(1200.0, "1 of 2 threads", 1),
+        chunks=4,
+    )
+    lines = report.format().splitlines()
+    assert "throughput (bound): 1,200 samples/s (the best 2 workers can do here)" in lines
+    (why,) = [line for line in lines if line.startswith("why: ")]
+    assert "1 of 2 threads" in why and "at most 1.20x plain" in why and "75% of that" in why
+    assert "recomputes" not in why
+    recomputing = dataclasses.replace(report, checkpoint="except_last")
+    assert "checkpoint='except_last' recomputes" in recomputing.why()
+
+
+def test_bound_on_devices_of_their_own_and_shared() -> None:
+    config = DemoConfig(chunks=4)
+    own = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    bound = _bound(nn.Linear(1, 1), torch.zeros(1), torch.zeros(1), own, config, 1000.0)
+    assert bound is not None and bound.threads is None
+    assert bound.samples_per_s == pytest.approx(1000.0 * 2 * 4 / (4 + 2 - 1))
+    shared = [torch.device("cuda", 0)] * 2
+    assert _bound(nn.Linear(1, 1), torch.zeros(1), torch.zeros(1), shared, config, 1.0) is None
+
+
+def test_bound_with_fewer_threads_than_partitions_is_plains(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    cpu = [torch.device("cpu")] * 2
+    bound = _bound(nn.Linear(1, 1), torch.zeros(1), torch.zeros(1), cpu, DemoConfig(), 1000.0)
+    assert bound is not None and bound.samples_per_s == 1000.0 and bound.threads == 1
+
+
+def test_bound_on_the_cpu_times_a_share_of_the_threads_and_sets_them_back() -> None:
+    caller = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        config = DemoConfig(steps=3, batch_size=8, chunks=2, width=8)
+        data, target, plain = demo_setup(config)
+        cpu = [torch.device("cpu")] * 2
+        bound = _bound(plain, data, target, cpu, config, 1.0)
+        assert bound is not None and bound.threads == 1 and bound.each == "1 of 2 threads"
+        assert bound.samples_per_s > 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(caller)

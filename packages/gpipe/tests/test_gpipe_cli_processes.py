@@ -152,7 +152,7 @@ def test_demo_across_two_processes() -> None:
     code, out, err = _run(_demo("--log-every", "1"))
     assert code == 0, err
     assert out.startswith("gpipe across 2 processes (gloo, 127.0.0.1:"), out
-    assert "balance [4, 4], 2 micro-batches, schedule 1f1b" in out
+    assert "balance [5, 5], 2 micro-batches, schedule 1f1b" in out
     losses = re.findall(r"^step (\d)/2  loss (\d+\.\d{4})$", out, re.MULTILINE)
     assert [step for step, _ in losses] == ["1", "2"], out
     assert _value(out, "processes") == "2 (gloo), partition 0 -> rank 0, 1 -> rank 1"
@@ -171,7 +171,7 @@ def test_two_partitions_per_process_and_gpipe_schedule() -> None:
         _demo("--partitions", "4", "--schedule", "gpipe", "--checkpoint", "always")
     )
     assert code == 0, err
-    assert "balance [2, 2, 2, 2], 2 micro-batches, schedule gpipe" in out
+    assert "balance [3, 3, 2, 2], 2 micro-batches, schedule gpipe" in out
     assert _value(out, "processes") == (
         "2 (gloo), partition 0 -> rank 0, 1 -> rank 1, 2 -> rank 0, 3 -> rank 1"
     )
@@ -181,11 +181,11 @@ def test_two_partitions_per_process_and_gpipe_schedule() -> None:
 
 
 def test_tied_weights_across_processes_train_as_in_one_process() -> None:
-    """Layers 2 and 6 share one weight, in partitions on ranks 0 and 1, with the gradients
+    """Layers 2 and 8 share one weight, in partitions on ranks 0 and 1, with the gradients
     clipped over the whole pipeline: the same losses as one process, at every step."""
     code, out, err = _run(_demo("--tied", "--log-every", "1", "--steps", "3"))
     assert code == 0, err
-    assert "layers 2 and 6 tied, gradients clipped to norm 1" in out
+    assert "layers 2 and 8 tied, gradients clipped to norm 1" in out
     losses = re.findall(r"^step (\d)/3  loss (\d+\.\d{4})$", out, re.MULTILINE)
     assert [step for step, _ in losses] == ["1", "2", "3"], out
     assert _value(out, "loss") == f"{losses[0][1]} -> {losses[2][1]}"
@@ -418,10 +418,10 @@ def test_parser_defaults_for_processes() -> None:
     [
         (["--processes", "0"], "--processes must be a positive integer (--processes: 0)"),
         (["--processes", "-2"], "--processes must be a positive integer (--processes: -2)"),
-        (["--processes", "9"], "--processes must be at most 8, the demo network's layers"),
+        (["--processes", "11"], "--processes must be at most 10, the demo network's layers"),
         (["--processes", "two"], "argument --processes: invalid int value: 'two'"),
         (["--partitions", "0"], "--partitions must be a positive integer (--partitions: 0)"),
-        (["--partitions", "9"], "--partitions must be at most 8, the demo network's layers"),
+        (["--partitions", "11"], "--partitions must be at most 10, the demo network's layers"),
         (
             ["--processes", "2", "--partitions", "3"],
             "--partitions must be a multiple of --processes, one partition or more per "

@@ -14,7 +14,7 @@ from .__about__ import __version__
 __all__ = ["build_parser", "main"]
 
 #: The layers of the demo's network (``gpipe._demo.LAYERS``, without importing torch).
-LAYERS = 8
+LAYERS = 10
 #: The options that only the demo across processes takes.
 _PROCESSES_ONLY = {
     "log_every": "the demo in one process has no other process to wait for or log",
@@ -56,15 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
             "--processes 2) the demo runs in torchrun's processes instead of starting its own."
         ),
     )
-    demo.add_argument("--steps", type=int, default=300, help="training steps (default: 300)")
-    demo.add_argument("--batch-size", type=int, default=256, help="mini-batch size (default: 256)")
+    demo.add_argument("--steps", type=int, default=60, help="training steps (default: 60)")
+    demo.add_argument("--batch-size", type=int, default=512, help="mini-batch size (default: 512)")
     demo.add_argument("--chunks", type=int, default=4, help="micro-batches (default: 4)")
-    demo.add_argument("--width", type=int, default=512, help="hidden width (default: 512)")
+    demo.add_argument("--width", type=int, default=1024, help="hidden width (default: 1024)")
     demo.add_argument(
         "--checkpoint",
         choices=["always", "except_last", "never"],
-        default="except_last",
-        help="checkpointing mode (default: except_last)",
+        default="never",
+        help="checkpointing mode (default: never: the network fits in memory)",
     )
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     demo.add_argument(

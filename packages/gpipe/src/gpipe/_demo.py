@@ -14,6 +14,7 @@ from gpipe_core import GPipe, TimelineSummary
 
 __all__ = [
     "LAYERS",
+    "Bound",
     "DemoConfig",
     "DemoReport",
     "build_model",
@@ -24,18 +25,20 @@ __all__ = [
 ]
 
 #: The number of layers of the demo's network (:func:`build_model`).
-LAYERS = 8
+LAYERS = 10
 
 
 @dataclass(frozen=True)
 class DemoConfig:
     """Settings of :func:`run_demo`."""
 
-    steps: int = 300
-    batch_size: int = 256
+    steps: int = 60
+    batch_size: int = 512
     chunks: int = 4
-    width: int = 512
-    checkpoint: str = "except_last"
+    width: int = 1024
+    #: Checkpointing: none by default, since the demo's network fits in memory and the
+    #: recomputed forward passes would only slow it down.
+    checkpoint: str = "never"
     seed: int = 0
     #: Show progress bars: True, False, or None (the default) for bars only when standard
     #: error is a terminal (tqdm's ``disable=None``), so that logs get no redraws.
@@ -63,6 +66,27 @@ class DemoConfig:
 
 
 @dataclass(frozen=True)
+class Bound:
+    """The best throughput the pipeline's workers could reach on this machine.
+
+    ``n`` partitions and ``m`` micro-batches fill and drain the pipeline: at best a step
+    takes ``(m + n - 1) / (n m)`` of the time one worker would take for the whole step, with
+    the resources one worker has. Each partition has a device of its own: that worker is
+    the plain model on its device. The partitions share the CPU: each of them computes its
+    micro-batches with its share of the intra-op threads, so the bound starts from the
+    plain model's time on the micro-batches, one after the other, with that share, measured
+    in the same run (smaller matrix products are slower per sample on a CPU: that cost is
+    micro-batching's, and the bound includes it).
+    """
+
+    samples_per_s: float
+    #: What each worker has, in words ("1 of 2 threads", "a device of its own").
+    each: str
+    #: The intra-op threads each worker computes with, on the CPU (None on devices).
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
 class DemoReport:
     """What :func:`run_demo` measured."""
 
@@ -75,6 +99,13 @@ class DemoReport:
     timeline: TimelineSummary | None = None
     #: The files written for it.
     written: tuple[str, ...] = ()
+    #: The best throughput the workers could reach here (None: no bound, as with partitions
+    #: sharing GPUs).
+    bound: Bound | None = None
+    #: The micro-batches of each step.
+    chunks: int = 1
+    #: The checkpointing mode of the pipeline.
+    checkpoint: str = "never"
 
     def format(self) -> str:
         """The report as the command line prints it."""
@@ -84,23 +115,65 @@ class DemoReport:
             f"loss:               {self.first_loss:.4f} -> {self.final_loss:.4f}",
             f"throughput (gpipe): {self.pipelined_samples_per_s:,.0f} samples/s",
             f"throughput (plain): {self.plain_samples_per_s:,.0f} samples/s",
-            f"gpipe / plain:      {ratio:.2f}x",
         ]
-        if len(set(self.devices)) < len(self.devices):
+        if self.bound is not None:
             lines.append(
-                "note: partitions share a device here, so pipelining splits the same "
-                "hardware; it pays off with one device per partition"
+                f"throughput (bound): {self.bound.samples_per_s:,.0f} samples/s "
+                f"(the best {len(self.devices)} workers can do here)"
             )
+        lines.append(f"gpipe / plain:      {ratio:.2f}x")
+        lines.append(f"why: {self.why()}")
         if self.timeline is not None:
             lines.append(str(self.timeline))
         lines.extend(f"wrote {path}" for path in self.written)
         return "\n".join(lines)
 
+    def why(self) -> str:
+        """One line on why the ratio is what it is."""
+        n, m = len(self.devices), self.chunks
+        fill = f"filling and draining {n} partitions with {m} micro-batches"
+        if self.bound is None:
+            return (
+                f"the {n} partitions share {len(set(self.devices))} device(s), so they "
+                "take turns on the same hardware; pipelining pays off with one device per "
+                "partition"
+            )
+        reached = self.pipelined_samples_per_s / self.bound.samples_per_s
+        if self.bound.threads is None:
+            return (
+                f"each partition has {self.bound.each}; {fill} leaves at best "
+                f"{n * m / (m + n - 1):.2f}x plain, and gpipe reaches {reached:.0%} of that"
+            )
+        recompute = (
+            ""
+            if self.checkpoint == "never"
+            else f" (checkpoint={self.checkpoint!r} recomputes forward passes on top)"
+        )
+        return (
+            f"the {n} partitions share this CPU, each computing its micro-batches with "
+            f"{self.bound.each} (plain computes the whole batch with all of them): with "
+            f"{fill}, that allows at most "
+            f"{self.bound.samples_per_s / self.plain_samples_per_s:.2f}x plain here, and "
+            f"gpipe reaches {reached:.0%} of that{recompute}; one device per partition is "
+            "what pipelining is for"
+        )
+
 
 def build_model(width: int, features: int = 32, classes: int = 10) -> nn.Sequential:
-    """The demo's network: an MLP of eight layers."""
+    """The demo's network: an MLP of ten layers, four of them ``width`` x ``width``.
+
+    Split in two halves of five layers (:func:`demo_balance`), each half computes two of the
+    four large layers: the two partitions take the same time, so that the pipeline's
+    throughput shows what overlapping them gives, not an uneven split.
+
+    Example:
+        >>> [type(layer).__name__ for layer in build_model(8)][:5]
+        ['Linear', 'ReLU', 'Linear', 'ReLU', 'Linear']
+    """
     return nn.Sequential(
         nn.Linear(features, width),
+        nn.ReLU(),
+        nn.Linear(width, width),
         nn.ReLU(),
         nn.Linear(width, width),
         nn.ReLU(),
@@ -116,7 +189,7 @@ def demo_balance(partitions: int) -> list[int]:
 
     Example:
         >>> demo_balance(2), demo_balance(3)
-        ([4, 4], [3, 3, 2])
+        ([5, 5], [4, 3, 3])
     """
     if not 1 <= partitions <= LAYERS:
         raise ValueError(
@@ -141,7 +214,7 @@ def demo_setup(config: DemoConfig) -> tuple[torch.Tensor, torch.Tensor, nn.Seque
         target = teacher(data).argmax(dim=-1)
     model = build_model(config.width, features, classes)
     if config.tied:
-        model[6].weight = model[2].weight
+        model[8].weight = model[2].weight
     return data, target, model
 
 
@@ -274,12 +347,71 @@ def run_demo(config: DemoConfig) -> DemoReport:
         plain, config.steps, data, target, plain_device, "plain", config.progress
     )
     samples = config.steps * config.batch_size
+    plain_samples_per_s = samples / plain_elapsed
     return DemoReport(
         devices=[str(device) for device in devices],
         first_loss=losses[0],
         final_loss=losses[-1],
         pipelined_samples_per_s=samples / elapsed,
-        plain_samples_per_s=samples / plain_elapsed,
+        plain_samples_per_s=plain_samples_per_s,
         timeline=summary,
         written=written,
+        bound=_bound(plain, data, target, devices, config, plain_samples_per_s),
+        chunks=config.chunks,
+        checkpoint=config.checkpoint,
     )
+
+
+def _bound(
+    plain: nn.Module,
+    data: torch.Tensor,
+    target: torch.Tensor,
+    devices: list[torch.device],
+    config: DemoConfig,
+    plain_samples_per_s: float,
+) -> Bound | None:
+    """The best throughput of the pipeline's workers here (see :class:`Bound`); None where
+    partitions share GPUs."""
+    n, m = len(devices), config.chunks
+    fill = (m + n - 1) / (n * m)
+    if any(device.type != "cpu" for device in devices):
+        if len(set(devices)) < n:
+            return None
+        return Bound(plain_samples_per_s / fill, "a device of its own")
+    caller = torch.get_num_threads()
+    if caller < n:
+        # Fewer threads than partitions: they cannot all compute at once, so they take
+        # turns, and the work is the plain model's at best.
+        return Bound(plain_samples_per_s, f"a turn on {_threads(caller)}", threads=caller)
+    share = caller // n
+    torch.set_num_threads(share)
+    try:
+        elapsed, steps = _time_microbatches(copy.deepcopy(plain), data, target, config)
+    finally:
+        torch.set_num_threads(caller)
+    return Bound(
+        steps * config.batch_size / elapsed / fill, f"{share} of {_threads(caller)}", share
+    )
+
+
+def _time_microbatches(
+    model: nn.Module, data: torch.Tensor, target: torch.Tensor, config: DemoConfig
+) -> tuple[float, int]:
+    """Seconds for a few training steps of the plain model on the CPU, each on the
+    micro-batches one after the other (the work the workers share), and how many steps."""
+    steps = max(3, min(config.steps, 20))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    start = time.perf_counter()
+    for step in range(steps):
+        x, y = data[step % data.size(0)], target[step % data.size(0)]
+        optimizer.zero_grad(set_to_none=True)
+        pairs = zip(x.tensor_split(config.chunks), y.tensor_split(config.chunks), strict=True)
+        for xs, ys in pairs:
+            loss = nn.functional.cross_entropy(model(xs), ys) * (len(xs) / len(x))
+            loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+    return time.perf_counter() - start, steps
+
+
+def _threads(count: int) -> str:
+    return f"{count} thread{'' if count == 1 else 's'}"

@@ -162,7 +162,7 @@ def run_rank(
                 f"gpipe across {world} processes (gloo, {where}): balance {balance}, "
                 f"{config.chunks} micro-batches, schedule {config.schedule}, one intra-op "
                 "thread per process"
-                + (", layers 2 and 6 tied, gradients clipped to norm 1" if config.tied else ""),
+                + (", layers 2 and 8 tied, gradients clipped to norm 1" if config.tied else ""),
                 file=out,
                 flush=True,
             )
