@@ -11,7 +11,9 @@ the bound of a pipeline of ``n`` single-threaded workers, the plain model's sing
 time x ``(m + n - 1) / (n m)`` over plain's time (the single-thread time is measured in a
 child process started with ``OMP_NUM_THREADS=1``, so that this process never sets its
 threads): a target below the bound is one the machine cannot allow that way, and the table
-shows it.
+shows it. Beside it, the same bound from the plain model's single-thread time on the
+micro-batches one after the other (``mb bound``: the work the workers actually share, whose
+smaller matrix products cost more per sample on a CPU), and each way's ratio to it.
 
 Then, with one intra-op thread (``torch.set_num_threads(1)``, or ``--threads``),
 one training step (forward, loss and backward of the whole batch) is timed these ways,
@@ -272,14 +274,16 @@ def default_cases(sizes: Sizes) -> list[Case]:
     return [gpt_case(sizes), mlp_case(sizes), transformer_case(sizes)]
 
 
-def single_thread_plain(case_name: str, quick: bool, rounds: int) -> float:
-    """The plain model's median step time with one intra-op thread, in a child process
+def single_thread_plain(case_name: str, quick: bool, rounds: int) -> tuple[float, float]:
+    """The plain model's median step time with one intra-op thread, on the whole batch and
+    on the micro-batches one after the other (``plain mb``), in a child process
     (``OMP_NUM_THREADS=1``), so that this process keeps torch's default."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     command = [sys.executable, os.path.abspath(__file__), "--single-thread-plain", case_name]
     command += ["--rounds", str(rounds), *(["--quick"] if quick else [])]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-    return float(done.stdout.split()[-1])
+    whole, microbatched = done.stdout.split()[-2:]
+    return float(whole), float(microbatched)
 
 
 def default_threading(sizes: Sizes, quick: bool, rounds: int) -> list[Check]:
@@ -294,10 +298,13 @@ def default_threading(sizes: Sizes, quick: bool, rounds: int) -> list[Check]:
         runners: dict[str, Runner | str] = {"plain": plain_runner(case)}
         runners.update(gpipe_runners(case))
         times = measure(runners, rounds)
-        single = single_thread_plain(case.name, quick, rounds)
+        single, single_mb = single_thread_plain(case.name, quick, rounds)
         n, m = len(case.balance), case.chunks
         plain = times["plain"]
         bound = single * (m + n - 1) / (n * m) / plain
+        # The same with the micro-batches' single-thread time: what n single-threaded
+        # workers computing the micro-batches can reach (smaller products cost more).
+        bound_mb = single_mb * (m + n - 1) / (n * m) / plain
         ratios = {
             w: times[w] / plain if isinstance(times[w], float) else None for w in DEFAULT_WAYS
         }
@@ -307,6 +314,8 @@ def default_threading(sizes: Sizes, quick: bool, rounds: int) -> list[Check]:
                 ms(plain),
                 ms(single),
                 f"{bound:.2f}",
+                ms(single_mb),
+                f"{bound_mb:.2f}",
                 *(f"{r:.2f}" if r is not None else "-" for r in list(ratios.values())[1:]),
             ]
         )
@@ -315,7 +324,10 @@ def default_threading(sizes: Sizes, quick: bool, rounds: int) -> list[Check]:
             checks.append(
                 (
                     f"default threads, {case.name}: {way} / plain <= {limit:.2f} "
-                    f"(1-thread workers' bound {bound:.2f}: {reach})",
+                    f"(1-thread workers' bound {bound:.2f}: {reach}; on the micro-batches "
+                    f"{bound_mb:.2f}, {way} / that {ratios[way] / bound_mb:.2f})"
+                    if ratios[way] is not None
+                    else f"default threads, {case.name}: {way} / plain <= {limit:.2f}",
                     ratios[way],
                     limit,
                 )
@@ -323,11 +335,16 @@ def default_threading(sizes: Sizes, quick: bool, rounds: int) -> list[Check]:
         print(f"  measured {case.name}", file=sys.stderr, flush=True)
     print("Step time relative to plain at default threading (lower is better)")
     print_table(
-        ["case", "plain ms", "1-thread ms", "bound", "fwd+bwd", "step gpipe", "step 1f1b"], rows
-    )
+        [
+            "case", "plain ms", "1-thread ms", "bound", "1-thread mb ms", "mb bound",
+            "fwd+bwd", "step gpipe", "step 1f1b",
+        ],
+        rows,
+    )  # fmt: skip
     print(
         "  bound: plain's 1-thread time x (m + n - 1) / (n m) over plain's time, what n "
-        "single-threaded workers can reach"
+        "single-threaded workers can reach;\n  mb bound: the same from plain's 1-thread time "
+        "on the micro-batches one after the other (the work the workers share)"
     )
     print()
     return checks
@@ -400,7 +417,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     quick = args.quick
     if args.single_thread_plain is not None:  # the child of single_thread_plain()
         case = {c.name: c for c in default_cases(sizes)}[args.single_thread_plain]
-        print(measure({"plain": plain_runner(case)}, rounds)["plain"])
+        times = measure(
+            {"plain": plain_runner(case), "plain mb": plain_microbatched_runner(case)}, rounds
+        )
+        print(times["plain"], times["plain mb"])
         return
 
     # Before anything sets the intra-op threads.
