@@ -291,7 +291,9 @@ class _Executor:
         the caller's ``state``."""
         failure = self.failure
         partition = self.partition(self.workers.index(w))
-        with _on_device(partition), state.apply(), self.share.worker(partition.device):
+        own = [self.partition(j).partition for j, v in enumerate(self.workers) if v == w]
+        share = self.share.worker(partition.device, own, not partition.autograd_backward)
+        with _on_device(partition), state.apply(), share:
             try:
                 for position in range(start, len(actions)):
                     action = actions[position]

@@ -10,7 +10,11 @@ computation (the forward or backward pass of one micro-batch), sets its own intr
 to the caller's count (``torch.get_num_threads()`` in the thread that runs the module) divided
 by the number of workers on the CPU computing at that moment, itself included (at least one):
 a worker alone, as at the start and the end of a schedule, uses every core; two at once use
-half each. At the end of the run every worker sets the caller's count back. An integer
+half each. A worker takes its share again at each boundary between layers of its partitions
+(before a layer's forward pass and, where the worker runs the backward pass, before its backward
+pass): one that started alone gives threads up as soon as another starts, and takes them back
+when the other ends, rather than holding the count it started with through a long computation.
+At the end of the run every worker sets the caller's count back. An integer
 ``intra_op_threads`` is the count of every worker on the CPU for the whole run instead, and
 ``0`` leaves the workers at torch's setting (each with the whole pool).
 
@@ -26,10 +30,12 @@ and ends a computation.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 __all__ = ["ThreadShare", "check_intra_op_threads"]
 
@@ -95,17 +101,61 @@ class ThreadShare:
         return max(1, self.caller // max(1, self.busy))
 
     @contextmanager
-    def worker(self, device: torch.device) -> Iterator[None]:
-        """Around a worker's part of the run: a fixed count for it, and the caller's after."""
+    def worker(
+        self, device: torch.device, partitions: Sequence[nn.Module] = (), backward: bool = False
+    ) -> Iterator[None]:
+        """Around a worker's part of the run: a fixed count for it, or by default its share
+        taken again at each boundary between the layers of its ``partitions`` (before their
+        forward passes and, with ``backward``, their backward passes, which the worker runs);
+        the caller's count after."""
         if not (self.active and device.type == "cpu"):
             yield
             return
         if self.setting is not None:
             torch.set_num_threads(self.setting)
+        handles = self._boundaries(partitions, backward) if self.divides else []
         try:
             yield
         finally:
+            for handle in handles:
+                handle.remove()
             torch.set_num_threads(self.caller)
+
+    def reshare(self) -> None:
+        """At a boundary between layers of a computation: the share of the workers computing
+        now (a worker that started alone gives threads up when another has started)."""
+        if self._computing:  # run in a worker's computation, so itself counted
+            count = self.count()
+            if torch.get_num_threads() != count:
+                torch.set_num_threads(count)
+
+    def _boundaries(self, partitions: Sequence[nn.Module], backward: bool) -> list[RemovableHandle]:
+        """Hooks that call :meth:`reshare` before each layer's forward pass (and backward
+        pass): removed at the end of the run, so the layers are left as they were."""
+        reshare = self.reshare
+
+        def before_forward(_module: nn.Module, _input: object) -> None:
+            reshare()
+
+        def before_backward(_gradient: Tensor) -> None:
+            reshare()
+
+        def after_forward(_module: nn.Module, _input: object, output: object) -> None:
+            # The gradient of a layer's output arrives right before its backward pass.
+            if isinstance(output, (tuple, list)):
+                output = next((o for o in output if isinstance(o, Tensor)), None)
+            if isinstance(output, Tensor) and output.requires_grad and torch.is_grad_enabled():
+                output.register_hook(before_backward)  # type: ignore[no-untyped-call]
+
+        handles: list[RemovableHandle] = []
+        for partition in partitions:
+            for layer in partition.children():
+                if isinstance(layer, torch.jit.ScriptModule):
+                    continue  # hooks of scripted modules are compiled with them
+                handles.append(layer.register_forward_pre_hook(before_forward))
+                if backward:
+                    handles.append(layer.register_forward_hook(after_forward))
+        return handles
 
     def computing(self, device: torch.device) -> AbstractContextManager[object]:
         """Around one computation of a worker: its share of the cores, by default (nothing
