@@ -682,6 +682,37 @@ def plain_microbatched_runner(case: Case) -> Runner:
     return timed(model, step)
 
 
+def plain_microbatched_phases_runners(case: Case) -> dict[str, Runner]:
+    """``plain mb``'s two phases, each timed alone: ``plain mb fwd`` (the forward passes and
+    losses of the micro-batches, one after the other, building their graphs) and ``plain mb
+    bwd`` (their backward passes, one after the other, after untimed forward passes): what
+    ``fwd+bwd`` costs at least where autograd runs every backward pass in the calling
+    thread (on the CPU) after the workers' forward passes."""
+    model = case.model()
+    x, y = case.data()
+    loss_fn = case.loss_fn()
+    pairs = list(zip(x.tensor_split(case.chunks), y.tensor_split(case.chunks), strict=True))
+
+    def losses() -> list[torch.Tensor]:
+        return [loss_fn(model(xs), ys) * (len(xs) / len(x)) for xs, ys in pairs]
+
+    def forward() -> float:
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        losses()
+        return time.perf_counter() - start
+
+    def backward() -> float:
+        model.zero_grad(set_to_none=True)
+        graphs = losses()
+        start = time.perf_counter()
+        for loss in graphs:
+            loss.backward()
+        return time.perf_counter() - start
+
+    return {"plain mb fwd": forward, "plain mb bwd": backward}
+
+
 def plain_cut_runner(case: Case) -> Runner:
     """The ``nn.Sequential`` on the micro-batches, one after the other, in this process, cut
     where the pipeline cuts it: each partition's output is detached into the next one's

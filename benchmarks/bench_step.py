@@ -8,12 +8,16 @@ core, and gpipe's division of them among its workers), a GPT-like model, the MLP
 transformer: ``plain``, ``fwd+bwd`` and ``step`` with each schedule, interleaved, relative to
 ``plain``, beside the bound of a pipeline of ``n`` single-threaded workers: the plain model's
 single-thread time x ``(m + n - 1) / (n m)`` over plain's time (the single-thread time is
-measured in a child process started with ``OMP_NUM_THREADS=1``, so that this process never
-sets its threads). Targets: ``step`` with each schedule and ``fwd+bwd`` at most 1.05 x the
+measured in the same rounds, interleaved with the others, in a thread of its own that sets
+its intra-op threads to one: the count is kept per thread, so the thread that runs the other
+ways keeps torch's default). Targets: ``step`` with each schedule and ``fwd+bwd`` at most 1.05 x the
 bound, or 1.05 x plain where the bound is below plain. Beside it, the same bound from the
 plain model's single-thread time on the micro-batches one after the other (``mb bound``: the
 work the workers actually share, whose smaller matrix products cost more per sample on a
-CPU), and each way's ratio to it.
+CPU), and each way's ratio to it; and for ``fwd+bwd``, the bound where autograd runs every
+backward pass in the calling thread, as it does on the CPU (``autograd bound``: the
+micro-batches' single-thread forward passes shared by the workers, then their backward
+passes one after the other at default threading).
 
 Then, with one intra-op thread (``torch.set_num_threads(1)``, or ``--threads``),
 one training step (forward, loss and backward of the whole batch) is timed these ways,
@@ -67,9 +71,8 @@ ratios within one run are meaningful.
 
 from __future__ import annotations
 
-import argparse
+import concurrent.futures
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -101,6 +104,7 @@ from _step_models import (
     per_microbatch_bytes,
     pipelining_check,
     plain_cut_runner,
+    plain_microbatched_phases_runners,
     plain_microbatched_runner,
     plain_runner,
     print_fixed_time,
@@ -274,16 +278,27 @@ def default_cases(sizes: Sizes) -> list[Case]:
     return [gpt_case(sizes), mlp_case(sizes), transformer_case(sizes)]
 
 
-def single_thread_plain(case_name: str, quick: bool, rounds: int) -> tuple[float, float]:
-    """The plain model's median step time with one intra-op thread, on the whole batch and
-    on the micro-batches one after the other (``plain mb``), in a child process
-    (``OMP_NUM_THREADS=1``), so that this process keeps torch's default."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    command = [sys.executable, os.path.abspath(__file__), "--single-thread-plain", case_name]
-    command += ["--rounds", str(rounds), *(["--quick"] if quick else [])]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-    whole, microbatched = done.stdout.split()[-2:]
-    return float(whole), float(microbatched)
+class OneThread:
+    """Runs runners in a thread of its own with one intra-op thread (torch's count is kept per
+    thread where torch has OpenMP), so that the single-thread times are measured in the same
+    rounds as the default-threading ways, and this thread keeps torch's default."""
+
+    def __init__(self) -> None:
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="one-thread")
+        self.caller = torch.get_num_threads()
+
+    def __call__(self, runner: Runner) -> Runner:
+        def in_thread() -> float:
+            torch.set_num_threads(1)
+            try:
+                return runner()
+            finally:  # also the count that threads started later begin with
+                torch.set_num_threads(self.caller)
+
+        return lambda: self.pool.submit(in_thread).result()
+
+    def close(self) -> None:
+        self.pool.shutdown()
 
 
 def default_threading(sizes: Sizes, quick: bool, rounds: int) -> list[Check]:
@@ -293,18 +308,33 @@ def default_threading(sizes: Sizes, quick: bool, rounds: int) -> list[Check]:
         f"{os.cpu_count()} cores, {rounds} rounds (medians), ways interleaved; no checkpointing"
     )
     print(f"  {sizes.describe(('GPT', 'MLP', 'transformer'))}")
+    if not torch.backends.openmp.is_available():  # type: ignore[no-untyped-call]
+        print("  not measured: this torch has no OpenMP (one intra-op count for all threads)\n")
+        return []
     rows, checks = [], []
+    one_thread = OneThread()
     for case in default_cases(sizes):
         runners: dict[str, Runner | str] = {"plain": plain_runner(case)}
         runners.update(gpipe_runners(case))
+        runners["plain mb bwd"] = plain_microbatched_phases_runners(case)["plain mb bwd"]
+        runners["1-thread"] = one_thread(plain_runner(case))
+        runners["1-thread mb"] = one_thread(plain_microbatched_runner(case))
+        forward = plain_microbatched_phases_runners(case)["plain mb fwd"]
+        runners["1-thread mb fwd"] = one_thread(forward)
         times = measure(runners, rounds)
-        single, single_mb = single_thread_plain(case.name, quick, rounds)
+        single, single_mb, single_mb_fwd = (
+            times[w] for w in ("1-thread", "1-thread mb", "1-thread mb fwd")
+        )
         n, m = len(case.balance), case.chunks
         plain = times["plain"]
         bound = single * (m + n - 1) / (n * m) / plain
         # The same with the micro-batches' single-thread time: what n single-threaded
         # workers computing the micro-batches can reach (smaller products cost more).
         bound_mb = single_mb * (m + n - 1) / (n * m) / plain
+        # fwd+bwd on the CPU: autograd runs every backward pass in the calling thread, after
+        # the workers' forward passes; at best, those at the workers' bound, then the
+        # micro-batches' backward passes one after the other at default threading.
+        bound_autograd = (single_mb_fwd * (m + n - 1) / (n * m) + times["plain mb bwd"]) / plain
         ratios = {
             w: times[w] / plain if isinstance(times[w], float) else None for w in DEFAULT_WAYS
         }
@@ -316,6 +346,7 @@ def default_threading(sizes: Sizes, quick: bool, rounds: int) -> list[Check]:
                 f"{bound:.2f}",
                 ms(single_mb),
                 f"{bound_mb:.2f}",
+                f"{bound_autograd:.2f}",
                 *(f"{r:.2f}" if r is not None else "-" for r in list(ratios.values())[1:]),
             ]
         )
@@ -323,11 +354,17 @@ def default_threading(sizes: Sizes, quick: bool, rounds: int) -> list[Check]:
         # better than plain.
         limit = 1.05 * max(bound, 1.0)
         for way in ("step gpipe", "step 1f1b", "fwd+bwd"):
+            autograd = (
+                f"; with autograd's backward in the calling thread the bound is "
+                f"{bound_autograd:.2f}, {way} / that {(ratios[way] or 0) / bound_autograd:.2f}"
+                if way == "fwd+bwd"
+                else ""
+            )
             checks.append(
                 (
                     f"default threads, {case.name}: {way} / plain <= 1.05 x max(bound "
                     f"{bound:.2f}, 1) = {limit:.2f} (on the micro-batches the bound is "
-                    f"{bound_mb:.2f}, {way} / that {ratios[way] / bound_mb:.2f})"
+                    f"{bound_mb:.2f}, {way} / that {ratios[way] / bound_mb:.2f}{autograd})"
                     if ratios[way] is not None
                     else f"default threads, {case.name}: {way} / plain <= {limit:.2f}",
                     ratios[way],
@@ -339,16 +376,20 @@ def default_threading(sizes: Sizes, quick: bool, rounds: int) -> list[Check]:
     print_table(
         [
             "case", "plain ms", "1-thread ms", "bound", "1-thread mb ms", "mb bound",
-            "fwd+bwd", "step gpipe", "step 1f1b",
+            "autograd bound", "fwd+bwd", "step gpipe", "step 1f1b",
         ],
         rows,
     )  # fmt: skip
     print(
         "  bound: plain's 1-thread time x (m + n - 1) / (n m) over plain's time, what n "
         "single-threaded workers can reach;\n  mb bound: the same from plain's 1-thread time "
-        "on the micro-batches one after the other (the work the workers share)"
+        "on the micro-batches one after the other (the work the workers share);\n  autograd "
+        "bound: fwd+bwd's, where autograd runs the backward passes in the calling thread: "
+        "plain's 1-thread forward passes on the micro-batches x (m + n - 1) / (n m), then "
+        "its backward passes on them at default threading, over plain's time"
     )
     print()
+    one_thread.close()
     return checks
 
 
@@ -414,17 +455,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="only the default-threading table and its targets",
     )
-    parser.add_argument("--single-thread-plain", metavar="CASE", help=argparse.SUPPRESS)
     args, rounds, sizes, _ = parse_bench(parser, argv)
     quick = args.quick
-    if args.single_thread_plain is not None:  # the child of single_thread_plain()
-        case = {c.name: c for c in default_cases(sizes)}[args.single_thread_plain]
-        times = measure(
-            {"plain": plain_runner(case), "plain mb": plain_microbatched_runner(case)}, rounds
-        )
-        print(times["plain"], times["plain mb"])
-        return
-
     # Before anything sets the intra-op threads.
     default_checks = default_threading(sizes, quick, rounds)
     if args.default_threading_only:
