@@ -17,6 +17,7 @@ import textwrap
 import time
 import uuid
 from pathlib import Path
+from typing import TextIO
 
 import pytest
 
@@ -526,6 +527,32 @@ def test_report_error_writes_torch_error_file(
     (read,) = _errors({3: failure})
     assert read.rank == 3 and read.reported and not read.remote
     assert read.message == "KeyError: 'k'" and "raise KeyError" in read.traceback
+
+
+def test_an_error_file_is_never_read_half_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank stopped while it writes its error file (the agent stops a told rank as soon
+    as another has failed) leaves no file rather than half of one, which the agent could
+    not parse (it raised JSONDecodeError instead of naming the rank that failed)."""
+    import json
+
+    from gpipe._launch import report_error
+
+    def stopped_while_writing(data: object, f: TextIO) -> None:
+        text = json.dumps(data)
+        f.write(text[: len(text) // 2])
+        raise SystemExit(143)  # what the rank's SIGTERM handler raises
+
+    target = tmp_path / "e.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(target))
+    monkeypatch.setattr(json, "dump", stopped_while_writing)
+    with pytest.raises(SystemExit):
+        try:
+            raise KeyError("k")
+        except KeyError as error:
+            report_error(error)
+    assert not target.exists()
 
 
 def test_report_format() -> None:

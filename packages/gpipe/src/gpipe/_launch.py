@@ -96,9 +96,19 @@ def report_error(error: BaseException) -> bool:
     """
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-    if not os.environ.get(_ERROR_FILE):
+    class PartialFileErrorHandler(ErrorHandler):
+        def _get_error_file_path(self) -> str | None:
+            return partial
+
+    path = os.environ.get(_ERROR_FILE)
+    if not path:
         return False
-    ErrorHandler().record_exception(error)
+    # The file is written beside the agent's and renamed over it once whole: the agent reads
+    # it as soon as the rank ends, and may stop a told rank while it writes; half a file
+    # would fail the agent (JSONDecodeError) instead of naming the rank that failed.
+    partial = f"{path}.partial"
+    PartialFileErrorHandler().record_exception(error)
+    os.replace(partial, path)
     if isinstance(error, RemotePartitionError):
         time.sleep(float(os.environ.get(GRACE, "0")))  # the agent stops it sooner
     return True
