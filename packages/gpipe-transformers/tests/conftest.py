@@ -17,3 +17,13 @@ def _float64() -> Iterator[None]:
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_processes() -> Iterator[None]:
+    """The ranks that :func:`hf_support.ranks.run` keeps for the session, stopped and reaped
+    at its end."""
+    yield
+    from hf_support.ranks import close_all
+
+    close_all()

@@ -1,30 +1,40 @@
-"""Ranks in processes of their own: :func:`run` starts ``world`` processes in one gloo group
-on ``127.0.0.1``, each running one case of :mod:`hf_support.cases`, and returns their
-results; a rank that raises or does not finish within ``timeout`` fails the call, and every
-process is killed and reaped whatever happens.
+"""Ranks in processes of their own: :func:`run` runs one case of :mod:`hf_support.cases` on
+``world`` processes in one gloo group on ``127.0.0.1`` and returns their results; a rank
+that raises or does not answer within ``timeout`` fails the call.
 
-Run as a script, it is one rank: ``ranks.py CASE RANK WORLD PORT OUT`` (the case's
-keyword arguments as a pickle on stdin, its result written to ``OUT``).
+The processes of a world size are started by the first call and answer every later one
+(importing torch and transformers takes most of a rank's start): each case starts as in a
+fresh process (the default dtype float32, torch's first seed). A call that fails stops
+them, so that the next one starts from new processes; :func:`close_all` (at the end of
+the session) stops and reaps every one, and so does the ranks' end of input if the tests'
+process dies.
+
+Run as a script, it is one rank: ``ranks.py RANK WORLD PORT``, reading ``(case, kwargs)``
+pickles on standard input and writing ``(ok, result or traceback)`` pickles on standard
+output.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import pickle
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 TESTS = Path(__file__).resolve().parent.parent
 
 
 class RankFailed(AssertionError):
-    """A rank raised, or did not finish in time."""
+    """A rank raised, or did not answer in time."""
 
 
 def _free_port() -> int:
@@ -33,72 +43,141 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+class _Ranks:
+    """``world`` rank processes, answering one case after another."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+        self.folder = tempfile.TemporaryDirectory()
+        self.logs = [Path(self.folder.name, f"rank{rank}.log") for rank in range(world)]
+        port = _free_port()
+        self.processes: list[subprocess.Popen[bytes]] = []
+        for rank, log in enumerate(self.logs):
+            with log.open("wb") as stderr:
+                self.processes.append(
+                    subprocess.Popen(
+                        [sys.executable, __file__, str(rank), str(world), str(port)],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=stderr,
+                        env=env,
+                    )
+                )
+
+    def run(self, case: str, timeout: float, kwargs: dict[str, Any]) -> list[Any]:
+        replies: list[Any] = [None] * self.world
+
+        def ask(rank: int, process: subprocess.Popen[bytes]) -> None:
+            assert process.stdin is not None and process.stdout is not None
+            try:
+                pickle.dump((case, kwargs), process.stdin)
+                process.stdin.flush()
+                replies[rank] = pickle.load(process.stdout)
+            except (EOFError, OSError, pickle.UnpicklingError) as error:
+                log = self.logs[rank].read_text(errors="replace")[-4000:]
+                replies[rank] = (False, f"no answer ({type(error).__name__}: {error}):\n{log}")
+
+        askers = [
+            threading.Thread(target=ask, args=(rank, process), daemon=True)
+            for rank, process in enumerate(self.processes)
+        ]
+        for asker in askers:
+            asker.start()
+        deadline = time.monotonic() + timeout
+        for asker in askers:
+            asker.join(max(0.0, deadline - time.monotonic()))
+        late = [rank for rank, asker in enumerate(askers) if asker.is_alive()]
+        if late:
+            raise RankFailed(f"ranks {late} did not answer case {case} within {timeout} s")
+        results = []
+        for rank, (ok, value) in enumerate(replies):
+            if not ok:
+                raise RankFailed(f"rank {rank} of case {case} raised:\n{value}")
+            results.append(value)
+        return results
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.stdin is not None:
+                with contextlib.suppress(OSError):
+                    process.stdin.close()
+        deadline = time.monotonic() + 20
+        for process in self.processes:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            if process.stdout is not None:
+                process.stdout.close()
+        self.folder.cleanup()
+
+
+_RANKS: dict[int, _Ranks] = {}
+
+
 def run(case: str, world: int = 2, timeout: float = 240.0, **kwargs: Any) -> list[Any]:
     """Each rank's result of ``cases.<case>(rank, world, **kwargs)``."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as folder:
-        outs = [Path(folder, f"rank{rank}.pkl") for rank in range(world)]
-        processes = [
-            subprocess.Popen(
-                [sys.executable, __file__, case, str(rank), str(world), str(port), str(out)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-            for rank, out in enumerate(outs)
-        ]
-        try:
-            for process in processes:
-                assert process.stdin is not None
-                process.stdin.write(pickle.dumps(kwargs))
-                process.stdin.close()
-            deadline = time.monotonic() + timeout
-            for process in processes:
-                try:
-                    process.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    raise RankFailed(f"case {case} did not finish within {timeout} s") from None
-            results = []
-            for rank, (process, out) in enumerate(zip(processes, outs, strict=True)):
-                assert process.stdout is not None
-                log = process.stdout.read().decode(errors="replace")
-                if not out.exists():
-                    raise RankFailed(f"rank {rank} of case {case} wrote no result:\n{log[-4000:]}")
-                ok, value = pickle.loads(out.read_bytes())
-                if not ok:
-                    raise RankFailed(f"rank {rank} of case {case} raised:\n{value}")
-                results.append(value)
-            return results
-        finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-                process.wait()
-                if process.stdout is not None:
-                    process.stdout.close()
+    ranks = _RANKS.get(world)
+    if ranks is None:
+        ranks = _RANKS[world] = _Ranks(world)
+    try:
+        return ranks.run(case, timeout, kwargs)
+    except BaseException:
+        # The ranks may be out of step (one waits in a collective): new ones next time.
+        del _RANKS[world]
+        ranks.close()
+        raise
+
+
+def close_all() -> None:
+    """Stop and reap every rank process."""
+    while _RANKS:
+        _RANKS.popitem()[1].close()
+
+
+atexit.register(close_all)
 
 
 def _main() -> None:
-    case, rank, world, port, out = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5]
-    kwargs = pickle.loads(sys.stdin.buffer.read())
+    rank, world, port = (int(arg) for arg in sys.argv[1:4])
+    requests: IO[bytes] = sys.stdin.buffer
+    replies: IO[bytes] = sys.stdout.buffer
+    sys.stdout = sys.stderr  # prints must not mix with the replies
+    import datetime
+
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-        )
-        from hf_support import cases
+    seed = torch.initial_seed()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    from hf_support import cases
 
-        result: tuple[bool, Any] = (True, getattr(cases, case)(rank, world, **kwargs))
-    except BaseException:
-        result = (False, traceback.format_exc())
-    Path(out).write_bytes(pickle.dumps(result))
-    if dist.is_initialized():
+    try:
+        while True:
+            try:
+                case, kwargs = pickle.load(requests)
+            except EOFError:
+                break
+            # As in a fresh process.
+            torch.set_default_dtype(torch.float32)
+            torch.manual_seed(seed)
+            try:
+                result: tuple[bool, Any] = (True, getattr(cases, case)(rank, world, **kwargs))
+            except BaseException:
+                result = (False, traceback.format_exc())
+            pickle.dump(result, replies)
+            replies.flush()
+    finally:
         dist.destroy_process_group()
 
 
