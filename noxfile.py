@@ -114,6 +114,8 @@ class Package:
     extras: tuple[str, ...] = ()
     #: The siblings that only its tests need (its ``test`` extra).
     test_siblings: tuple[str, ...] = ()
+    #: What building it needs (its ``[build-system].requires``).
+    build_requires: tuple[str, ...] = ()
 
     @property
     def rel(self) -> str:
@@ -153,11 +155,13 @@ def _read_import_name(package_dir: Path, name: str, tool: dict) -> str:
 def discover_packages() -> tuple[Package, ...]:
     """Every package under ``packages/``, in dependency (topological) order."""
     raw: dict[str, tuple[Path, dict, dict]] = {}
+    build_requires: dict[str, tuple[str, ...]] = {}
     for pyproject in sorted(PACKAGES_DIR.glob("*/pyproject.toml")):
         data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
         project = data.get("project", {})
         name = canonicalize_name(project["name"])
         raw[name] = (pyproject.parent, project, data.get("tool", {}))
+        build_requires[name] = tuple(data.get("build-system", {}).get("requires", ()))
 
     packages: dict[str, Package] = {}
     for name, (path, project, tool) in raw.items():
@@ -188,6 +192,7 @@ def discover_packages() -> tuple[Package, ...]:
             external=tuple(external),
             extras=tuple(dict.fromkeys(extras)),
             test_siblings=tuple(test_siblings),
+            build_requires=build_requires[name],
         )
 
     # Dependencies first; alphabetical among the packages that are ready at the same time.
@@ -292,14 +297,26 @@ def install_torch(
 # --------------------------------------------------------------------------------------------
 
 
+def install_build_requirements(
+    session: nox.Session, packages: list[Package] | tuple[Package, ...]
+) -> None:
+    """Install what building ``packages`` needs into the session, once, so that they build
+    without an isolated environment each (the build session's run of the README's
+    ``pip wheel`` command builds them isolated, as users do)."""
+    requirements = [r for p in packages for r in p.build_requires]
+    if requirements:
+        session.install(*dict.fromkeys(requirements))
+
+
 def build_wheels(session: nox.Session, packages: list[Package] | tuple[Package, ...]) -> dict:
     """Build a wheel of each package (from the working tree) into the session's tmp dir."""
     out = Path(session.create_tmp()) / "wheels"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    install_build_requirements(session, packages)
     session.run(
-        "python", "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(out),
-        *[p.rel for p in packages],
+        "python", "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+        "--wheel-dir", str(out), *[p.rel for p in packages],
     )  # fmt: skip
     wheels: dict[str, Path] = {}
     for package in packages:
@@ -447,7 +464,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=DEV_PYTHON)
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict on every package's source tree."""
+    """mypy --strict on every package's source tree (one run over all of them)."""
     install_torch(session, DEV_TORCH)
     packages = discover_packages()
     external = external_requirements(packages)
@@ -455,10 +472,11 @@ def typecheck(session: nox.Session) -> None:
     # Sibling imports resolve to the working tree, for packages added after pyproject.toml's
     # mypy_path was last edited too.
     session.env["MYPYPATH"] = os.pathsep.join(str(p.src) for p in packages)
-    for package in packages:
-        session.run(
-            "mypy", "--strict", f"{package.rel}/src/{package.import_name}", *session.posargs
-        )
+    # One run over every package: each module (and each third-party stub, transformers' the
+    # largest) is analysed once.
+    session.run(
+        "mypy", "--strict", *[f"{p.rel}/src/{p.import_name}" for p in packages], *session.posargs
+    )
 
 
 @nox.session(python=DEV_PYTHON)
@@ -491,10 +509,13 @@ def build(session: nox.Session) -> None:
     """
     session.install("build")
     packages = discover_packages()
+    install_build_requirements(session, packages)
     shutil.rmtree(DIST_DIR, ignore_errors=True)
     DIST_DIR.mkdir()
     for package in packages:
-        session.run("python", "-m", "build", "--outdir", str(DIST_DIR), package.rel)
+        session.run(
+            "python", "-m", "build", "--no-isolation", "--outdir", str(DIST_DIR), package.rel
+        )  # fmt: skip
     for package in packages:
         base = f"{package.name.replace('-', '_')}-{package.version}"
         for artifact in (f"{base}.tar.gz", f"{base}-py3-none-any.whl"):
@@ -526,13 +547,22 @@ def build(session: nox.Session) -> None:
     activate = f". {shlex.quote(str(bin_dir / 'activate'))} && "
     by_name = {p.name: p for p in packages}
 
+    dry_runs: dict[str, dict[str, str]] = {}
+
     def installs(command: str) -> dict[str, str]:
-        """What ``command`` would install (a dry run): distribution name -> where from."""
+        """What ``command`` would install (a dry run): distribution name -> where from.
+
+        A command that the READMEs and the docs give more than once is dry-run once."""
+        if command in dry_runs:
+            return dry_runs[command]
         report = Path(session.create_tmp()) / "install-report.json"
         dry_run = f" --dry-run --quiet --report {shlex.quote(str(report))}"
         session.run("sh", "-c", activate + command + dry_run, external=True)
         items = json.loads(report.read_text(encoding="utf-8"))["install"]
-        return {canonicalize_name(i["metadata"]["name"]): i["download_info"]["url"] for i in items}
+        dry_runs[command] = {
+            canonicalize_name(i["metadata"]["name"]): i["download_info"]["url"] for i in items
+        }
+        return dry_runs[command]
 
     # Each package README's commands, dry runs in the fresh venv: exactly the package's
     # closure (every wheel for a command that installs dist/*.whl, as gpipe's README does:
@@ -569,8 +599,15 @@ def build(session: nox.Session) -> None:
     )
     session.run(python, "-c", check, external=True)
 
-    # Every other shell command of the READMEs and the docs, in the fresh venv.
+    # Every other shell command of the READMEs and the docs, in the fresh venv; a command
+    # given in several places is checked once.
+    checked: dict[str, str] = {}
     for where, command in documented_commands():
+        key = re.sub(r"\s+#.*$", "", command)
+        if key in checked:
+            session.log(f"{where}: {command} (as {checked[key]}, checked)")
+            continue
+        checked[key] = where
         session.log(f"{where}: {command}")
         for part in command.split(" && "):
             check_command(session, part, activate, python, installs)
