@@ -7,12 +7,14 @@ the run, no process may still carry it (every rank reaped, also on failure and C
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -405,6 +407,33 @@ def test_launcher_all_ranks_succeed() -> None:
         [sys.executable, "-c", "import os; assert os.environ['RANK'] in '01'"], 2, env=_env(mark)
     )
     assert code == 0
+    _assert_no_leftover(mark)
+
+
+def test_launcher_leaves_no_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent's folder for the ranks' error files goes when the run ends, whether the
+    ranks succeed or one fails (the agent alone would leave one ``torchelastic_*`` folder
+    in the temporary directory per run)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mark = uuid.uuid4().hex
+    env = {**_env(mark), "TMPDIR": str(tmp_path)}
+    ok = "import os; assert os.environ['RANK'] in '01'"
+    assert launch([sys.executable, "-c", ok], 2, env=env) == 0
+    failing = textwrap.dedent(
+        """
+        import os
+        from gpipe._launch import report_error
+        try:
+            raise ValueError(f"rank {os.environ['RANK']} fails")
+        except ValueError as error:
+            report_error(error)
+        raise SystemExit(1)
+        """
+    )
+    err = io.StringIO()
+    assert launch([sys.executable, "-c", failing], 2, env=env, stderr=err) == 1
+    assert "ValueError: rank" in err.getvalue(), err.getvalue()  # read before the removal
+    assert list(tmp_path.iterdir()) == []
     _assert_no_leftover(mark)
 
 

@@ -32,6 +32,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -171,12 +172,29 @@ def launch(
             variables are added.
         stderr: where the failure is told (default: ``sys.stderr``).
     """
+    out = sys.stderr if stderr is None else stderr
+    # The agent keeps the ranks' error files in a folder of its own, which it never
+    # removes: this run's is removed when the run ends (the failure is read by then).
+    with tempfile.TemporaryDirectory(prefix="gpipe-ranks-") as files:
+        return _launch(command, processes, grace, env, out, files)
+
+
+def _launch(
+    command: Sequence[str],
+    processes: int,
+    grace: float,
+    env: Mapping[str, str] | None,
+    out: TextIO,
+    files: str,
+) -> int:
+    """:func:`launch`, the agent keeping the ranks' files in the folder ``files``."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    out = sys.stderr if stderr is None else stderr
     config = LaunchConfig(
+        logs_specs=DefaultLogsSpecs(log_dir=files),
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=processes,
