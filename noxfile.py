@@ -400,12 +400,13 @@ def select_packages(args: list[str]) -> tuple[list[Package], list[str]]:
 
 
 def payload_modes(torch: str) -> dict[str, str]:
-    """The payload channels gpipe-core's cluster tests run on in a cell: both with DEV_TORCH,
-    the tagged one with the other torch versions (the strict channel is torch's send and recv
-    as the tagged one is; running it once per CI run keeps the run short)."""
-    if torch == DEV_TORCH or "GPIPE_TEST_PAYLOADS" in os.environ:
+    """The payload channel gpipe-core's cluster tests run on in a cell, so that a CI run
+    tests each channel once: the tagged one (gloo's default) with DEV_TORCH, the strict one
+    (the protocol NCCL needs) with the other torch versions, the CUDA build among them.
+    ``GPIPE_TEST_PAYLOADS`` set by the caller wins (pytest alone runs both)."""
+    if "GPIPE_TEST_PAYLOADS" in os.environ:
         return {}
-    return {"GPIPE_TEST_PAYLOADS": "tagged"}
+    return {"GPIPE_TEST_PAYLOADS": "tagged" if torch == DEV_TORCH else "strict"}
 
 
 @nox.session

@@ -141,8 +141,8 @@ PAYLOAD_MODES = ("tagged", "strict")
 
 def tested_payload_modes() -> tuple[str, ...]:
     """The channels every test with a cluster runs on: ``GPIPE_TEST_PAYLOADS`` (comma-separated),
-    both by default. nox's second torch cell sets ``tagged`` only, so that the cluster tests do
-    not run four times in a CI run."""
+    both by default. nox's test cells set one each (``tagged`` with the first torch version,
+    ``strict`` with the other), so that a CI run tests each channel once."""
     value = os.environ.get("GPIPE_TEST_PAYLOADS", ",".join(PAYLOAD_MODES))
     modes = tuple(mode.strip() for mode in value.split(",") if mode.strip())
     unknown = [mode for mode in modes if mode not in PAYLOAD_MODES]
