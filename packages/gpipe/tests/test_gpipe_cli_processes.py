@@ -196,10 +196,11 @@ def test_tied_weights_across_processes_train_as_in_one_process() -> None:
     _no_third_party_warnings(err)
 
 
-def test_torchrun_starts_the_ranks() -> None:
+def test_torchrun_starts_the_ranks(tmp_path: Path) -> None:
     # --standalone: a free port (torchrun's default, 29500, may be taken by another run).
+    # --log-dir: torchrun's files go there, not into a folder of the temporary directory.
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    torchrun += ["--nproc-per-node", "2"]
+    torchrun += ["--nproc-per-node", "2", "--log-dir", str(tmp_path)]
     code, out, err = _run([*torchrun, "-m", "gpipe", "demo", "--processes", "2", *TINY])
     assert code == 0, err
     assert out.startswith("gpipe across 2 processes (gloo, "), out
@@ -207,7 +208,7 @@ def test_torchrun_starts_the_ranks() -> None:
     assert _value(out, "loss (1 process)") == _value(out, "loss")
 
 
-def test_torchrun_agents_meet_as_two_hosts_would() -> None:
+def test_torchrun_agents_meet_as_two_hosts_would(tmp_path: Path) -> None:
     """The docs' several-host command with both "hosts" here: two torchrun agents, one rank
     each, meet at a c10d rendezvous on 127.0.0.1."""
     with socket.socket() as sock:
@@ -216,6 +217,7 @@ def test_torchrun_agents_meet_as_two_hosts_would() -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
     torchrun += ["--nproc-per-node", "1", "--rdzv-backend", "c10d"]
     torchrun += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex]
+    torchrun += ["--log-dir", str(tmp_path)]
     command = [*torchrun, "-m", "gpipe", "demo", "--processes", "2", *TINY]
     agents = [Demo(command) for _ in range(2)]
     try:
