@@ -85,14 +85,17 @@ def _assert_no_leftover(mark: str) -> None:
 class Demo:
     """``command`` running with a marker; ends it (and what it started) in :meth:`close`."""
 
-    def __init__(self, command: list[str]) -> None:
+    def __init__(self, command: list[str], tmp: Path | None = None) -> None:
         self.mark = uuid.uuid4().hex
+        env = _env(self.mark)
+        if tmp is not None:  # its temporary directory
+            env["TMPDIR"] = str(tmp)
         self.process = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=_env(self.mark),
+            env=env,
         )
 
     def wait_for_line(self, pattern: str) -> list[str]:
@@ -309,8 +312,9 @@ def test_interrupt_stops_every_rank(signum: int, code: int, said: str) -> None:
         demo.close()
 
 
-def test_ranks_end_when_the_launcher_is_killed() -> None:
-    demo = Demo(_demo("--steps", "100000", "--log-every", "1"))
+def test_ranks_end_when_the_launcher_is_killed(tmp_path: Path) -> None:
+    # A launcher killed cannot remove its folder of the ranks' files: it is left in tmp_path.
+    demo = Demo(_demo("--steps", "100000", "--log-every", "1"), tmp=tmp_path)
     try:
         demo.wait_for_line(r"^step +2/")
         ranks = demo.ranks()
