@@ -44,7 +44,7 @@ DEV_TORCH = TORCH_VERSIONS[0]
 RUFF = "ruff==0.17.5"
 MYPY = "mypy>=2.4,<2.5"
 SPHINX = ["sphinx>=8", "myst-parser>=4"]
-TEST_DEPS = ["pytest>=8", "hypothesis>=6"]
+TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6"]
 # The plot extra of gpipe (Timeline.plot, the demo's --plot, the plot in the docs).
 PLOT = "matplotlib>=3.6"
 
