@@ -27,7 +27,16 @@ import torch.distributed as dist
 from torch import nn
 
 from core_support import meta_models
-from core_support.models import DictToOutput, FromMapping, OutputToDict, Pop, Stash, ToDict
+from core_support.models import (
+    DictToOutput,
+    FromMapping,
+    OutputToDict,
+    Pop,
+    Redraws,
+    Stash,
+    ToDict,
+    redraws_model,
+)
 from gpipe_checkpoint import is_recomputing
 from gpipe_core import Action, BatchMean, GPipe, NoChunk, Schedule
 
@@ -750,6 +759,33 @@ def case_tuple_types(rank: int, *, checkpoint: str, schedule: str) -> dict[str, 
         "seen": seen,
         "output": None if output is None else (type(output).__name__, output.a.clone()),
     }
+
+
+def case_redraws(
+    rank: int,
+    *,
+    hows: list[str | None],
+    balance: list[int],
+    chunks: int,
+    checkpoint: str,
+    schedule: str,
+    placement: str | None,
+    seed: int,
+) -> dict[str, Any]:
+    """A step of :func:`~core_support.models.redraws_model` on two ranks (four partitions
+    with a ``placement``, else two): the loss, this rank's gradients and the masks its
+    :class:`~core_support.models.Redraws` layers drew, by the layer's name."""
+    pipe = GPipe(
+        redraws_model(WIDTH, hows, seed), balance, chunks=chunks, group=dist.group.WORLD,
+        placement=placement, checkpoint=checkpoint, timeout=60,  # type: ignore[arg-type]
+    )  # fmt: skip
+    x, y = data(seed, 8)
+    losses = pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+    masks = {
+        name: module.masks for name, module in pipe.named_modules() if isinstance(module, Redraws)
+    }
+    grads = {k: v.clone() for k, v in local_grads(pipe).items() if v is not None}
+    return {"reduced": losses.reduced().item(), "grads": grads, "masks": masks}
 
 
 def case_sparse(rank: int) -> dict[str, Any]:

@@ -5,7 +5,9 @@
 pair of a skip that may be ``None``, the U-Net's ``Encoder``/``Decoder`` pairs
 (:func:`unet_layers`), and :func:`count_and_retain` for layers that count the hooks on an
 activation and retain its gradient; layers that pass dicts and a ``ModelOutput``-like
-:class:`Output` and take keyword inputs (:func:`mapping_model`).
+:class:`Output` and take keyword inputs (:func:`mapping_model`); :class:`Redraws`, a layer
+with dropout (under torch's checkpoint or not) that records each pass's masks, and
+:func:`redraws_model` of them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from gpipe_skip import Namespace, pop, skippable, stash
 
@@ -227,3 +230,75 @@ def mapping_model(width: int, seed: int, repeat: int = 1) -> nn.Sequential:
         layers += [DictToOutput(width), OutputToDict()]
     layers += [DictToOutput(width), FromMapping(width)]
     return nn.Sequential(*layers).double()
+
+
+#: How a :class:`Redraws` layer runs: plainly, or under torch's checkpoint (reentrant or not).
+REDRAWS = (None, "reentrant", "non-reentrant")
+
+
+class Redraws(nn.Module):
+    """A residual linear layer whose branch is dropped out (``p=0.5``, drawn from the global
+    generator), plainly or under ``torch.utils.checkpoint`` (``how``: one of
+    :data:`REDRAWS`); the residual keeps every sample's input distinct.
+
+    Each pass records the mask it drew for each sample, by the sample's input (its bytes):
+    a recomputation (gpipe's or torch's) records the same sample again, so ``masks``
+    holds, per sample, the first pass's mask followed by those of its recomputations.
+    With ``replay`` set, the layer draws nothing and applies each sample's first mask:
+    the plain model then computes what the pipeline's first passes did.
+    """
+
+    def __init__(self, width: int, how: str | None) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.how = how
+        self.masks: dict[bytes, list[torch.Tensor]] = {}
+        self.replay = False
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.linear(x))
+        keys = [row.detach().cpu().numpy().tobytes() for row in x]
+        if self.replay:
+            mask = torch.stack([self.masks[key][0] for key in keys])
+        else:
+            mask = nn.functional.dropout(torch.ones_like(hidden), 0.5, training=True)
+            for key, row in zip(keys, mask.detach(), strict=True):
+                self.masks.setdefault(key, []).append(row.clone())
+        return x + hidden * mask
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how is None:
+            return self._body(x)
+        return torch_checkpoint(self._body, x, use_reentrant=self.how == "reentrant")  # type: ignore[no-any-return]
+
+
+def redraws_model(width: int, hows: list[str | None], seed: int) -> nn.Sequential:
+    """A linear layer (so that every :class:`Redraws` input needs gradients), then a
+    :class:`Redraws` layer per entry of ``hows``, in float64."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(width, width)]
+    layers += [Redraws(width, how) for how in hows]
+    return nn.Sequential(*layers).double()
+
+
+def redrawn(model: nn.Module) -> list[Redraws]:
+    """The :class:`Redraws` layers of ``model``."""
+    return [module for module in model.modules() if isinstance(module, Redraws)]
+
+
+def assert_replayed(model: nn.Module) -> int:
+    """Check that every recomputation of ``model``'s :class:`Redraws` layers drew its
+    sample's first mask; return how many recomputations there were."""
+    recomputed = 0
+    for layer in redrawn(model):
+        for masks in layer.masks.values():
+            for again in masks[1:]:
+                assert torch.equal(again, masks[0]), f"{layer.how}: a recomputation redrew"
+            recomputed += len(masks) - 1
+    return recomputed
+
+
+def replay_into(plain: nn.Module, model: nn.Module) -> None:
+    """Give ``plain``'s :class:`Redraws` layers ``model``'s first masks, replayed."""
+    for mine, theirs in zip(redrawn(plain), redrawn(model), strict=True):
+        mine.masks, mine.replay = theirs.masks, True

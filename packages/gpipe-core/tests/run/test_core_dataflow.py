@@ -44,21 +44,24 @@ class WaitFor(nn.Module):
         return x
 
 
-# Without checkpointing only: in a checkpointed run, forward passes on one device take
-# turns with its generator lock (whether a partition draws random numbers may depend on
-# its input), so partition 0 cannot run while partition 1 waits inside a forward pass.
+# Without checkpointing only, and partition 0 without a backward pass (no parameters, an
+# input that needs no gradient): forward passes on one device that a backward pass may
+# replay (gpipe's checkpointing, or torch's checkpoint inside a layer) take turns with its
+# generator lock (whether a partition draws random numbers may depend on its input), so
+# partition 0 could not run while partition 1 waits inside a forward pass.
 @pytest.mark.parametrize("checkpoint", ["never"])
 def test_a_partition_runs_ahead_of_a_busy_next_partition(checkpoint: str) -> None:
     # Partition 1 holds micro-batch 0 until partition 0 has run micro-batch 3: in clock
     # order partition 0 would wait for partition 1 at every clock and never get there.
     torch.manual_seed(0)
     event = threading.Event()
-    first, last = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
-    plain = nn.Sequential(copy.deepcopy(first), nn.Identity(), nn.Identity(), copy.deepcopy(last))
+    last = nn.Linear(4, 4).double()
+    plain = nn.Sequential(nn.Identity(), nn.Identity(), nn.Identity(), copy.deepcopy(last))
     waiter = WaitFor(event)
-    model = nn.Sequential(first, Signal(event, on_call=4), waiter, last)
+    model = nn.Sequential(nn.Identity(), Signal(event, on_call=4), waiter, last)
     pipe = GPipe(model, [2, 2], chunks=4, checkpoint=checkpoint)
-    assert_matches_plain(pipe, plain, torch.randn(8, 4, dtype=torch.float64))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    assert_matches_plain(pipe, plain, x, input_requires_grad=False)
     assert waiter.seen == [True]
 
 
@@ -129,8 +132,9 @@ def test_a_layer_waiting_for_another_partition_in_one_turn(call: str) -> None:
     torch.manual_seed(0)
     steps, chunks = 20, 4
     events = [threading.Event() for _ in range(steps)]
-    first, last = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
-    plain = nn.Sequential(copy.deepcopy(first), nn.Identity(), nn.Identity(), copy.deepcopy(last))
+    # Partition 0 without a backward pass, as in the test above.
+    first, last = nn.Identity(), nn.Linear(4, 4).double()
+    plain = nn.Sequential(nn.Identity(), nn.Identity(), nn.Identity(), copy.deepcopy(last))
     waiter = WaitEachStep(events, chunks)
     model = nn.Sequential(first, SignalEachStep(events, chunks), waiter, last)
     pipe = GPipe(model, [2, 2], chunks=chunks, checkpoint="never")

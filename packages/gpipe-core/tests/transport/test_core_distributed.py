@@ -21,7 +21,15 @@ from hypothesis import strategies as st
 from torch import nn
 
 from core_support.distributed_checks import check_steps, plain_name
-from core_support.models import MODES
+from core_support.models import (
+    MODES,
+    PLANS,
+    REDRAWS,
+    Redraws,
+    assert_replayed,
+    redraws_model,
+)
+from core_support.strategies import compositions
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -494,3 +502,40 @@ def test_ranks_exit_cleanly_with_a_pipeline_alive(new_cluster: Callable[[int], A
     cluster.results("leave")
     cluster.close()
     assert [process.returncode for process in cluster.processes] == [0, 0]
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data())
+def test_draws_are_replayed_across_ranks(cluster2: Any, cases: ModuleType, data: Any) -> None:
+    """Dropout in layers under torch's checkpoint (reentrant or not) and without, with
+    gpipe's checkpointing or none, on every schedule: each recomputation on a rank draws
+    its first pass's masks, and the plain model given those masks computes the ranks'
+    loss and gradients."""
+    hows = data.draw(st.lists(st.sampled_from(REDRAWS), min_size=3, max_size=5), "hows")
+    schedule, placement = data.draw(st.sampled_from(PLANS), "plan")
+    partitions = 4 if placement else 2
+    spec = {
+        "hows": hows,
+        "balance": data.draw(st.sampled_from(compositions(len(hows) + 1, partitions))),
+        "chunks": data.draw(st.sampled_from([1, 2, 4]), "chunks"),
+        "checkpoint": data.draw(st.sampled_from(MODES), "checkpoint"),
+        "schedule": schedule,
+        "placement": placement,
+        "seed": data.draw(st.integers(0, 2**16), "seed"),
+    }
+    results = cluster2.results("redraws", **spec)
+    model = redraws_model(cases.WIDTH, hows, spec["seed"])
+    masks = {name: m for result in results for name, m in result["masks"].items()}
+    for name, module in model.named_modules():
+        if isinstance(module, Redraws):
+            module.masks, module.replay = masks[name], True
+    recomputed = assert_replayed(model)
+    assert recomputed > 0 or (spec["checkpoint"] != "always" and not any(hows))
+    x, y = cases.data(spec["seed"], 8)
+    loss = nn.MSELoss()(model(x), y)
+    loss.backward()
+    assert_ranks_match(results, model, loss)

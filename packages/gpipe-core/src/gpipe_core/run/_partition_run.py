@@ -125,12 +125,19 @@ class PartitionRun:
         self.stream = stream
         self.microbatches = run.microbatches
         self.checkpoint_stop = checkpoint_stop
-        #: The lock of the device's generator, held by forward passes in a run with
-        #: checkpointing (see _guarded).
-        self.rng_lock = device_rng_lock(device) if checkpoint_stop > 0 else None
+        # A run that computes gradients may replay random draws: gpipe's checkpointing
+        # recomputes, and so does torch's checkpoint inside a layer (a model's own gradient
+        # checkpointing), in the backward pass.
+        replays = checkpoint_stop > 0 or run.grad
+        #: The lock of the device's generator, held by the forward passes and backward
+        #: tasks of a run that may replay draws (see _guarded).
+        self.rng_lock = device_rng_lock(device) if replays else None
         #: Whether the partition's layers cannot draw random numbers (see _draws): then
         #: its forward passes take no lock and are never replayed.
-        self.draws_nothing = checkpoint_stop > 0 and draws_nothing(partition)
+        self.draws_nothing = replays and draws_nothing(partition)
+        #: The micro-batches whose forward pass held the generator lock: their backward
+        #: tasks hold it too (see _guarded_backward).
+        self.locked: set[int] = set()
         self.autograd_backward = run.autograd_backward
         self.grad = run.grad
         self.loss = run.loss_of(index)
@@ -180,30 +187,47 @@ class PartitionRun:
 
     # -- what a run learns about the partition -------------------------------------------
 
-    def _guarded(self, compute: Callable[[], _T], chk: Checkpointing | None, batch: Batch) -> _T:
-        """Run ``compute``, the forward pass on ``batch``, under the device's generator lock
-        in a run with checkpointing.
+    def _guarded(
+        self, i: int, compute: Callable[[], _T], chk: Checkpointing | None, batch: Batch
+    ) -> _T:
+        """Run ``compute``, the forward pass of micro-batch ``i`` on ``batch``, under the
+        device's generator lock in a run that may replay random draws (one with
+        checkpointing, or one that computes gradients).
 
-        Partitions on one CPU (or one CUDA device) share a generator. When a checkpointed
-        micro-batch draws random numbers while another worker draws from the same
-        generator, the draws interleave and the recomputation could not replay them. So in
-        a run with checkpointing every forward pass holds its device's generator lock
-        (whether a layer draws may depend on its input: it cannot be learned from another
-        micro-batch). A checkpointed micro-batch whose forward pass drew nothing (the
-        generator's state did not move under the lock) is recomputed without restoring
-        the generator (:func:`_no_replay`): a restore would drop the draws of other
-        workers made meanwhile.
+        Partitions on one CPU (or one CUDA device) share a generator. A recomputation
+        replays the draws of its micro-batch's first pass from the generator's state when
+        that pass started: gpipe's checkpointing does, and so does torch's checkpoint inside
+        a layer (``torch.utils.checkpoint``, a Hugging Face model's gradient checkpointing),
+        which sets the generator's state during the backward pass and puts it back after.
+        When another worker draws from the same generator meanwhile, the draws interleave
+        (the first pass's are not those replayed) or are lost. So every forward pass that
+        may draw holds its device's generator lock (whether a layer draws may depend on its
+        input: it cannot be learned from another micro-batch), and so do the backward tasks
+        of its micro-batch (:meth:`_guarded_backward`), where torch's checkpoint recomputes.
+        A micro-batch checkpointed by gpipe whose forward pass drew nothing (the
+        generator's state did not move under the lock) is recomputed without restoring the
+        generator (:func:`_no_replay`): a restore would drop the draws of other workers
+        made meanwhile.
 
         A partition whose layers cannot draw (:mod:`gpipe_core.run._draws`) takes no lock and
-        is never replayed: its forward passes run beside the other workers'.
+        is never replayed: its forward passes and backward tasks run beside the other
+        workers'.
         """
         if self.rng_lock is None:
+            return compute()
+        if self.checkpoint_stop == 0 and not (
+            self.trainable or any(tensor.requires_grad for tensor in batch)
+        ):
+            # Only torch's checkpoint could replay draws here, in a backward pass through
+            # the partition, and none will run.
             return compute()
         if self.draws_nothing and calls_plainly(batch.tensors, batch.others):
             result = compute()
             if chk is not None:
                 chk.replay = _no_replay
             return result
+        if self.grad and not self.autograd_backward:
+            self.locked.add(i)
         with self.rng_lock:
             _held.depth += 1
             try:
@@ -216,6 +240,23 @@ class PartitionRun:
                 ):
                     chk.replay = _no_replay
                 return result
+            finally:
+                _held.depth -= 1
+
+    def _guarded_backward(self, i: int, compute: Callable[[], _T], last: bool) -> _T:
+        """Run ``compute``, a backward task of micro-batch ``i`` (its recomputation
+        included), under the device's generator lock where its forward pass held it (see
+        :meth:`_guarded`): torch's checkpoint inside a layer replays its draws there.
+        ``last``: the micro-batch's last backward task (the lock is not needed after)."""
+        if i not in self.locked:
+            return compute()
+        if last:
+            self.locked.discard(i)
+        assert self.rng_lock is not None
+        with self.rng_lock:
+            _held.depth += 1
+            try:
+                return compute()
             finally:
                 _held.depth -= 1
 
@@ -334,7 +375,7 @@ class PartitionRun:
 
         try:
             output = self._guarded(
-                lambda: self.record(Phase.FORWARD, i, False, compute), chk, batch
+                i, lambda: self.record(Phase.FORWARD, i, False, compute), chk, batch
             )
         except RuntimeError as error:
             if self.autograd_backward or "leaf Variable that requires grad" not in str(error):
@@ -407,6 +448,11 @@ class PartitionRun:
         Returns:
             The gradients of the partition's input, and of the skips it popped (by key).
         """
+        return self._guarded_backward(i, lambda: self._backward(i, grads, skip_grads), True)
+
+    def _backward(
+        self, i: int, grads: Sequence[Tensor | None], skip_grads: dict[SkipKey, Tensor | None]
+    ) -> tuple[list[Tensor | None], dict[SkipKey, Tensor | None]]:
         entry = self.in_flight.pop(i)
         if entry.chk is not None:
             self._recompute(i, entry)
@@ -435,6 +481,11 @@ class PartitionRun:
         whose backward cannot be split (compiled whole, or with a reentrant checkpoint)
         runs it whole here, traced as a backward task, and its weight gradient is empty.
         """
+        return self._guarded_backward(i, lambda: self._backward_input(i, grads, skip_grads), False)
+
+    def _backward_input(
+        self, i: int, grads: Sequence[Tensor | None], skip_grads: dict[SkipKey, Tensor | None]
+    ) -> tuple[list[Tensor | None], dict[SkipKey, Tensor | None]]:
         entry = self.in_flight.pop(i)
         if entry.chk is not None:
             self._recompute(i, entry)
@@ -472,7 +523,7 @@ class PartitionRun:
         """The weight gradient of micro-batch ``i``, after its :meth:`backward_input`:
         accumulated into the parameters' ``.grad``; the graph is freed."""
         weight = self.deferred.pop(i)
-        self.record(Phase.WEIGHT_GRADIENT, i, True, weight)
+        self._guarded_backward(i, lambda: self.record(Phase.WEIGHT_GRADIENT, i, True, weight), True)
 
     def _roots(
         self,

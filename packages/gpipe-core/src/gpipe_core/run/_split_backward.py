@@ -150,14 +150,15 @@ class SplitBackward:
         #: The children off the input path of the nodes that run whole at ``I`` and are
         #: checkpointed, with their count of inputs: ``I`` asks for their gradients.
         self.targets: dict[Node, int] = {}
-        #: Whether the input path has a reentrant checkpoint (``torch.utils.checkpoint``
-        #: with ``use_reentrant=True``), which refuses a backward pass to chosen inputs.
-        self.reentrant = False
+        #: Whether the graph has a reentrant checkpoint (``torch.utils.checkpoint`` with
+        #: ``use_reentrant=True``), on the input path or off it: it refuses a backward
+        #: pass to chosen inputs, which both ``I`` and ``W`` are.
+        self.reentrant = any(
+            type(node).__name__ == "CheckpointFunctionBackward" for node in graph.edges
+        )
         #: The frontier nodes' edges off the input path, by position.
         self.off: dict[Node, dict[int, GradientEdge]] = {}
         for node in graph.path:
-            if type(node).__name__ == "CheckpointFunctionBackward":
-                self.reentrant = True
             off = {
                 k: GradientEdge(child, nr)
                 for k, (child, nr) in enumerate(graph.edges[node])
@@ -194,8 +195,8 @@ class SplitBackward:
         """Whether the backward pass runs whole, at the input gradient: nothing of the
         parameters' side can wait for a weight gradient (every frontier node computes
         its parameters' gradients at ``I``: a compiled partition's, or a partition whose
-        layers with parameters are all under a non-reentrant checkpoint), or the input
-        path has a reentrant checkpoint."""
+        layers with parameters are all under a non-reentrant checkpoint), or the graph
+        has a reentrant checkpoint."""
         return self.reentrant or (
             bool(self.whole_nodes) and not self.frontier and not self.off_path
         )

@@ -1,0 +1,108 @@
+"""Random draws replayed exactly, whoever recomputes: dropout in layers under torch's
+checkpoint (reentrant or not) and in layers without, under gpipe's checkpointing or none, on
+every schedule and placement, through ``step()`` and through ``forward()`` and autograd's
+backward pass.
+
+Each :class:`~core_support.models.Redraws` layer records the dropout mask of each sample at
+every pass: a recomputation (gpipe's or torch's, in the backward pass) must draw its first
+pass's masks. The plain model, given those first masks, must then compute the pipeline's
+loss and gradients: the gradients are those of the loss returned.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from core_support.models import (
+    MODES,
+    PLANS,
+    REDRAWS,
+    assert_replayed,
+    placed,
+    redrawn,
+    redraws_model,
+    replay_into,
+)
+from core_support.strategies import compositions
+from gpipe_core import GPipe
+
+WIDTH = 4
+BATCH = 8
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> dict[str, object]:
+    hows = draw(st.lists(st.sampled_from(REDRAWS), min_size=3, max_size=5))
+    schedule, placement = draw(st.sampled_from(PLANS))
+    return {
+        "hows": hows,
+        "schedule": schedule,
+        "placement": placement,
+        "balance": draw(st.sampled_from(compositions(len(hows) + 1, 4))),
+        # Interleaved 1F1B on two partitions per worker wants an even count, or at most 2.
+        "chunks": draw(st.sampled_from([1, 2, 4])),
+        "checkpoint": draw(st.sampled_from(MODES)),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+def assert_grads_equal(pipe: nn.Module, plain: nn.Module) -> None:
+    for (name, p), q in zip(pipe.named_parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def check(model: nn.Module, plain: nn.Module, hows: list[str | None], checkpoint: str) -> None:
+    """The recomputations drew their first passes' masks, and dropout did draw."""
+    recomputed = assert_replayed(model)
+    if checkpoint == "always" or any(hows):
+        assert recomputed > 0
+    masks = [m for layer in redrawn(model) for ms in layer.masks.values() for m in ms]
+    assert any(not bool(m.all()) for m in masks)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases())
+def test_step_replays_every_draw(case: dict) -> None:
+    hows = case["hows"]
+    model = redraws_model(WIDTH, hows, case["seed"])
+    plain = copy.deepcopy(model)
+    pipe = GPipe(
+        model,
+        case["balance"],
+        chunks=case["chunks"],
+        checkpoint=case["checkpoint"],
+        **placed(case["placement"]),
+    )
+    x = torch.randn(BATCH, WIDTH, dtype=torch.float64)
+    y = torch.randn(BATCH, WIDTH, dtype=torch.float64)
+    losses = pipe.step(x, y, nn.MSELoss(), schedule=case["schedule"])
+    check(model, plain, hows, case["checkpoint"])
+    replay_into(plain, model)
+    loss = nn.MSELoss()(plain(x), y)
+    loss.backward()
+    torch.testing.assert_close(losses.reduced(), loss.detach())
+    assert_grads_equal(pipe, plain)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases())
+def test_forward_and_backward_replay_every_draw(case: dict) -> None:
+    hows = case["hows"]
+    model = redraws_model(WIDTH, hows, case["seed"])
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, case["balance"], chunks=case["chunks"], checkpoint=case["checkpoint"])
+    x = torch.randn(BATCH, WIDTH, dtype=torch.float64)
+    output = pipe(x)
+    output.square().sum().backward()
+    check(model, plain, hows, case["checkpoint"])
+    replay_into(plain, model)
+    expected = plain(x)
+    expected.square().sum().backward()
+    torch.testing.assert_close(output.detach(), expected.detach())
+    assert_grads_equal(pipe, plain)
