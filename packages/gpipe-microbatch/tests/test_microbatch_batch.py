@@ -149,8 +149,29 @@ def test_scatter_zero_dim_tensor_in_tuple() -> None:
 def test_scatter_mismatched_batch_sizes() -> None:
     with pytest.raises(ValueError) as info:
         scatter((torch.zeros(4, 2), torch.zeros(3)), 2)
-    assert "same batch size" in str(info.value)
-    assert "[4, 3]" in str(info.value)
+    assert str(info.value) == (
+        "input[1] has batch size 3, not the 4 of the other tensors of the input: every tensor "
+        "split into micro-batches needs the same batch size; wrap input[1] in NoChunk(...) if "
+        "it must not be split, to pass it whole to every micro-batch "
+        "(batch sizes: input[0]: 4, input[1]: 3)"
+    )
+
+
+def test_scatter_names_the_tensors_of_another_batch_size() -> None:
+    """The batch size most tensors share is the input's; the others are named, by the
+    names given (keywords) or the keys of a mapping."""
+    with pytest.raises(ValueError, match=re.escape(
+        "mask, position_ids have batch sizes 2, 1, not the 4 of the other tensors of the "
+        "input: every tensor split into micro-batches needs the same batch size; wrap each in "
+        "NoChunk(...) if it must not be split, to pass it whole to every micro-batch "
+        "(batch sizes: x: 4, y: 4, mask: 2, position_ids: 1)"
+    )):  # fmt: skip
+        values = (torch.zeros(4), torch.zeros(4), torch.zeros(2), torch.zeros(1, 3))
+        scatter(values, 2, names=["x", "y", "mask", "position_ids"])
+    with pytest.raises(ValueError, match=re.escape(
+        "input['position_ids'] has batch size 1, not the 4 of the other tensors of the input"
+    )):  # fmt: skip
+        scatter({"ids": torch.zeros(4, 3), "position_ids": torch.zeros(1, 3)}, 2)
 
 
 def test_scatter_empty_batch_gives_one_empty_micro_batch() -> None:

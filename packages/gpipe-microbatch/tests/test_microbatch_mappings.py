@@ -162,7 +162,7 @@ def test_check_output_refuses_mappings(value: object, message: str, seen: str) -
     [
         ({"n": 1, "m": NoChunk(torch.zeros(1))}, r"must hold a tensor to split.*input\['n'\]"),
         ({"x": (torch.zeros(2),)}, r"holds a tensor inside another value.*input\['x'\]"),
-        ({"x": torch.zeros(2), "y": torch.zeros(3)}, r"batch sizes: \[2, 3\]"),
+        ({"x": torch.zeros(2), "y": torch.zeros(3)}, r"input\['y'\] has batch size 3, not the 2"),
         ({1: torch.zeros(2)}, "input must have string keys"),
     ],
 )

@@ -69,7 +69,7 @@ def test_scatter_splits_only_tensors_for_the_batch_size() -> None:
     # The NoChunk tensor's length (3) would disagree with the batch size (4).
     batches = scatter((torch.zeros(4), NoChunk(torch.zeros(3))), chunks=2)
     assert [len(b.tensors[0]) for b in batches] == [2, 2]
-    with pytest.raises(ValueError, match=re.escape("(batch sizes: [4, 3])")):
+    with pytest.raises(ValueError, match=re.escape("(batch sizes: input[0]: 4, input[1]: 3)")):
         scatter((torch.zeros(4), torch.zeros(3)), chunks=2)
 
 
@@ -148,6 +148,20 @@ def test_gather_refuses_micro_batches_of_different_kinds() -> None:
         gather([Batch((torch.zeros(1), 1)), Batch((torch.zeros(1), torch.zeros(1)))])
     with pytest.raises(TypeError, match=re.escape("(micro-batch 0: 2, micro-batch 1: 3)")):
         gather([Batch((torch.zeros(1), 1)), Batch((torch.zeros(1), 1, 2))])
+
+
+def test_gather_names_the_value_that_is_a_tensor_in_some_micro_batches_only() -> None:
+    """By its key in a mapping, its index in a tuple."""
+    t = torch.zeros(1)
+    with pytest.raises(TypeError) as info:
+        gather([Batch({"a": t, "b": t}), Batch({"a": t, "b": None})])
+    assert str(info.value) == (
+        "micro-batch outputs hold a tensor in some micro-batches and another value in others: "
+        "a value must be a tensor in every micro-batch or in none "
+        "(output['b'] of micro-batch 0: Tensor, of micro-batch 1: NoneType)"
+    )
+    with pytest.raises(TypeError, match=re.escape("(output[1] of micro-batch 0: int, of")):
+        gather([Batch((t, 1)), Batch((t, t))])
 
 
 @SETTINGS

@@ -100,8 +100,9 @@ class GPipe(FixedDevices, Collectives):
         timeout: with ``group`` or ``data_group``, the seconds (or a
             :class:`~datetime.timedelta`) any wait for another rank may last, from the
             constructor on, before the run fails with an error saying who waits for what
-            (default: 1800; ``None``: no bound). A failed step raises within the timeout
-            of the wait that failed, plus the time to tell the other ranks.
+            (default: 1800; ``None``: no bound; one past a century is clamped to a
+            century, which every wait holds, gloo's too). A failed step raises within the
+            timeout of the wait that failed, plus the time to tell the other ranks.
         intra_op_threads: the intra-op threads (``torch.set_num_threads``) of each worker
             on the CPU. ``None`` (default): the caller's ``torch.get_num_threads()``
             divided among the workers on the CPU that compute at once, set by each worker

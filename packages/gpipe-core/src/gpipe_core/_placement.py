@@ -48,9 +48,13 @@ __all__ = [
 
 #: The default ``timeout``: the seconds any wait for another rank may last.
 DEFAULT_TIMEOUT = 1800.0
-#: The longest bounded timeout (a longer one is clamped to it): the longest wait Python's
-#: threading accepts, about 292 years.
-MAX_TIMEOUT = float(threading.TIMEOUT_MAX)
+#: The longest bounded timeout (a longer one is clamped to it): a century, a wait that
+#: every wait given the timeout holds. gloo's waits end at a deadline counted in
+#: nanoseconds since 1970 in a signed 64-bit integer, which overflows past the year 2262
+#: (about 292 years from 1970, not from now: a wait of 250 years fails at once, or never
+#: ends); Python's threads accept about 292 years from now (less on some platforms: the
+#: clamp is never past :data:`threading.TIMEOUT_MAX`).
+MAX_TIMEOUT = min(100 * 365.25 * 24 * 3600.0, float(threading.TIMEOUT_MAX))
 
 
 def check_timeout(timeout: object, group: object) -> float | None:

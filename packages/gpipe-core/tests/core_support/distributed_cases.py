@@ -612,13 +612,15 @@ def steps(
     placement: str | list[int] | None = None,
     record_wire: bool = False,
     keywords: bool = False,
+    pipeline_timeout: float | datetime.timedelta | None = 60,
 ) -> dict[str, Any]:
     """Steps of a pipeline across the group (WORLD, or a group of every rank with
     ``backend``); each rank's losses, gradients and buffers. With ``record_wire``, the
     ``(kind, source, target)`` of every message handed to the transport, as ``"wire"``.
     With ``keywords``, the input is given by keyword to a first layer ``"todict"``
     (``x=``, a ``NoChunk`` mask of ones and a scale of 1: the plain model's numbers), by
-    the first partition's rank only (every rank with ``give_all``)."""
+    the first partition's rank only (every rank with ``give_all``). ``pipeline_timeout`` is
+    the pipeline's ``timeout``."""
     if record_wire:
         from gpipe_core.transport._distributed import DistributedTransport
 
@@ -635,7 +637,7 @@ def steps(
                            chunks=chunks, checkpoint=checkpoint, schedule=schedule,
                            deferred_batch_norm=deferred_batch_norm, give_all=give_all,
                            backend=backend, placement=placement,
-                           keywords=keywords)  # fmt: skip
+                           keywords=keywords, pipeline_timeout=pipeline_timeout)  # fmt: skip
         finally:
             DistributedTransport.send = real  # type: ignore[method-assign]
         return {**result, "wire": wire}
@@ -650,7 +652,7 @@ def steps(
         checkpoint=checkpoint,  # type: ignore[arg-type]
         deferred_batch_norm=deferred_batch_norm,
         group=group,
-        timeout=60,
+        timeout=pipeline_timeout,
         placement=placement,
     )
     first, last = pipe.partition_ranks[0] == rank, pipe.partition_ranks[-1] == rank

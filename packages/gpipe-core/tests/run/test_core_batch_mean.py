@@ -78,9 +78,8 @@ def test_ignored_targets_give_the_plain_loss(
         lambda: nn.CrossEntropyLoss(
             weight=torch.rand(CLASSES, dtype=torch.float64) + 0.5, label_smoothing=0.2
         ),
-        lambda: nn.CrossEntropyLoss(reduction="sum"),
     ],
-    ids=["weight", "smoothing", "weight-smoothing", "sum"],
+    ids=["weight", "smoothing", "weight-smoothing"],
 )
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_from_module_matches_the_plain_loss(make: Any, schedule: str) -> None:
@@ -103,6 +102,33 @@ def _mean_of(loss: nn.CrossEntropyLoss) -> dict[str, Any]:
         "ignore_index": loss.ignore_index,
         "label_smoothing": loss.label_smoothing,
     }
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.CrossEntropyLoss(reduction="sum"),
+        lambda: nn.NLLLoss(weight=torch.rand(CLASSES, dtype=torch.float64) + 0.5, reduction="sum"),
+    ],
+    ids=["cross-entropy", "nll-weight"],
+)
+def test_a_sum_is_refused_and_the_loss_itself_sums(make: Any) -> None:
+    """A sum is no mean: ``from_module`` refuses it (it would divide by the count), and the
+    loss itself gives the module's sum and gradients, as the error says."""
+    torch_loss = make()
+    with pytest.raises(
+        ValueError,
+        match=r"^BatchMean.from_module takes a loss with reduction='mean'; a sum needs no "
+        r"BatchMean: pass the loss itself as loss_fn.*\(loss.reduction: 'sum'\)$",
+    ):
+        BatchMean.from_module(torch_loss)
+    model = nn.Sequential(classifier(), nn.LogSoftmax(dim=1))
+    plain = copy.deepcopy(model)
+    x = torch.randn(9, WIDTH, dtype=torch.float64)
+    y = targets(9, ignored=[0, 5])
+    expected = plain_step(plain, x, y, torch_loss)
+    pipe = GPipe(model, [1, 1], chunks=3)
+    assert_same_step(pipe, plain, pipe.step(x, y, torch_loss), expected)
 
 
 def test_nll_and_class_probabilities() -> None:
@@ -190,7 +216,9 @@ def test_batch_mean_arguments() -> None:
         BatchMean(1, lambda t: t.numel())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"BatchMean\(total, count\).*loss: MSELoss"):
         BatchMean.from_module(nn.MSELoss())  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"loss.reduction: 'none'"):
+    with pytest.raises(
+        ValueError, match=r"reduction='none' gives one loss per target.*\(loss.reduction: 'none'\)"
+    ):
         BatchMean.from_module(nn.CrossEntropyLoss(reduction="none"))
     pipe = GPipe(classifier(), [2, 3], chunks=2)
     x, y = torch.randn(4, WIDTH, dtype=torch.float64), targets(4, [])

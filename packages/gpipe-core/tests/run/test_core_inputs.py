@@ -12,6 +12,7 @@ so that a convention lost at a partition boundary fails the comparison.
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -381,6 +382,21 @@ def test_one_micro_batch_still_gives_lists() -> None:
     out, samples, tags, options = pipe(x, NoChunk(torch.ones(WIDTH).double()), 1.0, "a", None)
     assert out.shape == (3, 2)
     assert samples == [3] and tags == ["a"] and options == [None]
+
+
+class _MaybeB(nn.Module):
+    """``{'a': x, 'b': 2x}``, with None for ``'b'`` in a micro-batch whose sum is negative."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        return {"a": x, "b": x * 2 if x.sum() > 0 else None}
+
+
+def test_an_output_key_that_is_a_tensor_in_some_micro_batches_only_is_named() -> None:
+    pipe = GPipe(nn.Sequential(nn.Identity(), _MaybeB()), [1, 1], chunks=2)
+    x = torch.cat([torch.ones(2, 3), -torch.ones(2, 3)])
+    message = "(output['b'] of micro-batch 0: Tensor, of micro-batch 1: NoneType)"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        pipe(x)
 
 
 def test_errors_leave_the_model_usable() -> None:

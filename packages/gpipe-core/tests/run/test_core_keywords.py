@@ -148,7 +148,17 @@ def test_pipe_sequential_takes_keywords() -> None:
         (
             {"x": torch.zeros(4, 2), "mask": torch.zeros(3, 2)},
             ValueError,
-            "same batch size (batch sizes: [4, 3])",
+            "mask has batch size 3, not the 4 of the other tensors of the inputs: every tensor "
+            "split into micro-batches needs the same batch size; wrap mask in NoChunk(...) if "
+            "it must not be split, to pass it whole to every micro-batch "
+            "(batch sizes: x: 4, mask: 3)",
+        ),
+        (  # transformers' usual position ids: one row for every sample
+            {"x": torch.zeros(4, 2), "position_ids": torch.arange(2)[None]},
+            ValueError,
+            "position_ids has batch size 1, not the 4 of the other tensors of the inputs: "
+            "every tensor split into micro-batches needs the same batch size; wrap "
+            "position_ids in NoChunk(...) if it must not be split",
         ),
         ({"x": torch.zeros(4, 2), "mask": torch.tensor(1.0)}, ValueError, "mask must have a batch"),
         ({"x": [torch.zeros(4, 2)]}, TypeError, "(x: list holding a tensor)"),
@@ -165,6 +175,21 @@ def test_keyword_inputs_are_named_in_errors(
     ):
         with pytest.raises(error, match=re.escape(message)):
             run()
+
+
+def test_a_positional_input_of_another_batch_size_is_named() -> None:
+    pipe = GPipe(PipeSequential(nn.Identity(), nn.Identity()), [1, 1], chunks=2)
+    x, position_ids = torch.zeros(4, 2), torch.arange(2)[None]
+    message = (
+        "inputs[1] has batch size 1, not the 4 of the other tensors of the inputs: every "
+        "tensor split into micro-batches needs the same batch size; wrap inputs[1] in "
+        "NoChunk(...) if it must not be split, to pass it whole to every micro-batch "
+        "(batch sizes: inputs[0]: 4, inputs[1]: 1)"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        pipe(x, position_ids)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        pipe.step(x, position_ids, target=torch.zeros(4, 2), loss_fn=nn.MSELoss())
 
 
 def test_an_empty_pipeline_refuses_keywords() -> None:

@@ -8,6 +8,7 @@ plain ``nn.Sequential`` computed here.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 from collections.abc import Callable
 from types import ModuleType
@@ -204,6 +205,19 @@ def test_forward_in_training_points_to_step(cluster2: Any) -> None:
     messages = cluster2.results("forward_in_training")
     for message in messages:
         assert "step(input, target, loss_fn)" in message and "inference only" in message
+
+
+@pytest.mark.parametrize(
+    "timeout", [1e10, datetime.timedelta(days=200000)], ids=["seconds", "timedelta"]
+)
+def test_a_timeout_past_the_limit_steps_across_ranks(
+    cluster2: Any, cases: ModuleType, timeout: object
+) -> None:
+    """A timeout past what every wait holds (gloo's included, whose deadlines count
+    nanoseconds since 1970) is clamped: the steps run as with any other."""
+    spec = {"layers": ("linear", "tanh", "linear"), "seed": 4, "batches": [6], "chunks": 2}
+    results = cluster2.results("step", balance=[2, 1], pipeline_timeout=timeout, **spec)
+    check_steps(cases, results, **spec)
 
 
 # -- failures --------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import warnings
 from collections.abc import Iterator
 
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpipe_core import GPipe
+from gpipe_core._placement import MAX_TIMEOUT
 
 
 def _model() -> nn.Sequential:
@@ -125,7 +125,7 @@ def test_a_nccl_data_group_for_partitions_on_the_cpu(
 
 @pytest.mark.parametrize(
     ("timeout", "seconds"),
-    [(None, None), (1e10, threading.TIMEOUT_MAX), (datetime.timedelta(days=1), 86400.0)],
+    [(None, None), (1e10, MAX_TIMEOUT), (datetime.timedelta(days=1), 86400.0)],
 )
 def test_timeouts_without_a_bound_or_past_the_limit_step(
     world: dist.ProcessGroup, timeout: object, seconds: float | None

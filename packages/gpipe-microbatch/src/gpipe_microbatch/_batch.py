@@ -503,17 +503,35 @@ class Batch:
         return f"Batch[atomic={self.atomic}]({shown})"
 
 
-def _batch_size(split: Sequence[tuple[str, Tensor]]) -> int:
+def _batch_size(split: Sequence[tuple[str, Tensor]], what: str) -> int:
+    """The batch size of the tensors to split, each ``(name, tensor)``, of ``what``.
+
+    Raises:
+        ValueError: a tensor has no batch dimension, or the batch sizes differ: the tensors
+            not of the batch size most of them share (the first's, on a tie) are named.
+    """
     sizes = []
     for name, tensor in split:
         if tensor.dim() == 0:
             raise ValueError(f"{name} must have a batch dimension ({name}: 0-dimensional tensor)")
         sizes.append(tensor.size(0))
-    if any(size != sizes[0] for size in sizes):
-        raise ValueError(
-            f"every tensor of the input must have the same batch size (batch sizes: {sizes})"
-        )
-    return sizes[0]
+    if all(size == sizes[0] for size in sizes):
+        return sizes[0]
+    common = max(sizes, key=sizes.count)  # the first of the most common, on a tie
+    odd = [(name, size) for (name, _), size in zip(split, sizes, strict=True) if size != common]
+    seen = ", ".join(f"{name}: {size}" for (name, _), size in zip(split, sizes, strict=True))
+    if len(odd) == 1:
+        it = odd[0][0]
+        which = f"{it} has batch size {odd[0][1]}"
+    else:
+        it = "each"
+        names = ", ".join(name for name, _ in odd)
+        which = f"{names} have batch sizes {', '.join(str(size) for _, size in odd)}"
+    raise ValueError(
+        f"{which}, not the {common} of the other tensors of the {what}: every tensor split "
+        f"into micro-batches needs the same batch size; wrap {it} in NoChunk(...) if it must "
+        f"not be split, to pass it whole to every micro-batch (batch sizes: {seen})"
+    )
 
 
 def _values_to_split(
@@ -605,7 +623,7 @@ def scatter(
         kind = type(input)
     elif isinstance(input, Mapping):
         kind = mapping_kind(input, what)
-    size = _batch_size([(names[k], cast(Tensor, values[k])) for k in split])
+    size = _batch_size([(names[k], cast(Tensor, values[k])) for k in split], what)
     if size == 0 or chunks == 1 or size == 1:
         # One micro-batch: the input itself, not a view of it, so that a first layer may
         # modify it in place exactly as without micro-batches.
@@ -671,10 +689,12 @@ def gather(outputs: Sequence[Batch]) -> object:
                 for k, (a, b) in enumerate(zip(first.present, batch.present, strict=True))
                 if a != b
             )
+            name = labels(first.value, "output")[k]
             raise TypeError(
                 "micro-batch outputs hold a tensor in some micro-batches and another value "
-                f"in others (output[{k}] of micro-batch 0 is a tensor: {first.present[k]}, "
-                f"of micro-batch {i}: {batch.present[k]})"
+                "in others: a value must be a tensor in every micro-batch or in none "
+                f"({name} of micro-batch 0: {_type_name(first.values[k])}, "
+                f"of micro-batch {i}: {_type_name(batch.values[k])})"
             )
     if len(outputs) == 1 and all(first.present):
         return first.value

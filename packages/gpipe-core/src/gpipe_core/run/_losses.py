@@ -97,9 +97,13 @@ class BatchMean:
         computes on one batch. Class-probability targets of a cross entropy count one per
         sample and position.
 
+        A sum (``reduction='sum'``) needs no :class:`BatchMean`: the loss itself, as
+        ``loss_fn``, gives the mini-batch's sum (the step adds up the micro-batches').
+
         Raises:
             TypeError: ``loss`` is neither of those.
-            ValueError: ``loss.reduction`` is ``'none'``.
+            ValueError: ``loss.reduction`` is not ``'mean'`` (a sum, divided by the count,
+                would be a mean).
         """
         if not isinstance(loss, (nn.CrossEntropyLoss, nn.NLLLoss)):
             raise TypeError(
@@ -107,10 +111,18 @@ class BatchMean:
                 "another loss pass its two parts, BatchMean(total, count) "
                 f"(loss: {type(loss).__name__})"
             )
-        if loss.reduction not in ("mean", "sum"):
+        if loss.reduction == "sum":
+            # Divided by the count it would be a mean: refused rather than changed.
             raise ValueError(
-                "BatchMean.from_module needs a loss that reduces to a scalar "
-                f"(loss.reduction: {loss.reduction!r})"
+                "BatchMean.from_module takes a loss with reduction='mean'; a sum needs no "
+                "BatchMean: pass the loss itself as loss_fn, and the step adds up the "
+                f"micro-batches' sums (loss.reduction: {loss.reduction!r})"
+            )
+        if loss.reduction != "mean":
+            raise ValueError(
+                "BatchMean.from_module takes a loss with reduction='mean'; "
+                f"reduction={loss.reduction!r} gives one loss per target, not the scalar a "
+                f"step needs: use reduction='mean' (loss.reduction: {loss.reduction!r})"
             )
         weight, ignore = loss.weight, loss.ignore_index
         if isinstance(loss, nn.CrossEntropyLoss):
