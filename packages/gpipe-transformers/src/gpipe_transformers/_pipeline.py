@@ -11,7 +11,7 @@ import datetime
 import inspect
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -169,6 +169,13 @@ class CausalLMPipe(GPipe):
     def _renaming(self) -> ModelNames:
         names: ModelNames = self.__dict__["_names"]
         return names
+
+    def _agreed_fields(self) -> tuple[tuple[str, object], ...]:
+        # Said by the configuration's name, before the ties it makes (which the ranks
+        # agree on too, by the model's names).
+        config = self.__dict__["_layout"].model.config
+        tie = getattr(config, "tie_word_embeddings", None)
+        return (("the model's config.tie_word_embeddings", tie),)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -419,5 +426,42 @@ def pipeline(
     if timeout is not ...:
         options["timeout"] = timeout
     if init is not None:
-        options["init"] = init
+        options["init"] = _init_keys(init, layout)
     return CausalLMPipe(layout, _sequence(layout), counts, **options)
+
+
+def _init_keys(init: Init, layout: Layout) -> Init:
+    """``init`` whose state dicts have the model's own keys
+    (``model.layers.0.self_attn.q_proj.weight``) with the sequence's keys instead (those
+    of :func:`sequence`'s state dict are kept), or the refusal of a key of neither."""
+    names = ModelNames(layout)
+    pieces = {EMBED, HEAD, *(layer_name(k) for k in range(len(layout.layers)))}
+    several = isinstance(init, (list, tuple))
+    steps = list(init) if isinstance(init, (list, tuple)) else [init]
+    found: list[Any] = []
+    for index, step in enumerate(steps):
+        if not isinstance(step, Mapping):
+            found.append(step)  # a callable (or what gpipe-core refuses)
+            continue
+        keys: dict[object, object] = {}
+        unknown: list[str] = []
+        for name, value in step.items():
+            key = names.key(name) if isinstance(name, str) else None
+            if key is None or key.partition(".")[0] not in pieces:
+                own = isinstance(name, str) and name.partition(".")[0] in pieces
+                key = name if own or not isinstance(name, str) else None
+            if key is None:
+                unknown.append(name)
+            else:
+                keys[key] = value
+        if unknown:
+            where = f"init[{index}]" if several else "init"
+            example = next(iter(layout.model.state_dict()), "")
+            raise ValueError(
+                f"{where} holds keys of no tensor of the model {type(layout.model).__name__}: "
+                f"a state dict for init has the model's own keys, as model.state_dict() "
+                f"gives them, such as {example!r} ({where} keys: {unknown[:8]}"
+                f"{' ...' if len(unknown) > 8 else ''})"
+            )
+        found.append(keys)
+    return found if several else found[0]

@@ -237,3 +237,15 @@ def keywords(rank: int, world: int) -> dict[str, Any]:
         "grad": largest_grad_difference(built, plain),
         "logits": None if out is None else (out - expected).abs().max().item(),
     }
+
+
+def tie_differs(rank: int, world: int) -> str:
+    """Rank 0 builds a model whose embeddings are tied, rank 1 one whose are not: the
+    message of the error building the pipeline raises on this rank."""
+    torch.set_default_dtype(torch.float64)
+    built = model("llama", tie_word_embeddings=rank == 0)
+    try:
+        pipeline(built, chunks=2, group=dist.group.WORLD)
+    except Exception as error:  # the refusal, reported to the test
+        return f"{type(error).__name__}: {error}"
+    return ""
