@@ -384,7 +384,8 @@ def pipeline(
             :func:`~gpipe_balance.balance_by_time` gives) is taken as it is.
         chunks, checkpoint, devices, group, data_group, placement, timeout, init: as
             :class:`~gpipe_core.GPipe`'s (``init`` initialises the layers of a model built
-            on the meta device; :func:`from_pretrained` gives it).
+            on the meta device; :func:`from_pretrained` gives it; its state dicts have the
+            model's own keys, as ``model.state_dict()`` gives them).
 
     Returns:
         The pipeline: ``pipe(input_ids=..., attention_mask=...)`` gives the logits,
@@ -396,7 +397,8 @@ def pipeline(
         LayoutError: the model's layout cannot be found (the message names what is
             missing), or it is not supported (encoder-decoder models, a mixture-of-experts
             auxiliary loss).
-        ValueError: ``balance`` does not sum to the decoder layers.
+        ValueError: ``balance`` does not sum to the decoder layers; a state dict of
+            ``init`` holds a key of no tensor of the model.
 
     Example:
         >>> import torch
