@@ -36,7 +36,10 @@ from ._pieces import (
 __all__ = ["CausalLMPipe", "pipeline", "sequence"]
 
 # What a pipeline does not return or cannot do, refused before anything runs.
-_PACKED = "packed sequences (flash attention's variable-length keywords) are not supported"
+_PACKED = (
+    "packed sequences (flash attention's variable-length keywords) cannot be split into "
+    "micro-batches"
+)
 _REFUSED = {
     "output_attentions": "a pipeline returns the logits only",
     "output_hidden_states": "a pipeline returns the logits only",
