@@ -4,6 +4,7 @@ in one process and across ranks; the model object is the one trained; ties are k
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -110,3 +111,67 @@ def test_each_rank_holds_and_names_only_its_layers(family: str) -> None:
     tied = built.config.tie_word_embeddings
     assert ("lm_head.weight" in first["held"]) == tied
     assert last["drift"] == ({"model.embed_tokens.weight": 0.0} if tied else {})
+
+
+def _on_meta(family: str) -> torch.nn.Module:
+    """A tiny ``family`` model built on the meta device (no memory)."""
+    import transformers
+
+    from hf_support.models import config
+
+    made = config(family)
+    with torch.device("meta"):
+        built = transformers.AutoModelForCausalLM.from_config(made, dtype=torch.float64)
+    built.train()
+    return built
+
+
+def _buffers(built: torch.nn.Module) -> Callable[[torch.nn.Module], None]:
+    """An ``init`` step that computes the non-persistent buffers (rotary ``inv_freq``) of a
+    layer made from meta, by the model's own weight initialisation (which also draws the
+    weights of those modules: before the state dict)."""
+
+    def init(layer: torch.nn.Module) -> None:
+        for module in layer.modules():
+            if module._non_persistent_buffers_set:
+                built._init_weights(module)  # type: ignore[operator]
+
+    return init
+
+
+@pytest.mark.parametrize("keys", ["model", "sequence"])
+def test_init_takes_the_models_own_state_dict(keys: str) -> None:
+    from gpipe_transformers import sequence
+
+    built = model("gemma")
+    state = built.state_dict() if keys == "model" else sequence(built).state_dict()
+    meta = _on_meta("gemma")
+    pipe = pipeline(meta, balance=[2, 2], chunks=2, init=[_buffers(meta), state])
+    mine = pipe.state_dict()
+    for key, value in built.state_dict().items():
+        assert torch.equal(mine[key], value), key
+    for name, buffer in built.named_buffers():
+        assert torch.equal(pipe.get_buffer(name), buffer), name
+
+
+def test_init_keys_of_no_tensor_of_the_model_are_refused_by_its_names() -> None:
+    meta = _on_meta("llama")
+    state = {"model.layers.9.mlp.up_proj.weight": torch.zeros(1), "lm_head.bias": torch.zeros(1)}
+    needle = r"keys of no tensor of the model .*'model\.layers\.9\.mlp\.up_proj\.weight'"
+    with pytest.raises(ValueError, match=needle) as info:
+        pipeline(meta, balance=[2, 2], init=[state])
+    assert "'embed'" not in str(info.value) and "layer0" not in str(info.value)
+
+
+def test_an_uninitialised_buffer_is_named_by_the_models_name() -> None:
+    meta = _on_meta("llama")
+    with pytest.raises(ValueError, match=r"model\.rotary_emb\.inv_freq, a non-persistent") as info:
+        pipeline(meta, balance=[2, 2], init=model("llama").state_dict())
+    assert "embed.rotary_emb" not in str(info.value)
+
+
+def test_tie_word_embeddings_that_differs_across_ranks_is_named_as_the_config_names_it() -> None:
+    messages = run("tie_differs")
+    for message in messages:
+        assert "config.tie_word_embeddings differs across ranks" in message, message
+        assert "embed.embed_tokens" not in message and "head.lm_head" not in message, message

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from hf_support.ranks import run
 TOLERANCE = 1e-10
 
 
-def _loaded(folder: Path, **options: str) -> torch.nn.Module:
+def _loaded(folder: Path, **options: Any) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(str(folder), **options)
@@ -220,3 +221,36 @@ def test_a_tied_head_absent_from_the_checkpoint_is_read_from_the_embedding(
     pipe = from_pretrained(tmp_path, balance=[2, 2])
     head = pipe.get_parameter("lm_head.weight")
     assert torch.equal(head, built.lm_head.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_a_model_converted_after_it_was_built_is_read_back_in_its_dtype(
+    dtype: torch.dtype, tmp_path: Path
+) -> None:
+    built = model("llama", dtype=torch.float32).to(dtype)  # its configuration says float32
+    pipeline(built, balance=[2, 2]).save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["dtype"] == str(dtype).removeprefix("torch.")  # as transformers writes it
+    loaded = _loaded(tmp_path)
+    assert loaded.dtype == dtype
+    pipe = from_pretrained(tmp_path, balance=[2, 2])
+    assert {p.dtype for p in pipe.parameters()} == {dtype}
+    state = pipe.state_dict()
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(state[key], value), key
+
+
+def test_from_pretrained_takes_dtype_as_transformers_does(tmp_path: Path) -> None:
+    model("llama", dtype=torch.float32).to(torch.bfloat16).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["dtype"]  # "auto" then reads the checkpoint's
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for dtype in (None, "auto", torch.float64, "float16"):
+        options: dict[str, Any] = {} if dtype is None else {"dtype": dtype}
+        expected = _loaded(tmp_path, **options).dtype
+        pipe = from_pretrained(tmp_path, balance=[2, 2], **options)
+        assert {p.dtype for p in pipe.parameters()} == {expected}, dtype
+    assert expected == torch.float16
+    needle = r"dtype must be 'auto', a torch\.dtype .*\(dtype: 'fp8'\)"
+    with pytest.raises(ValueError, match=needle):
+        from_pretrained(tmp_path, dtype="fp8")

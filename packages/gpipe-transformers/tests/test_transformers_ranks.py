@@ -54,3 +54,12 @@ def test_data_parallel_replicas_average_over_the_whole_batchs_labels() -> None:
     results = run("data_parallel", family="llama")
     for found in results:
         assert found["grad"] < TOLERANCE, found
+
+
+def test_two_ranks_take_the_models_loss_and_head_keywords() -> None:
+    # logits_to_keep travels from the first rank's embeddings to the last rank's head;
+    # the loss's keywords are the last rank's.
+    results = run("keywords")
+    for found in results:
+        assert found["loss"] < TOLERANCE and found["grad"] < TOLERANCE, found
+    assert results[-1]["logits"] < TOLERANCE

@@ -29,6 +29,7 @@ from ._partition import check_module_balance, check_split, layer_groups, placed_
 from ._placement import Placement
 from ._sequential import PipeSequential
 from ._shared import SharedReplicas, Ties, find_shared
+from ._state_dict import Renaming
 from .run._description import RunDescription
 from .run._inputs import RunInputs
 from .run._partition_run import nested
@@ -36,6 +37,7 @@ from .schedule._schedules import step_actions
 from .trace._tracing import Tracer
 from .transport._agreement import Construction, layer_fields
 from .transport._data_parallel import Replicas
+from .transport._transport import Fields
 
 __all__ = ["Configuration", "build"]
 
@@ -115,11 +117,24 @@ class Configuration:
         )  # fmt: skip
 
 
-def build(arguments: Arguments, construction: Construction | None) -> Configuration:
+def _shown(key: str, renaming: Renaming | None) -> str:
+    """The plain key ``key`` as errors show it: by the renaming's name, if any."""
+    return key if renaming is None else renaming.rename(key) or key
+
+
+def build(
+    arguments: Arguments,
+    construction: Construction | None,
+    renaming: Renaming | None = None,
+    fields: Fields = (),
+) -> Configuration:
     """The constructor's work: its ``arguments`` checked
     (:func:`~gpipe_core._arguments.check_construction`), then built, up to the ranks'
     agreement that each has built its partitions (``construction``, across processes), which
-    is the module's to ask for."""
+    is the module's to ask for.
+
+    A subclass's ``renaming`` (a model's own names for the plain keys) names the tensors
+    in errors, and its ``fields`` are agreed on by the ranks before the layers'."""
     checked = check_construction(arguments)
     module, group, data_group = checked.module, checked.group, checked.data_group
     deferred_batch_norm, placement_spec = checked.deferred_batch_norm, checked.placement
@@ -143,6 +158,7 @@ def build(arguments: Arguments, construction: Construction | None) -> Configurat
     if construction is not None:
         fields = (
             ("the module's type", type(module).__qualname__),
+            *fields,
             *layer_fields(placed_layers(module)),
             ("balance", balance),
             ("chunks", checked.chunks),
@@ -150,7 +166,10 @@ def build(arguments: Arguments, construction: Construction | None) -> Configurat
             ("deferred_batch_norm", deferred_batch_norm),
             ("placement", placement.placement if placement_spec is not None else None),
             ("the rank of each partition", placement.ranks),
-            ("the uses of each shared parameter or buffer", [s.uses for s in shared]),
+            (
+                "the uses of each shared parameter or buffer",
+                [[(j, _shown(key, renaming)) for j, key in s.uses] for s in shared],
+            ),
             (
                 "the device types of each rank's partitions",
                 sorted({device.type for device in placement.local_devices()}),
@@ -176,7 +195,7 @@ def build(arguments: Arguments, construction: Construction | None) -> Configurat
     }
     unpacks = isinstance(module, PipeSequential)
     partitions = split_module(
-        module, balance, devices, local, cast(tuple[InitStep, ...], checked.init)
+        module, balance, devices, local, cast(tuple[InitStep, ...], checked.init), renaming
     )
     if unpacks:
         partitions = [PipeSequential(OrderedDict(p._modules)) for p in partitions]

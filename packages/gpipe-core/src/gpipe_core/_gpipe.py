@@ -208,7 +208,9 @@ class GPipe(FixedDevices, Collectives):
         )  # fmt: skip
         construction = construction_for(group)
         try:
-            self._config = config = build(arguments, construction)
+            self._config = config = build(
+                arguments, construction, self._renaming(), self._agreed_fields()
+            )
             #: Keeping it is also how gpipe_skip knows that this module pairs its own skips:
             #: the ``verify_skippables`` of a model this pipeline is nested in leaves them alone.
             self.skip_layout = config.skip_layout

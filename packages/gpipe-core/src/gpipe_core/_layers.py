@@ -208,6 +208,13 @@ class LayersModule(nn.Module):
         :class:`~gpipe_core._state_dict.Renaming`); a subclass's to give."""
         return None
 
+    def _agreed_fields(self) -> tuple[tuple[str, object], ...]:
+        """What the ranks of a pipeline across processes must also agree on, as
+        ``(what, value)`` pairs compared before the layers (a differing one is reported
+        as ``what differs across ranks (rank 0: ..., rank 1: ...)``); a subclass's to
+        give."""
+        return ()
+
     def _plain_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The parameters under the plain module's keys, each once, whatever names the
         pipeline shows (its own bookkeeping: the shared replicas, clipping across ranks)."""

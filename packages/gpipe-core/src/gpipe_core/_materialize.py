@@ -49,6 +49,8 @@ from typing import TypeAlias, cast
 import torch
 from torch import Tensor, nn
 
+from ._state_dict import Renaming
+
 __all__ = ["Init", "InitStep", "Materializer", "check_init"]
 
 #: One way to initialise a layer made from the meta device: a callable called on the layer,
@@ -154,8 +156,9 @@ class _Made:
         layer: nn.Module,
         device: torch.device,
         made: dict[int, tuple[Tensor, Tensor]],
+        renaming: Renaming | None = None,
     ) -> None:
-        self.name, self.layer = name, layer
+        self.name, self.layer, self.renaming = name, layer, renaming
         self.before = _slots(layer)
         layer.to_empty(device=device)
         fresh: set[int] = set()
@@ -202,11 +205,13 @@ class _Made:
                 mine = {k[len(prefix) :]: v for k, v in step.items() if k.startswith(prefix)}
                 result = self.layer.load_state_dict(mine, strict=False)
                 if result.unexpected_keys:
-                    unexpected = [prefix + key for key in result.unexpected_keys]
+                    unexpected = [self.shown(prefix + key) for key in result.unexpected_keys]
+                    layer = f"{_layer_name(self.name)} ({type(self.layer).__name__})"
+                    if self.renaming is not None:
+                        layer = "the model"
                     raise ValueError(
-                        f"init's state dict holds keys that {_layer_name(self.name)} "
-                        f"({type(self.layer).__name__}) does not have, or cannot load (a "
-                        "non-persistent buffer is in no state dict) "
+                        f"init's state dict holds keys that {layer} does not have, or "
+                        "cannot load (a non-persistent buffer is in no state dict) "
                         f"(keys: {unexpected[:_SHOWN]})"
                     )
             else:
@@ -232,11 +237,15 @@ class _Made:
                 left.append(self._describe(key))
         return left
 
+    def shown(self, key: str) -> str:
+        """How errors name the plain key ``key``: by the renaming's name, if any."""
+        return key if self.renaming is None else self.renaming.rename(key) or key
+
     def _describe(self, key: str) -> str:
         path, _, leaf = key.rpartition(".")
         owner = self.layer.get_submodule(path)
         kind = type(owner).__name__
-        full = f"{self.name}.{key}"
+        full = self.shown(f"{self.name}.{key}")
         if leaf in owner._parameters:
             has = "has" if callable(getattr(owner, "reset_parameters", None)) else "has no"
             return f"{full}, a parameter of {kind}, which {has} reset_parameters()"
@@ -252,10 +261,12 @@ class Materializer:
     """Makes the partitions' layers on their devices, one partition after the other
     (:meth:`place`), those built on the meta device initialised by ``steps`` as the module
     docstring says; then refuses what is left uninitialised (:meth:`check`), or puts the
-    layers made back on meta (:meth:`revert`)."""
+    layers made back on meta (:meth:`revert`). With a ``renaming`` (a model's own names for
+    the plain keys), errors name the tensors by those names."""
 
-    def __init__(self, steps: Sequence[InitStep]) -> None:
+    def __init__(self, steps: Sequence[InitStep], renaming: Renaming | None = None) -> None:
         self.steps = steps
+        self.renaming = renaming
         self.layers: list[_Made] = []
         #: Each meta tensor made here, by id: the meta tensor (kept alive) and its new one.
         self.made: dict[int, tuple[Tensor, Tensor]] = {}
@@ -272,7 +283,7 @@ class Materializer:
         for name, layer in partition._modules.items():
             assert layer is not None
             if any(tensor.is_meta for _, tensor in _slots(layer)):
-                layers.append(_Made(name, layer, device, self.made))
+                layers.append(_Made(name, layer, device, self.made, self.renaming))
                 self.layers.append(layers[-1])
             else:
                 layer.to(device)
@@ -280,7 +291,9 @@ class Materializer:
             entry.reset()
             entry.apply(self.steps)
         left = [
-            f"{_layer_name(entry.name)} ({type(entry.layer).__name__}): {key}"
+            key
+            if self.renaming is not None
+            else f"{_layer_name(entry.name)} ({type(entry.layer).__name__}): {key}"
             for entry in layers
             for key in entry.uninitialised()
         ]

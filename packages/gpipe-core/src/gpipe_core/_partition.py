@@ -16,7 +16,7 @@ from torch import nn
 from gpipe_microbatch import Device, check_balance, normalize_device
 
 from ._materialize import InitStep, Materializer
-from ._state_dict import KeyMap, map_keys
+from ._state_dict import KeyMap, Renaming, map_keys
 
 __all__ = [
     "WithDevice",
@@ -397,6 +397,7 @@ def split_module(
     devices: Sequence[torch.device],
     local: Sequence[bool] | None = None,
     init: Sequence[InitStep] = (),
+    renaming: Renaming | None = None,
 ) -> list[nn.Sequential]:
     """Split ``module`` into ``len(balance)`` partitions and move each to its device.
 
@@ -412,6 +413,8 @@ def split_module(
             their layers are not moved.
         init: the checked ``init`` of :class:`~gpipe_core.GPipe`
             (:func:`~gpipe_core._materialize.check_init`).
+        renaming: the names errors give the tensors of layers made from meta, if not the
+            plain keys (:class:`~gpipe_core._state_dict.Renaming`).
 
     Raises:
         TypeError: a :class:`WithDevice` is nested in a layer.
@@ -425,7 +428,7 @@ def split_module(
     _check_shared(partitions, devices)
     # Last partition first: a parameter shared by partitions on different devices ends on
     # its first partition's device (its owner's), where the others tie to it.
-    materializer = Materializer(init)
+    materializer = Materializer(init, renaming)
     try:
         for j, (partition, device) in reversed(
             list(enumerate(zip(partitions, devices, strict=False)))

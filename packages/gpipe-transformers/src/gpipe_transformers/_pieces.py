@@ -30,12 +30,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Carry", "Decoder", "Embed", "Head", "stand_in"]
+__all__ = ["KEEP", "Carry", "Decoder", "Embed", "Head", "stand_in"]
 
 # The carry's keys: the hidden states, the layers' arguments (a value that is not a
-# tensor: their structure) and their tensors, each once, as t0, t1, ...
+# tensor: their structure) and their tensors, each once, as t0, t1, ...; and the causal
+# LM's logits_to_keep, from the embeddings to the head (where given).
 HIDDEN = "hidden_states"
 ARGUMENTS = "layer_arguments"
+KEEP = "logits_to_keep"
 
 
 def stand_in(module: nn.Module, training: bool, **children: object) -> nn.Module:
@@ -139,7 +141,8 @@ class Embed(nn.Module):
     """What the base model's forward does before its first decoder layer, as its own code.
 
     It holds the base model's children that run before the layers (under their own names)
-    and returns a :class:`Carry`.
+    and returns a :class:`Carry`, which also takes the causal LM's ``logits_to_keep`` to
+    the head.
     """
 
     _base: nn.Module
@@ -163,6 +166,7 @@ class Embed(nn.Module):
         self.__dict__["_tail"] = tail
 
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, object]:
+        keep = kwargs.pop(KEEP, None)  # the causal LM's, for the head
         calls: list[tuple[tuple[object, ...], dict[str, object]]] = []
         first: list[Tensor] = []
         recorders = [_Recorder(layer, calls, first) for layer in self._layers]
@@ -185,13 +189,17 @@ class Embed(nn.Module):
                 f"{type(self._base).__name__}.forward called {len(calls)} of its "
                 f"{len(self._layers)} decoder layers: a pipeline runs each layer once"
             )
-        return Carry.make(first[0], calls)
+        carry = Carry.make(first[0], calls)
+        if keep is not None:
+            carry[KEEP] = keep
+        return carry
 
 
 class Decoder(nn.Module):
     """Decoder layer ``index``, called with the arguments the base model's forward gives it.
 
-    The last decoder layer returns its hidden states alone; the others a :class:`Carry`.
+    The last decoder layer returns its hidden states alone (with the causal LM's
+    ``logits_to_keep``, where given); the others a :class:`Carry`.
     """
 
     def __init__(self, layer: nn.Module, index: int, last: bool) -> None:
@@ -207,7 +215,7 @@ class Decoder(nn.Module):
         if isinstance(output, tuple):  # layers of older families return (hidden, ...)
             output = output[0]
         if self.last:
-            return output
+            return output if KEEP not in carry else {HIDDEN: output, KEEP: carry[KEEP]}
         return {**carry, HIDDEN: output}
 
     def extra_repr(self) -> str:
@@ -262,6 +270,7 @@ class Head(nn.Module):
 
     def forward(self, carry: object) -> Tensor:
         hidden = carry[HIDDEN] if isinstance(carry, Mapping) else carry
+        keep = carry.get(KEEP) if isinstance(carry, Mapping) else None
         assert isinstance(hidden, Tensor)
         for name in self._tail:
             module = self._modules[name]
@@ -269,7 +278,8 @@ class Head(nn.Module):
             hidden = module(hidden)
         output = _BaseOutput(hidden)
         model = stand_in(self._model, self.training, **{self._base_name: lambda *a, **k: output})
-        result = model.forward(use_cache=False, return_dict=True)
+        kept = {} if keep is None else {KEEP: keep}
+        result = model.forward(use_cache=False, return_dict=True, **kept)
         logits = result.logits if hasattr(result, "logits") else result[0]
         assert isinstance(logits, Tensor)
         return logits
@@ -279,17 +289,29 @@ def causal_lm_total(logits: Tensor, labels: Tensor, ignore_index: int = -100) ->
     """The summed next-token loss: each position predicts the next label, ``ignore_index``
     labels (and the last position) count nothing; in float32 at least, as Hugging Face's
     causal LM loss upcasts (float64 stays float64)."""
-    if logits.dtype != torch.float64:
-        logits = logits.float()
     shifted = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    return nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]),
-        shifted.reshape(-1).to(logits.device),
-        ignore_index=ignore_index,
-        reduction="sum",
-    )
+    return shifted_total(logits, shifted, ignore_index)
 
 
 def causal_lm_count(labels: Tensor, ignore_index: int = -100) -> Tensor:
     """How many next-token targets ``labels`` holds (the ones not ``ignore_index``)."""
     return (labels[..., 1:] != ignore_index).sum()
+
+
+def shifted_total(logits: Tensor, shift_labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """The summed loss of each position against its target in ``shift_labels`` (the
+    causal LM's ``shift_labels``: already the next tokens, not shifted here), as
+    :func:`causal_lm_total`."""
+    if logits.dtype != torch.float64:
+        logits = logits.float()
+    return nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        shift_labels.reshape(-1).to(logits.device),
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
+
+
+def shifted_count(shift_labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """How many targets ``shift_labels`` holds (the ones not ``ignore_index``)."""
+    return (shift_labels != ignore_index).sum()

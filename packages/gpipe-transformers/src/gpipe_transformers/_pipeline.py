@@ -8,30 +8,53 @@ the model's own loss (a :class:`~gpipe_core.BatchMean` of the next-token loss).
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gpipe_core import BatchMean, CheckpointMode, GPipe, Init, Losses
+from gpipe_core import BatchMean, CheckpointMode, GPipe, Init, Losses, NoChunk
 
 from ._layout import Layout, find_layout
 from ._names import EMBED, HEAD, ModelNames, layer_name
-from ._pieces import Decoder, Embed, Head, causal_lm_count, causal_lm_total
+from ._pieces import (
+    KEEP,
+    Decoder,
+    Embed,
+    Head,
+    causal_lm_count,
+    causal_lm_total,
+    shifted_count,
+    shifted_total,
+)
 
 __all__ = ["CausalLMPipe", "pipeline", "sequence"]
 
 # What a pipeline does not return or cannot do, refused before anything runs.
+_PACKED = (
+    "packed sequences (flash attention's variable-length keywords) cannot be split into "
+    "micro-batches"
+)
 _REFUSED = {
     "output_attentions": "a pipeline returns the logits only",
     "output_hidden_states": "a pipeline returns the logits only",
+    "output_router_logits": "a pipeline returns the logits only, and trains to the language "
+    "model loss without a mixture-of-experts auxiliary loss",
     "past_key_values": "generation with a KV cache is not supported",
     "cache": "generation with a KV cache is not supported",
     "return_dict": "a pipeline returns the logits only",
+    **dict.fromkeys(("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"), _PACKED),
+    "seq_idx": _PACKED,
 }
+# The causal LM's keywords of its loss, which step() takes with labels.
+_LOSS = ("shift_labels", "num_items_in_batch")
+# GPipe.step's own keywords.
+_STEP = ("schedule", "reduction", "target", "loss_fn")
 
 
 def sequence(model: nn.Module) -> nn.Sequential:
@@ -124,6 +147,7 @@ class CausalLMPipe(GPipe):
         self.__dict__["_layout"] = layout
         self.__dict__["_names"] = ModelNames(layout)
         self.__dict__["_groups"] = (options.get("group"), options.get("data_group"))
+        self.__dict__["_honoured"] = _honoured(layout)
         super().__init__(module, balance, **options)
         _free_remote(module, [piece for partition in self._partition_list() for piece in partition])
         #: The model's loss: the next-token cross entropy, averaged over the non-ignored
@@ -149,6 +173,13 @@ class CausalLMPipe(GPipe):
         names: ModelNames = self.__dict__["_names"]
         return names
 
+    def _agreed_fields(self) -> tuple[tuple[str, object], ...]:
+        # Said by the configuration's name, before the ties it makes (which the ranks
+        # agree on too, by the model's names).
+        config = self.__dict__["_layout"].model.config
+        tie = getattr(config, "tie_word_embeddings", None)
+        return (("the model's config.tie_word_embeddings", tie),)
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -161,18 +192,43 @@ class CausalLMPipe(GPipe):
             raise
 
     def forward(self, *inputs: Any, **keywords: Any) -> Any:
-        """The logits of the model's inputs (``input_ids=..., attention_mask=...``), as
-        ``model(...).logits``."""
-        _check_inputs(keywords, "forward")
-        return super().forward(*inputs, **keywords)
+        """The logits of the model's inputs (``input_ids=..., attention_mask=...``,
+        ``logits_to_keep=...``), as ``model(...).logits``.
+
+        Raises:
+            ValueError, TypeError: a keyword the pipeline does not honour (the message
+                names it), before anything runs.
+        """
+        return super().forward(*inputs, **self._checked(keywords, "forward"))
 
     def step(self, *inputs: Any, labels: Tensor | None = None, **keywords: Any) -> Losses:
         """A training step. With ``labels``, the loss is the model's own (``model(...,
         labels=labels).loss``: the next-token loss over every label that is not -100, of
         the whole mini-batch) and ``.reduced()`` equals it; without, the step is
         :meth:`GPipe.step <gpipe_core.GPipe.step>`'s (``target=`` and ``loss_fn=``
-        given)."""
-        if labels is None:
+        given).
+
+        The model's loss keywords are the model's too: ``shift_labels`` (the targets of
+        each position, used instead of shifting ``labels``; it may come without them) and
+        ``num_items_in_batch`` (an int or a 0-dimensional tensor, as transformers'
+        ``Trainer`` passes for gradient accumulation: the loss is summed over the targets
+        and divided by it, not by their count); with ``logits_to_keep`` the loss is over
+        the logits kept, as the model's.
+
+        Raises:
+            ValueError, TypeError: a keyword the pipeline does not honour (the message
+                names it), or ``num_items_in_batch`` that is not a positive count, before
+                anything runs.
+        """
+        shift_labels = keywords.pop("shift_labels", None)
+        items = keywords.pop("num_items_in_batch", None)
+        keywords = self._checked(keywords, "step")
+        if labels is None and shift_labels is None:
+            if items is not None:
+                raise TypeError(
+                    "num_items_in_batch divides the model's loss: pass labels or shift_labels "
+                    f"with it (num_items_in_batch: {_shown(items)}, labels: None)"
+                )
             return super().step(*inputs, **keywords)
         for own in ("target", "loss_fn"):
             if own in keywords:
@@ -180,8 +236,52 @@ class CausalLMPipe(GPipe):
                     f"step takes labels or {own}, not both: labels trains to the model's own "
                     f"loss ({own}: {type(keywords[own]).__name__})"
                 )
-        _check_inputs(keywords, "step")
-        return super().step(*inputs, target=labels, loss_fn=self.loss, **keywords)
+        target: Any = labels if shift_labels is None else shift_labels
+        loss = self.loss if shift_labels is None else _SHIFTED
+        if items is not None:
+            count = _items(items)
+            size = target.shape[0] if isinstance(target, Tensor) and target.dim() else 1
+            # Each sample's share of the count: the step's count is num_items_in_batch.
+            share = torch.full((size,), count / size, dtype=torch.float64, device=target.device)
+            target = (target, share)
+            loss = _OVER_SHIFTED if shift_labels is not None else _OVER_ITEMS
+        return super().step(*inputs, target=target, loss_fn=loss, **keywords)
+
+    def _checked(self, keywords: dict[str, Any], method: str) -> dict[str, Any]:
+        """``keywords`` as the pipeline passes them on, or the refusal of one it does
+        not honour: a tensor ``logits_to_keep`` of positions is every micro-batch's."""
+        honoured: frozenset[str] = self.__dict__["_honoured"]
+        passed: dict[str, Any] = {}
+        for name, value in keywords.items():
+            if name in honoured or (method == "step" and name in _STEP):
+                passed[name] = value
+            elif name == KEEP:
+                whole = isinstance(value, Tensor) and value.dim() <= 1
+                passed[name] = NoChunk(value) if whole else value
+            elif value is None or (value is False and name in (*_REFUSED, "use_cache")):
+                continue  # what the model does without it
+            elif name in _REFUSED:
+                why = _REFUSED[name]
+                raise ValueError(f"{name} is not supported: {why} ({name}: {_shown(value)})")
+            elif name == "use_cache":
+                raise ValueError(
+                    "use_cache is not supported: generation with a KV cache is not "
+                    f"(use_cache: {_shown(value)})"
+                )
+            elif name == "labels" or name in _LOSS:
+                raise TypeError(
+                    f"forward returns the logits: pass {name} to step(), which returns the "
+                    f"model's own loss ({name} given to forward)"
+                )
+            else:
+                layout: Layout = self.__dict__["_layout"]
+                raise TypeError(
+                    f"{name} is not a keyword a pipeline of {type(layout.model).__name__} "
+                    f"honours: it takes those of {type(layout.base).__name__}.forward "
+                    f"({', '.join(sorted(honoured))}) and {KEEP}, and step() also labels, "
+                    f"shift_labels and num_items_in_batch ({name}: {_shown(value)})"
+                )
+        return passed
 
 
 def _free_remote(module: nn.Sequential, local: list[nn.Module]) -> None:
@@ -204,19 +304,57 @@ def _free_remote(module: nn.Sequential, local: list[nn.Module]) -> None:
                     inner._buffers[name] = buffer.to("meta")
 
 
-def _check_inputs(keywords: dict[str, Any], method: str) -> None:
-    for name, why in _REFUSED.items():
-        if name in keywords and keywords[name] not in (None, False):
-            raise ValueError(f"{name} is not supported: {why} ({name}: {keywords[name]!r})")
-    if keywords.get("use_cache"):
-        raise ValueError(
-            "use_cache is not supported: generation with a KV cache is not (use_cache: True)"
-        )
-    if method == "forward" and "labels" in keywords:
+def _honoured(layout: Layout) -> frozenset[str]:
+    """The keywords a pipeline of ``layout``'s model passes on to its base model's
+    forward: those its signature names, but for what the pipeline refuses."""
+    parameters = inspect.signature(type(layout.base).forward).parameters.values()
+    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return frozenset(named - {"self", "use_cache", "labels", KEEP, *_LOSS, *_REFUSED})
+
+
+def _shown(value: object) -> str:
+    """``value`` as an error message shows it (a tensor by its shape and dtype)."""
+    if isinstance(value, Tensor):
+        return f"tensor of shape {tuple(value.shape)}, {value.dtype}"
+    shown = repr(value)
+    return shown if len(shown) <= 80 else f"{shown[:77]}..."
+
+
+def _items(items: object) -> float:
+    """``num_items_in_batch`` as a number, or its refusal."""
+    number = isinstance(items, int) and not isinstance(items, bool)
+    if number or (isinstance(items, Tensor) and items.dim() == 0 and not items.is_complex()):
+        count = float(items)  # type: ignore[arg-type]
+    else:
         raise TypeError(
-            "forward returns the logits: pass labels to step(), which returns the model's "
-            "own loss (labels given to forward)"
+            "num_items_in_batch must be an int or a 0-dimensional tensor: the count of targets "
+            f"the model's summed loss is divided by (num_items_in_batch: {_shown(items)})"
         )
+    if not count > 0:
+        raise ValueError(
+            "num_items_in_batch must be positive: the model's summed loss is divided by it "
+            f"(num_items_in_batch: {_shown(items)})"
+        )
+    return count
+
+
+def _target_total(logits: Tensor, target: tuple[Tensor, Tensor]) -> Tensor:
+    return causal_lm_total(logits, target[0])
+
+
+def _shifted_target_total(logits: Tensor, target: tuple[Tensor, Tensor]) -> Tensor:
+    return shifted_total(logits, target[0])
+
+
+def _share(target: tuple[Tensor, Tensor]) -> Tensor:
+    return target[1].sum()
+
+
+# The model's loss with shift_labels, and either with num_items_in_batch: the target is
+# then (labels, each sample's share of num_items_in_batch).
+_SHIFTED = BatchMean(shifted_total, shifted_count)
+_OVER_ITEMS = BatchMean(_target_total, _share)
+_OVER_SHIFTED = BatchMean(_shifted_target_total, _share)
 
 
 def pipeline(
@@ -249,7 +387,8 @@ def pipeline(
             :func:`~gpipe_balance.balance_by_time` gives) is taken as it is.
         chunks, checkpoint, devices, group, data_group, placement, timeout, init: as
             :class:`~gpipe_core.GPipe`'s (``init`` initialises the layers of a model built
-            on the meta device; :func:`from_pretrained` gives it).
+            on the meta device; :func:`from_pretrained` gives it; its state dicts have the
+            model's own keys, as ``model.state_dict()`` gives them).
 
     Returns:
         The pipeline: ``pipe(input_ids=..., attention_mask=...)`` gives the logits,
@@ -261,7 +400,8 @@ def pipeline(
         LayoutError: the model's layout cannot be found (the message names what is
             missing), or it is not supported (encoder-decoder models, a mixture-of-experts
             auxiliary loss).
-        ValueError: ``balance`` does not sum to the decoder layers.
+        ValueError: ``balance`` does not sum to the decoder layers; a state dict of
+            ``init`` holds a key of no tensor of the model.
 
     Example:
         >>> import torch
@@ -291,5 +431,42 @@ def pipeline(
     if timeout is not ...:
         options["timeout"] = timeout
     if init is not None:
-        options["init"] = init
+        options["init"] = _init_keys(init, layout)
     return CausalLMPipe(layout, _sequence(layout), counts, **options)
+
+
+def _init_keys(init: Init, layout: Layout) -> Init:
+    """``init`` whose state dicts have the model's own keys
+    (``model.layers.0.self_attn.q_proj.weight``) with the sequence's keys instead (those
+    of :func:`sequence`'s state dict are kept), or the refusal of a key of neither."""
+    names = ModelNames(layout)
+    pieces = {EMBED, HEAD, *(layer_name(k) for k in range(len(layout.layers)))}
+    several = isinstance(init, (list, tuple))
+    steps = list(init) if isinstance(init, (list, tuple)) else [init]
+    found: list[Any] = []
+    for index, step in enumerate(steps):
+        if not isinstance(step, Mapping):
+            found.append(step)  # a callable (or what gpipe-core refuses)
+            continue
+        keys: dict[object, object] = {}
+        unknown: list[str] = []
+        for name, value in step.items():
+            key = names.key(name) if isinstance(name, str) else None
+            if key is None or key.partition(".")[0] not in pieces:
+                own = isinstance(name, str) and name.partition(".")[0] in pieces
+                key = name if own or not isinstance(name, str) else None
+            if key is None:
+                unknown.append(name)
+            else:
+                keys[key] = value
+        if unknown:
+            where = f"init[{index}]" if several else "init"
+            example = next(iter(layout.model.state_dict()), "")
+            raise ValueError(
+                f"{where} holds keys of no tensor of the model {type(layout.model).__name__}: "
+                f"a state dict for init has the model's own keys, as model.state_dict() "
+                f"gives them, such as {example!r} ({where} keys: {unknown[:8]}"
+                f"{' ...' if len(unknown) > 8 else ''})"
+            )
+        found.append(keys)
+    return found if several else found[0]

@@ -48,6 +48,15 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
+# The floating-point dtypes of safetensors' headers.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+
+
 def _shard_name(rank: int, count: int) -> str:
     return f"model-{rank + 1:05d}-of-{count:05d}.safetensors"
 
@@ -86,12 +95,26 @@ class _Checkpoint:
         self._stack = contextlib.ExitStack()
         self._open: dict[Path, Any] = {}
 
+    def dtype(self) -> torch.dtype | None:
+        """The dtype of the checkpoint's first floating-point tensor, as transformers'
+        ``dtype="auto"`` reads it when the configuration has none (None: no such tensor)."""
+        for key in self.files:
+            found = _SAFETENSORS_DTYPES.get(self._handle(key).get_slice(key).get_dtype())
+            if found is not None:
+                return found
+        return None
+
     def find(self, names: Sequence[str]) -> str | None:
         """The first of ``names`` the checkpoint holds."""
         return next((name for name in names if name in self.files), None)
 
     def read(self, key: str) -> Tensor:
         """The tensor ``key`` (on the CPU, in the file's dtype)."""
+        tensor: Tensor = self._handle(key).get_tensor(key)
+        return tensor
+
+    def _handle(self, key: str) -> Any:
+        """The open file that holds ``key``."""
         from safetensors import safe_open
 
         file = self.files[key]
@@ -100,8 +123,7 @@ class _Checkpoint:
             handle = self._open[file] = self._stack.enter_context(
                 safe_open(str(file), framework="pt", device="cpu")
             )
-        tensor: Tensor = handle.get_tensor(key)
-        return tensor
+        return handle
 
     def close(self) -> None:
         self._stack.close()
@@ -189,7 +211,7 @@ def from_pretrained(
     data_group: dist.ProcessGroup | None = None,
     placement: str | Sequence[int] | None = None,
     timeout: float | datetime.timedelta | object | None = ...,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = "auto",
     attn_implementation: str | None = None,
 ) -> CausalLMPipe:
     """A pipeline of the causal LM saved in the directory ``path``, each rank building and
@@ -208,9 +230,12 @@ def from_pretrained(
             :meth:`CausalLMPipe.save_pretrained`.
         balance, chunks, checkpoint, devices, group, data_group, placement, timeout: as
             :func:`pipeline`'s.
-        dtype: the model's dtype (default: the configuration's, as
-            ``AutoModelForCausalLM.from_pretrained`` does); the checkpoint's tensors are
-            converted to it.
+        dtype: the model's dtype, as ``AutoModelForCausalLM.from_pretrained``'s:
+            ``"auto"`` (the default; None is the same) builds it in the configuration's
+            ``dtype`` (which :func:`save_pretrained` writes), or without one in the
+            dtype of the checkpoint's first floating-point tensor; a ``torch.dtype``
+            (or its name, ``"bfloat16"``) builds it in that one. The checkpoint's tensors
+            are converted to it.
         attn_implementation: ``"eager"``, ``"sdpa"`` ... (default: the model's).
 
     Returns:
@@ -222,7 +247,8 @@ def from_pretrained(
             its index names a file that is missing (the message names it).
         KeyError: the checkpoint lacks a tensor of the model (the message names the key
             and the file); a tied copy it does not hold is read from its other name.
-        ValueError, LayoutError: as :func:`pipeline`; a tensor of another shape.
+        ValueError, LayoutError: as :func:`pipeline`; a tensor of another shape; a
+            ``dtype`` that is none of those.
 
     Example:
         >>> import tempfile, torch
@@ -252,11 +278,10 @@ def from_pretrained(
             f"written by save_pretrained (path: {folder})"
         )
     config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    chosen = _chosen_dtype(dtype)
     files = _Checkpoint(folder)
     try:
-        options: dict[str, Any] = {}
-        if dtype is not None:
-            options["dtype"] = dtype
+        options: dict[str, Any] = {"dtype": chosen or _saved_dtype(config, files)}
         if attn_implementation is not None:
             options["attn_implementation"] = attn_implementation
         with torch.device("meta"):
@@ -279,6 +304,32 @@ def from_pretrained(
         files.close()
 
 
+def _chosen_dtype(dtype: object) -> torch.dtype | None:
+    """The ``dtype`` given to :func:`from_pretrained` (None: ``"auto"``), or its refusal."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    if isinstance(found, torch.dtype):
+        return found
+    raise ValueError(
+        "dtype must be 'auto', a torch.dtype or the name of one, such as 'bfloat16', as "
+        f"transformers' from_pretrained takes it (dtype: {dtype!r})"
+    )
+
+
+def _saved_dtype(config: Any, files: _Checkpoint) -> torch.dtype:
+    """The dtype ``"auto"`` builds in: the configuration's, else the checkpoint's first
+    floating-point tensor's, else the default dtype (as transformers does)."""
+    saved = getattr(config, "dtype", None)
+    if isinstance(saved, str):
+        saved = getattr(torch, saved, None)
+    if isinstance(saved, torch.dtype):
+        return saved
+    return files.dtype() or torch.get_default_dtype()
+
+
 def local_state(pipe: CausalLMPipe) -> dict[str, Tensor]:
     """This rank's tensors, under the model's names (``model.layers.0...``): what it
     writes (the pipeline's state dict, less what it does not hold)."""
@@ -290,7 +341,9 @@ def save_pretrained(pipe: CausalLMPipe, path: str | os.PathLike[str]) -> None:
     configuration and the tensors under the model's names, which
     ``AutoModelForCausalLM.from_pretrained(path)`` and :func:`from_pretrained` load.
 
-    In one process it writes ``config.json`` and ``model.safetensors``. Across the ranks
+    In one process it writes ``config.json`` (with the model's dtype now, as transformers
+    writes it, so that a model converted after it was built is read back in its dtype)
+    and ``model.safetensors``. Across the ranks
     of the pipeline's ``group``, every rank must call it (a collective): each writes
     ``model-0000<rank+1>-of-0000<ranks>.safetensors`` holding its own tensors (on a file
     system every rank sees), and the first rank the configuration and
@@ -355,6 +408,9 @@ def save_pretrained(pipe: CausalLMPipe, path: str | os.PathLike[str]) -> None:
     if rank == 0:
         config = model.config
         config.architectures = [type(model).__name__]
+        # The model's dtype now (it may have been converted since it was built), written
+        # as transformers' save_pretrained writes it: "bfloat16".
+        config.dtype = str(model.dtype).removeprefix("torch.")
         config.save_pretrained(str(folder))
         generation = getattr(model, "generation_config", None)
         if generation is not None and model.can_generate():

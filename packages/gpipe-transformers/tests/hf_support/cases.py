@@ -197,3 +197,55 @@ def save_replica(rank: int, world: int, *, out: str) -> list[str]:
     from pathlib import Path
 
     return sorted(p.name for p in Path(out).glob("*")) if rank == 0 else []
+
+
+def keywords(rank: int, world: int) -> dict[str, Any]:
+    """A step with the loss's keywords (``shift_labels`` of the kept logits'
+    positions, ``num_items_in_batch`` as a 0-dimensional tensor, ``logits_to_keep`` as a
+    tensor of positions) and a forward with ``logits_to_keep``, pipelined over the ranks:
+    the differences of the loss, of this rank's gradients and of the logits (the last
+    rank's) from the float64 reference."""
+    import copy
+
+    from torch.nn import functional as F
+
+    from hf_support.models import VOCAB
+
+    torch.set_default_dtype(torch.float64)
+    built = model("llama")
+    plain = copy.deepcopy(built)
+    data = batch(1, size=8)
+    positions = torch.tensor([0, 4, 7])
+    shift = data["labels"][:, [1, 5, 8]]
+    inputs = {"input_ids": data["input_ids"], "attention_mask": data["attention_mask"]}
+    logits = plain(**inputs, logits_to_keep=positions).logits
+    total = F.cross_entropy(
+        logits.reshape(-1, VOCAB), shift.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    loss = total / 50
+    loss.backward()
+    pipe = pipeline(built, chunks=2, group=dist.group.WORLD)
+    losses = pipe.step(
+        **inputs, shift_labels=shift, num_items_in_batch=torch.tensor(50),
+        logits_to_keep=positions, schedule="1f1b",
+    )  # fmt: skip
+    with torch.no_grad():
+        out = pipe(**inputs, logits_to_keep=2)
+        expected = plain(**inputs, logits_to_keep=2).logits
+    return {
+        "loss": abs(losses.reduced().item() - loss.item()),
+        "grad": largest_grad_difference(built, plain),
+        "logits": None if out is None else (out - expected).abs().max().item(),
+    }
+
+
+def tie_differs(rank: int, world: int) -> str:
+    """Rank 0 builds a model whose embeddings are tied, rank 1 one whose are not: the
+    message of the error building the pipeline raises on this rank."""
+    torch.set_default_dtype(torch.float64)
+    built = model("llama", tie_word_embeddings=rank == 0)
+    try:
+        pipeline(built, chunks=2, group=dist.group.WORLD)
+    except Exception as error:  # the refusal, reported to the test
+        return f"{type(error).__name__}: {error}"
+    return ""
