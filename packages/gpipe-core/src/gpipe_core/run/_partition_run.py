@@ -194,24 +194,17 @@ class PartitionRun:
         device's generator lock in a run that may replay random draws (one with
         checkpointing, or one that computes gradients).
 
-        Partitions on one CPU (or one CUDA device) share a generator. A recomputation
-        replays the draws of its micro-batch's first pass from the generator's state when
-        that pass started: gpipe's checkpointing does, and so does torch's checkpoint inside
-        a layer (``torch.utils.checkpoint``, a Hugging Face model's gradient checkpointing),
-        which sets the generator's state during the backward pass and puts it back after.
-        When another worker draws from the same generator meanwhile, the draws interleave
-        (the first pass's are not those replayed) or are lost. So every forward pass that
-        may draw holds its device's generator lock (whether a layer draws may depend on its
-        input: it cannot be learned from another micro-batch), and so do the backward tasks
-        of its micro-batch (:meth:`_guarded_backward`), where torch's checkpoint recomputes.
-        A micro-batch checkpointed by gpipe whose forward pass drew nothing (the
-        generator's state did not move under the lock) is recomputed without restoring the
-        generator (:func:`_no_replay`): a restore would drop the draws of other workers
-        made meanwhile.
-
-        A partition whose layers cannot draw (:mod:`gpipe_core.run._draws`) takes no lock and
-        is never replayed: its forward passes and backward tasks run beside the other
-        workers'.
+        Partitions on one device share a generator. A recomputation replays its first
+        pass's draws from the generator's state when that pass started: gpipe's does, and
+        torch's checkpoint inside a layer (a model's own gradient checkpointing) sets that
+        state during the backward pass. Draws of another worker meanwhile would interleave
+        or be lost. So every forward pass that may draw holds the device's generator lock
+        (whether a layer draws may depend on its input), and so do its micro-batch's
+        backward tasks (:meth:`_guarded_backward`). A micro-batch checkpointed by gpipe
+        whose forward pass drew nothing (the state did not move under the lock) is
+        recomputed without restoring the generator (:func:`_no_replay`), which would drop
+        other workers' draws. A partition whose layers cannot draw
+        (:mod:`gpipe_core.run._draws`) takes no lock and is never replayed.
         """
         if self.rng_lock is None:
             return compute()
