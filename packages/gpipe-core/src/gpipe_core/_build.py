@@ -29,7 +29,7 @@ from ._partition import check_module_balance, check_split, layer_groups, placed_
 from ._placement import Placement
 from ._sequential import PipeSequential
 from ._shared import SharedReplicas, Ties, find_shared
-from ._state_dict import Renaming
+from ._state_dict import Renaming, shown
 from .run._description import RunDescription
 from .run._inputs import RunInputs
 from .run._partition_run import nested
@@ -117,11 +117,6 @@ class Configuration:
         )  # fmt: skip
 
 
-def _shown(key: str, renaming: Renaming | None) -> str:
-    """The plain key ``key`` as errors show it: by the renaming's name, if any."""
-    return key if renaming is None else renaming.rename(key) or key
-
-
 def build(
     arguments: Arguments,
     construction: Construction | None,
@@ -168,7 +163,7 @@ def build(
             ("the rank of each partition", placement.ranks),
             (
                 "the uses of each shared parameter or buffer",
-                [[(j, _shown(key, renaming)) for j, key in s.uses] for s in shared],
+                [[(j, shown(key, renaming)) for j, key in s.uses] for s in shared],
             ),
             (
                 "the device types of each rank's partitions",

@@ -49,7 +49,7 @@ from typing import TypeAlias, cast
 import torch
 from torch import Tensor, nn
 
-from ._state_dict import Renaming
+from ._state_dict import Renaming, shown
 
 __all__ = ["Init", "InitStep", "Materializer", "check_init"]
 
@@ -205,7 +205,8 @@ class _Made:
                 mine = {k[len(prefix) :]: v for k, v in step.items() if k.startswith(prefix)}
                 result = self.layer.load_state_dict(mine, strict=False)
                 if result.unexpected_keys:
-                    unexpected = [self.shown(prefix + key) for key in result.unexpected_keys]
+                    renaming = self.renaming
+                    unexpected = [shown(prefix + key, renaming) for key in result.unexpected_keys]
                     layer = f"{_layer_name(self.name)} ({type(self.layer).__name__})"
                     if self.renaming is not None:
                         layer = "the model"
@@ -237,15 +238,11 @@ class _Made:
                 left.append(self._describe(key))
         return left
 
-    def shown(self, key: str) -> str:
-        """How errors name the plain key ``key``: by the renaming's name, if any."""
-        return key if self.renaming is None else self.renaming.rename(key) or key
-
     def _describe(self, key: str) -> str:
         path, _, leaf = key.rpartition(".")
         owner = self.layer.get_submodule(path)
         kind = type(owner).__name__
-        full = self.shown(f"{self.name}.{key}")
+        full = shown(f"{self.name}.{key}", self.renaming)
         if leaf in owner._parameters:
             has = "has" if callable(getattr(owner, "reset_parameters", None)) else "has no"
             return f"{full}, a parameter of {kind}, which {has} reset_parameters()"
@@ -315,13 +312,13 @@ class Materializer:
         left = [key for _, keys in sorted(self.left) for key in keys]
         if not left:
             return
-        shown = "; ".join(left[:_SHOWN])
+        listed = "; ".join(left[:_SHOWN])
         if len(left) > _SHOWN:
-            shown += f"; and {len(left) - _SHOWN} more"
+            listed += f"; and {len(left) - _SHOWN} more"
         raise ValueError(
             "layers built on the meta device were left with uninitialised tensors, which "
             "would train on whatever memory held (NaN or garbage): give each module a "
             "reset_parameters(), or pass GPipe(..., init=...) a function called on each "
             "layer made from meta that sets them, and/or a state dict of the plain model's "
-            f"keys (see 'Large models: build only your own layers' in the docs) ({shown})"
+            f"keys (see 'Large models: build only your own layers' in the docs) ({listed})"
         )

@@ -27,7 +27,7 @@ from typing import Any, Protocol, cast
 
 from torch import nn
 
-__all__ = ["KeyMap", "PartitionKeys", "Renaming", "map_keys"]
+__all__ = ["KeyMap", "PartitionKeys", "Renaming", "map_keys", "shown"]
 
 
 class Renaming(Protocol):
@@ -42,6 +42,12 @@ class Renaming(Protocol):
 
     def key(self, name: str) -> str | None:
         """The plain key of the name ``name``; None for a name that is not one of them."""
+
+
+def shown(key: str, renaming: Renaming | None) -> str:
+    """How errors name the plain key (or module path) ``key``: by ``renaming``'s name, if
+    it has one."""
+    return key if renaming is None else renaming.rename(key) or key
 
 
 class KeyMap(ABC):
