@@ -12,7 +12,7 @@ layout, the shared tensors' ties and replicas. What it builds it returns, one
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -31,6 +31,7 @@ from ._sequential import PipeSequential
 from ._shared import SharedReplicas, Ties, find_shared
 from ._state_dict import Renaming, shown
 from .run._description import RunDescription
+from .run._draws import SelfCheckpointing, draws_nothing
 from .run._inputs import RunInputs
 from .run._partition_run import nested
 from .schedule._schedules import step_actions
@@ -69,6 +70,8 @@ class Configuration:
     #: The parameters' names, in the plain module's order (each shared one once).
     parameter_names: list[str]
     shared: SharedReplicas
+    #: Which partitions checkpoint themselves, as the runs learn it.
+    self_checkpointing: SelfCheckpointing = field(default_factory=SelfCheckpointing)
 
     def describe(
         self,
@@ -97,9 +100,16 @@ class Configuration:
         # In eval mode a forward's output still has a graph (when grad mode is on);
         # nothing is checkpointed.
         stops = {"always": m, "except_last": m - 1, "never": 0}
+        checkpoint_stop = stops[self.checkpoint] if training and grad else 0
+        local = [p if placement.local[j] else None for j, p in enumerate(self.partitions)]
+        # Only a run that records autograd history has a backward pass that may replay.
+        drawless = [grad and p is not None and draws_nothing(p) for p in local]
+        replays = checkpoint_stop > 0 or (
+            grad and self.self_checkpointing.may_replay(local, drawless)
+        )
         return RunDescription(
             given.batches, actions, m, grad,
-            checkpoint_stop=stops[self.checkpoint] if training and grad else 0,
+            checkpoint_stop=checkpoint_stop,
             autograd_backward=autograd_backward,
             loss=given.loss,
             unpack_input=given.unpack,
@@ -111,9 +121,12 @@ class Configuration:
             intra_op_threads=self.intra_op_threads,
             state=state,
             tracer=tracer,
-            partitions=[p if placement.local[j] else None for j, p in enumerate(self.partitions)],
+            partitions=local,
             devices=placement.devices,
             deferred_batch_norm=self.deferred_batch_norm,
+            drawless=drawless,
+            replays=replays,
+            self_checkpointing=self.self_checkpointing if grad else None,
         )  # fmt: skip
 
 

@@ -774,20 +774,25 @@ def case_redraws(
     placement: str | None,
     seed: int,
 ) -> dict[str, Any]:
-    """A step of :func:`~core_support.models.redraws_model` on two ranks (four partitions
-    with a ``placement``, else two): the loss, this rank's gradients and the masks its
-    :class:`~core_support.models.Redraws` layers drew, by the layer's name."""
+    """Two steps of :func:`~core_support.models.redraws_model` on two ranks (four
+    partitions with a ``placement``, else two), on ``data(seed + k, 8)``: each step's loss
+    and this rank's gradients, and the masks its :class:`~core_support.models.Redraws`
+    layers drew, by the layer's name."""
     pipe = GPipe(
         redraws_model(WIDTH, hows, seed), balance, chunks=chunks, group=dist.group.WORLD,
         placement=placement, checkpoint=checkpoint, timeout=60,  # type: ignore[arg-type]
     )  # fmt: skip
-    x, y = data(seed, 8)
-    losses = pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+    steps = []
+    for k in range(2):
+        x, y = data(seed + k, 8)
+        losses = pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+        grads = {name: v.clone() for name, v in local_grads(pipe).items() if v is not None}
+        steps.append({"reduced": losses.reduced().item(), "grads": grads})
+        pipe.zero_grad(set_to_none=True)
     masks = {
         name: module.masks for name, module in pipe.named_modules() if isinstance(module, Redraws)
     }
-    grads = {k: v.clone() for k, v in local_grads(pipe).items() if v is not None}
-    return {"reduced": losses.reduced().item(), "grads": grads, "masks": masks}
+    return {"steps": steps, "masks": masks}
 
 
 def case_sparse(rank: int) -> dict[str, Any]:

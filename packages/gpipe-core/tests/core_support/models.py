@@ -299,6 +299,7 @@ def assert_replayed(model: nn.Module) -> int:
 
 
 def replay_into(plain: nn.Module, model: nn.Module) -> None:
-    """Give ``plain``'s :class:`Redraws` layers ``model``'s first masks, replayed."""
+    """Give ``plain``'s :class:`Redraws` layers ``model``'s first masks, replayed (the
+    layers stay in replay: they draw nothing from then on)."""
     for mine, theirs in zip(redrawn(plain), redrawn(model), strict=True):
         mine.masks, mine.replay = theirs.masks, True

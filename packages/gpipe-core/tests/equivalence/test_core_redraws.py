@@ -6,13 +6,15 @@ backward pass.
 Each :class:`~core_support.models.Redraws` layer records the dropout mask of each sample at
 every pass: a recomputation (gpipe's or torch's, in the backward pass) must draw its first
 pass's masks. The plain model, given those first masks, must then compute the pipeline's
-loss and gradients: the gradients are those of the loss returned.
+loss and gradients: the gradients are those of the loss returned. Every action counts as
+long, so that the workers compute at the same time (tiny layers would take turns).
 """
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -29,6 +31,7 @@ from core_support.models import (
     replay_into,
 )
 from core_support.strategies import compositions
+from core_support.turns import measured_long
 from gpipe_core import GPipe
 
 WIDTH = 4
@@ -57,7 +60,7 @@ def assert_grads_equal(pipe: nn.Module, plain: nn.Module) -> None:
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
-def check(model: nn.Module, plain: nn.Module, hows: list[str | None], checkpoint: str) -> None:
+def check(model: nn.Module, hows: list[str | None], checkpoint: str) -> None:
     """The recomputations drew their first passes' masks, and dropout did draw."""
     recomputed = assert_replayed(model)
     if checkpoint == "always" or any(hows):
@@ -67,8 +70,10 @@ def check(model: nn.Module, plain: nn.Module, hows: list[str | None], checkpoint
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=cases())
-def test_step_replays_every_draw(case: dict) -> None:
+@given(case=cases(), switched=st.integers(0, 4))
+def test_step_replays_every_draw(case: dict, switched: int) -> None:
+    """Three steps; before the second, Redraws layer ``switched`` (if there is one) starts
+    or stops checkpointing itself, which the pipeline has not seen."""
     hows = case["hows"]
     model = redraws_model(WIDTH, hows, case["seed"])
     plain = copy.deepcopy(model)
@@ -79,15 +84,23 @@ def test_step_replays_every_draw(case: dict) -> None:
         checkpoint=case["checkpoint"],
         **placed(case["placement"]),
     )
-    x = torch.randn(BATCH, WIDTH, dtype=torch.float64)
-    y = torch.randn(BATCH, WIDTH, dtype=torch.float64)
-    losses = pipe.step(x, y, nn.MSELoss(), schedule=case["schedule"])
-    check(model, plain, hows, case["checkpoint"])
-    replay_into(plain, model)
-    loss = nn.MSELoss()(plain(x), y)
-    loss.backward()
-    torch.testing.assert_close(losses.reduced(), loss.detach())
-    assert_grads_equal(pipe, plain)
+    for step in range(3):
+        if step == 1 and switched < len(hows):
+            for layers in (model, plain):
+                layer = redrawn(layers)[switched]
+                layer.how = None if layer.how else "non-reentrant"
+        x = torch.randn(BATCH, WIDTH, dtype=torch.float64)
+        y = torch.randn(BATCH, WIDTH, dtype=torch.float64)
+        measured_long(pipe)  # the workers overlap, as with larger layers
+        losses = pipe.step(x, y, nn.MSELoss(), schedule=case["schedule"])
+        check(model, [layer.how for layer in redrawn(model)], case["checkpoint"])
+        replay_into(plain, model)
+        loss = nn.MSELoss()(plain(x), y)
+        loss.backward()
+        torch.testing.assert_close(losses.reduced(), loss.detach())
+        assert_grads_equal(pipe, plain)
+        for p in [*pipe.parameters(), *plain.parameters()]:
+            p.grad = None
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -97,12 +110,42 @@ def test_forward_and_backward_replay_every_draw(case: dict) -> None:
     model = redraws_model(WIDTH, hows, case["seed"])
     plain = copy.deepcopy(model)
     pipe = GPipe(model, case["balance"], chunks=case["chunks"], checkpoint=case["checkpoint"])
-    x = torch.randn(BATCH, WIDTH, dtype=torch.float64)
-    output = pipe(x)
-    output.square().sum().backward()
-    check(model, plain, hows, case["checkpoint"])
-    replay_into(plain, model)
-    expected = plain(x)
-    expected.square().sum().backward()
-    torch.testing.assert_close(output.detach(), expected.detach())
-    assert_grads_equal(pipe, plain)
+    for _ in range(2):
+        x = torch.randn(BATCH, WIDTH, dtype=torch.float64)
+        measured_long(pipe)
+        output = pipe(x)
+        output.square().sum().backward()
+        check(model, hows, case["checkpoint"])
+        replay_into(plain, model)
+        expected = plain(x)
+        expected.square().sum().backward()
+        torch.testing.assert_close(output.detach(), expected.detach())
+        assert_grads_equal(pipe, plain)
+        for p in [*pipe.parameters(), *plain.parameters()]:
+            p.grad = None
+
+
+@pytest.mark.parametrize("how", ["reentrant", "non-reentrant"])
+def test_a_layer_that_starts_checkpointing_itself_is_seen(how: str) -> None:
+    """The first steps teach the pipeline that no layer checkpoints itself; then one layer
+    starts (its switch, an attribute, changes): its recomputations still draw its first
+    passes' masks."""
+    model = redraws_model(WIDTH, [None] * 7, seed=0)
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, [2, 2, 2, 2], chunks=4, checkpoint="never")
+    for step in range(6):
+        if step == 2:
+            for layers in (model, plain):
+                redrawn(layers)[3].how = how
+        x = torch.randn(BATCH, WIDTH, dtype=torch.float64)
+        y = torch.randn(BATCH, WIDTH, dtype=torch.float64)
+        measured_long(pipe)
+        losses = pipe.step(x, y, nn.MSELoss(), schedule="1f1b")
+        assert assert_replayed(model) > 0 or step < 2
+        replay_into(plain, model)
+        loss = nn.MSELoss()(plain(x), y)
+        loss.backward()
+        torch.testing.assert_close(losses.reduced(), loss.detach())
+        assert_grads_equal(pipe, plain)
+        for p in [*pipe.parameters(), *plain.parameters()]:
+            p.grad = None

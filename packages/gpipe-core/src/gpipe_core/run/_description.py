@@ -22,6 +22,7 @@ from gpipe_skip import SkipLayout
 
 from ..schedule._action import Action
 from ..trace._tracing import Tracer
+from ._draws import SelfCheckpointing
 from ._losses import LossSpec
 
 __all__ = ["RunDescription"]
@@ -60,6 +61,13 @@ class RunDescription:
         devices: the device of each partition.
         deferred_batch_norm: the layers hold deferred batch norms, which update their
             running statistics once per run.
+        drawless: whether each partition cannot draw random numbers, by its layers
+            (:func:`~gpipe_core.run._draws.draws_nothing`; False for another process's).
+        replays: whether a recomputation may replay random draws in the run: gpipe
+            checkpoints, or a partition that may draw checkpoints itself (or is not known
+            not to): then forward passes and backward tasks that may draw take turns.
+        self_checkpointing: what the pipeline learns of its partitions checkpointing
+            themselves (the run learns its ``pending`` ones).
     """
 
     batches: Sequence[Batch]
@@ -81,6 +89,9 @@ class RunDescription:
     partitions: Sequence[nn.Sequential | None] = ()
     devices: Sequence[torch.device] = ()
     deferred_batch_norm: bool = False
+    drawless: Sequence[bool] = ()
+    replays: bool = False
+    self_checkpointing: SelfCheckpointing | None = None
 
     def unpack(self, j: int) -> bool:
         """Whether partition ``j`` takes a tuple as its first layer's positional arguments."""

@@ -20,19 +20,24 @@ Dropout of every kind, RReLU, fractional max pooling and the attention and trans
 layers (which hold dropout) are not listed. Neither is anything of gpipe's own (a
 skippable layer, a nested pipeline), nor any module of the user's.
 
-It must not know runs, devices or checkpoints: it reads modules and inputs, and answers
-whether they can draw.
+A partition that may draw can also checkpoint itself (a layer calls torch's checkpoint,
+whose recomputation in the backward pass replays the draws of its first pass): a pipeline
+learns which of its partitions do from their forward passes' graphs, and keeps it while each
+partition is made of the same modules with the same flags (:class:`SelfCheckpointing`).
+
+It must not know runs, devices or gpipe's checkpoints: it reads modules and inputs, and
+answers whether they can draw or checkpoint themselves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
-__all__ = ["calls_plainly", "draws_nothing"]
+__all__ = ["SelfCheckpointing", "calls_plainly", "draws_nothing"]
 
 
 def _layers(*names: str) -> frozenset[type[nn.Module]]:
@@ -136,3 +141,62 @@ def calls_plainly(tensors: Iterable[Tensor], others: Iterable[object] = ()) -> b
 
 
 _PLAIN_VALUES = frozenset({type(None), bool, int, float, str})
+
+
+_SWITCHES = (bool, str, type(None))
+
+
+def _fingerprint(partition: nn.Module) -> tuple[tuple[int, tuple[object, ...]], ...]:
+    """What a partition is made of, as far as whether a layer checkpoints itself may turn
+    on it: each module, and its attributes that are booleans, strings or None (``training``,
+    transformers' ``gradient_checkpointing``, a layer's own switch); a listed layer of
+    ``torch.nn`` (:data:`DRAWLESS`) by itself, as it never checkpoints itself."""
+    return tuple(
+        (id(module), ())
+        if type(module) in DRAWLESS
+        else (
+            id(module),
+            tuple(item for item in vars(module).items() if type(item[1]) in _SWITCHES),
+        )
+        for module in partition.modules()
+    )
+
+
+class SelfCheckpointing:
+    """What a pipeline learned of its partitions: whether a layer of each checkpoints
+    itself (torch's checkpoint in its forward pass's graph), kept while the partition's
+    fingerprint (its modules, and their attributes that are booleans, strings or None)
+    stays the same.
+
+    A run asks :meth:`may_replay` before it starts; a partition whose answer is not known
+    is learned (:meth:`learn`) from its first forward pass with a graph.
+    """
+
+    def __init__(self) -> None:
+        #: Each partition's fingerprint when learned, and whether it checkpoints itself.
+        self._known: dict[int, tuple[object, bool]] = {}
+        #: The fingerprints of the partitions to learn in the run under way.
+        self.pending: dict[int, object] = {}
+
+    def may_replay(self, partitions: Sequence[nn.Module | None], drawless: Sequence[bool]) -> bool:
+        """Whether a partition that may draw checkpoints itself, or is not known not to
+        (those are to be learned in the run: :attr:`pending`)."""
+        self.pending = {}
+        replays = False
+        for j, partition in enumerate(partitions):
+            if partition is None or drawless[j]:
+                continue
+            fingerprint = _fingerprint(partition)
+            known = self._known.get(j)
+            if known is None or known[0] != fingerprint:
+                self.pending[j] = fingerprint
+                replays = True
+            elif known[1]:
+                replays = True
+        return replays
+
+    def learn(self, j: int, checkpoints: bool) -> None:
+        """Partition ``j``, pending, checkpoints itself or not."""
+        fingerprint = self.pending.pop(j, None)
+        if fingerprint is not None:
+            self._known[j] = (fingerprint, checkpoints)

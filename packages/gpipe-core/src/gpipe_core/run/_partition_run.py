@@ -57,9 +57,9 @@ from .._stream import AbstractStream
 from ..trace._timeline import Phase
 from ._dependency import fork, join
 from ._description import RunDescription
-from ._draws import calls_plainly, draws_nothing
+from ._draws import calls_plainly
 from ._skips import SkipCall
-from ._split_backward import SplitBackward, WeightGradient
+from ._split_backward import SplitBackward, WeightGradient, checkpoints_itself
 
 __all__ = ["PartitionRun", "clone", "nested"]
 
@@ -125,16 +125,15 @@ class PartitionRun:
         self.stream = stream
         self.microbatches = run.microbatches
         self.checkpoint_stop = checkpoint_stop
-        # A run that computes gradients may replay random draws: gpipe's checkpointing
-        # recomputes, and so does torch's checkpoint inside a layer (a model's own gradient
-        # checkpointing), in the backward pass.
-        replays = checkpoint_stop > 0 or run.grad
         #: The lock of the device's generator, held by the forward passes and backward
         #: tasks of a run that may replay draws (see _guarded).
-        self.rng_lock = device_rng_lock(device) if replays else None
+        self.rng_lock = device_rng_lock(device) if run.replays else None
         #: Whether the partition's layers cannot draw random numbers (see _draws): then
         #: its forward passes take no lock and are never replayed.
-        self.draws_nothing = replays and draws_nothing(partition)
+        self.draws_nothing = run.replays and run.drawless[index]
+        #: Where the run learns whether the partition checkpoints itself (see _learn).
+        learning = run.self_checkpointing
+        self.learning = learning if learning is not None and index in learning.pending else None
         #: The micro-batches whose forward pass held the generator lock: their backward
         #: tasks hold it too (see _guarded_backward).
         self.locked: set[int] = set()
@@ -237,10 +236,8 @@ class PartitionRun:
                 _held.depth -= 1
 
     def _guarded_backward(self, i: int, compute: Callable[[], _T], last: bool) -> _T:
-        """Run ``compute``, a backward task of micro-batch ``i`` (its recomputation
-        included), under the device's generator lock where its forward pass held it (see
-        :meth:`_guarded`): torch's checkpoint inside a layer replays its draws there.
-        ``last``: the micro-batch's last backward task (the lock is not needed after)."""
+        """Run ``compute``, a backward task of micro-batch ``i`` (``last``: its last), under
+        the generator lock where its forward pass held it (see :meth:`_guarded`)."""
         if i not in self.locked:
             return compute()
         if last:
@@ -381,6 +378,10 @@ class PartitionRun:
             ) from error
         if chk is not None and (self.modifies_input is None or chk.input_modified):
             self.modifies_input = chk.input_modified
+        if self.learning is not None and any(t.requires_grad for t in output.tensors):
+            # The first forward pass with a graph: does a layer checkpoint itself?
+            self.learning.learn(self.index, checkpoints_itself(output.tensors, batch.tensors))
+            self.learning = None
         if self.autograd_backward:
             self._link(i, output, chk)
         elif self.grad:

@@ -67,7 +67,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from gpipe_checkpoint import gradients, run_backward
 
-__all__ = ["SplitBackward", "WeightGradient"]
+__all__ = ["SplitBackward", "WeightGradient", "checkpoints_itself"]
 
 
 _Grads = tuple[Tensor | None, ...]
@@ -346,6 +346,33 @@ def _unsplittable(node: Node) -> bool:
     graph's ``CompiledFunctionBackward`` included): it returns every gradient it computes,
     whichever are asked for, so it runs once, at ``I``."""
     return isinstance(node, BackwardCFunction)
+
+
+def checkpoints_itself(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> bool:
+    """Whether the graph from ``inputs`` to ``outputs`` (a partition's forward pass) holds a
+    region of torch's checkpoint (``torch.utils.checkpoint``, reentrant or not), which
+    recomputes in the backward pass.
+
+    Example:
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> checkpoints_itself([checkpoint(torch.sin, x, use_reentrant=False)], [x])
+        True
+        >>> checkpoints_itself([torch.sin(x)], [x])
+        False
+    """
+    stop = {tensor.grad_fn for tensor in inputs if tensor.grad_fn is not None}
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None and t.grad_fn not in stop]
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        if type(node).__name__ == "CheckpointFunctionBackward" or _checkpointed(node):
+            return True
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen and child not in stop:
+                seen.add(child)
+                stack.append(child)
+    return False
 
 
 #: The names of each node type's saved tensors (``_raw_saved_*``), read once per type.
