@@ -11,6 +11,8 @@ pipeline goes: GPipe sets the attributes it declares.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 import torch
 
 from ._build import Configuration
@@ -18,7 +20,7 @@ from ._clip import check_clip_arguments, clip_by_norms, gradient_norms
 from ._layers import LayersModule
 from ._placement import Placement
 from .run._worker import WorkerPool
-from .transport._session import run_session, share_plan
+from .transport._session import Session, run_session
 
 __all__ = ["Collectives"]
 
@@ -33,6 +35,13 @@ class Collectives(LayersModule):
     @property
     def _placement(self) -> Placement:
         return self._config.placement
+
+    def _run_session(self) -> AbstractContextManager[Session]:
+        """A run's session on the pipeline's transport (see
+        :func:`~gpipe_core.transport._session.run_session`), refused from inside a run of
+        the pipeline's own workers."""
+        self._pool.refuse_reentry()
+        return run_session(self._placement.transport())
 
     def clip_grad_norm_(
         self,
@@ -105,8 +114,8 @@ class Collectives(LayersModule):
             for name, p in self._plain_named_parameters()
             if name not in self._config.shared.foreign
         )
-        with run_session(self._placement, self._pool) as session:
-            share_plan(self._placement, (), fields)
+        with self._run_session() as session:
+            self._placement.share_plan((), fields)
             session.payload = norms = gradient_norms(counted, norm_type, foreach)
         for theirs in session.payloads.values():
             norms.update(theirs)
@@ -141,8 +150,8 @@ class Collectives(LayersModule):
             drift = self._config.shared.drift(self._placement.transport().exchange)
         else:
             fields = (("the method called", "shared_drift"),)
-            with run_session(self._placement, self._pool):
-                share_plan(self._placement, (), fields)
+            with self._run_session():
+                self._placement.share_plan((), fields)
                 drift = self._config.shared.drift(self._placement.transport().exchange)
         renaming = self._renaming()
         if renaming is None:

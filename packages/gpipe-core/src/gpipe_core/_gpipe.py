@@ -44,7 +44,6 @@ from .run._worker import WorkerPool
 from .schedule._schedules import Schedule
 from .trace._timeline import Timeline
 from .trace._tracing import record, tracer_for
-from .transport._session import run_session, share_plan
 
 __all__ = ["GPipe"]
 
@@ -233,7 +232,7 @@ class GPipe(FixedDevices, Collectives):
         """Make the replicas of shared tensors equal to their owners', in a run of every
         rank (when some tensor is shared across ranks: the ranks agree on which)."""
         if self._config.shared.sets:
-            with run_session(self._placement, self._pool):
+            with self._run_session():
                 self._config.shared.connect(self._placement.transport().exchange)
 
     def _init_runtime(self) -> None:
@@ -379,7 +378,7 @@ class GPipe(FixedDevices, Collectives):
             >>> model(x=x, mask=NoChunk(mask), scale=0.5).shape  # or by keyword
             torch.Size([4, 2])
         """
-        with run_session(self._placement, self._pool):
+        with self._run_session():
             # Inside the run, so that the other ranks learn of the refusal at once.
             if self._placement.spans_processes and self.training and torch.is_grad_enabled():
                 raise RuntimeError(
@@ -391,7 +390,7 @@ class GPipe(FixedDevices, Collectives):
             placement, n = self._placement, len(self.partitions)
             given = forward_inputs(
                 inputs, keywords, self.chunks, self.devices,
-                functools.partial(share_plan, placement),
+                placement.share_plan,
                 training=self.training, first=placement.is_local(0),
             )  # fmt: skip
             if not n:
@@ -541,7 +540,7 @@ class GPipe(FixedDevices, Collectives):
         # are any).
         with (
             self._config.replicas.averaging(self.parameters),
-            run_session(self._placement, self._pool) as session,
+            self._run_session() as session,
         ):
             # Nothing before the run begins: an interrupt in the step (KeyboardInterrupt)
             # lands in the run, which every rank then ends.
@@ -551,7 +550,7 @@ class GPipe(FixedDevices, Collectives):
             given = step_inputs(
                 inputs, keywords, target, loss_fn, schedule, reduction,
                 chunks=self.chunks, devices=self.devices,
-                share=functools.partial(share_plan, placement), training=self.training,
+                share=placement.share_plan, training=self.training,
                 ends=(placement.is_local(0), placement.is_local(-1)),
                 count_mean=self._config.replicas.mean_on(self.devices),
             )  # fmt: skip

@@ -34,7 +34,8 @@ from .transport._agreement import Construction
 from .transport._distributed import DistributedTransport
 from .transport._groups import Connections, check_group, connect, pipeline_tag
 from .transport._payloads import Payloads, choose_payloads
-from .transport._transport import LocalTransport, Transport
+from .transport._session import share_plan
+from .transport._transport import Fields, LocalTransport, Plan, Transport
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -265,6 +266,14 @@ class Placement:
                     payloads=self._payloads,
                 )
         return self._transport
+
+    def share_plan(self, plan: Plan | None, fields: Fields) -> Plan:
+        """The run's ``plan``, from the first partition's rank to every rank, with the
+        run's ``fields`` checked to agree unless ``check_runs`` is off (see
+        :func:`~gpipe_core.transport._session.share_plan`)."""
+        return share_plan(
+            self.transport(), plan, fields, first=self.is_local(0), check=self.check_runs
+        )
 
     def close(self) -> None:
         """Stop the transport's threads, if any (idempotent)."""

@@ -470,6 +470,7 @@ def test_traced_module_can_be_collected() -> None:
 
 def test_copy_is_recorded_both_ways() -> None:
     from gpipe_core._stream import CPUStream
+    from gpipe_core.transport._transfer import copy
     from gpipe_microbatch import Batch
 
     owner = object()
@@ -478,7 +479,10 @@ def test_copy_is_recorded_both_ways() -> None:
         assert tracer is not None
         x = torch.randn(2, 3, requires_grad=True)
         batch = Batch(x)
-        tracer.copy(batch, 0, 1, CPUStream, CPUStream, torch.device("cpu"))
+        tracer.copy(
+            lambda: copy(batch, CPUStream, CPUStream), batch, 0, 1, CPUStream, CPUStream,
+            torch.device("cpu"),
+        )  # fmt: skip
         batch.tensor.sum().backward()
     assert x.grad is not None
     copies = [e for e in timeline.events if e.phase is Phase.COPY]

@@ -37,7 +37,6 @@ from gpipe_checkpoint import is_checkpointing, is_differentiable, is_recomputing
 from gpipe_microbatch import Batch, get_phony
 
 from .._stream import AbstractStream
-from ..transport._transfer import copy
 from ._timeline import Phase, TaskEvent, Timeline, task_label
 
 __all__ = ["Tracer", "record", "tracer_for"]
@@ -336,6 +335,7 @@ class Tracer:
 
     def copy(
         self,
+        copy: Callable[[], object],
         batch: Batch,
         i: int,
         j: int,
@@ -344,7 +344,7 @@ class Tracer:
         device: torch.device,
         backward: bool = False,
     ) -> None:
-        """Copy ``batch`` into partition ``j`` (as ``transport._transfer.copy``), recorded.
+        """Run ``copy``, the transport's copy of ``batch`` into partition ``j``, recorded.
 
         The copy is queued on ``next_stream``; when autograd carries its gradient back (on
         ``prev_stream``), that copy is recorded too, between two markers. ``backward``:
@@ -362,10 +362,7 @@ class Tracer:
                 self._end(spans.pop(), Phase.COPY, i, j, device, prev_stream, True)
 
         self._mark(batch, back_end)
-        self.run(
-            Phase.COPY, i, j, device, next_stream, backward,
-            partial(copy, batch, prev_stream, next_stream),
-        )  # fmt: skip
+        self.run(Phase.COPY, i, j, device, next_stream, backward, copy)
         self._mark(batch, back_start)
 
     # -- markers -------------------------------------------------------------------------

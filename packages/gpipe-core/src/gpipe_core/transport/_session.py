@@ -14,10 +14,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from .._errors import add_note
-from .._placement import Placement
-from ..run._worker import WorkerPool
 from ._agreement import RanksDisagree
-from ._transport import Cancelled, Fields, Plan
+from ._transport import Cancelled, Fields, Plan, Transport
 
 __all__ = ["Session", "run_session", "share_plan"]
 
@@ -33,9 +31,8 @@ class Session:
 
 
 @contextmanager
-def run_session(placement: Placement, pool: WorkerPool) -> Iterator[Session]:
-    """A run, begun and ended on the placement's transport (across processes: on every
-    rank), refused from inside a run of ``pool``.
+def run_session(transport: Transport) -> Iterator[Session]:
+    """A run, begun and ended on ``transport`` (across processes: on every rank).
 
     One run at a time (see :class:`~gpipe_core.transport._transport.RunLock`). Across processes,
     the ``with`` block's error is told to the other ranks, which raise a
@@ -43,8 +40,6 @@ def run_session(placement: Placement, pool: WorkerPool) -> Iterator[Session]:
     waits end and the ``with`` statement raises that error; ranks called with
     different run fields all raise the same :class:`RanksDisagree`.
     """
-    pool.refuse_reentry()
-    transport = placement.transport()
     transport.begin()
     run = Session()
     try:
@@ -63,14 +58,15 @@ def run_session(placement: Placement, pool: WorkerPool) -> Iterator[Session]:
     run.payloads = transport.finish(None, run.payload)
 
 
-def share_plan(placement: Placement, plan: Plan | None, fields: Fields) -> Plan:
-    """The run's ``plan``, given by the first partition's rank to every other rank; across
-    processes the run's ``fields`` go with it, and the other ranks check that theirs are
-    the same (see :mod:`gpipe_core.transport._agreement`), unless the placement's
-    ``check_runs`` is off."""
-    transport = placement.transport()
-    checked = fields if placement.check_runs else ()
-    if placement.is_local(0):
+def share_plan(
+    transport: Transport, plan: Plan | None, fields: Fields, *, first: bool, check: bool
+) -> Plan:
+    """The run's ``plan``, given by the first partition's rank (``first``: this one) to
+    every other rank; across processes the run's ``fields`` go with it, and the other ranks
+    check that theirs are the same (see :mod:`gpipe_core.transport._agreement`), if
+    ``check``."""
+    checked = fields if check else ()
+    if first:
         assert plan is not None
         transport.send_plan(plan, checked)
         return plan

@@ -470,8 +470,9 @@ class LocalTransport(Transport):
         elif self.tracer is not None:
             backward = key.contents in ("gradients", "skip-gradients")
             self.tracer.copy(
-                batch, i, target, source_stream, target_stream, self.devices[target], backward
-            )
+                lambda: copy(batch, source_stream, target_stream),
+                batch, i, target, source_stream, target_stream, self.devices[target], backward,
+            )  # fmt: skip
         else:
             copy(batch, source_stream, target_stream)
         wait(batch, target_stream, self.compute_streams[target])
