@@ -33,24 +33,15 @@ Example:
 
 from .__about__ import __version__
 from ._balance import BalanceError, check_balance, check_module
-from ._batch import (
-    Batch,
-    Kind,
-    NoChunk,
-    TensorOrTensors,
-    check,
-    check_chunks,
-    check_output,
-    gather,
-    labels,
-    make_tuple,
-    make_value,
-    scatter,
-)
+from ._batch import Batch
+from ._checks import check, check_chunks, check_output
 from ._device import Device, normalize_device, use_device
 from ._mapping import MappingKind, mapping_kind
+from ._nochunk import NoChunk
 from ._phony import get_phony
+from ._scatter import gather, scatter
 from ._threadstate import ThreadState
+from ._values import Kind, TensorOrTensors, labels, make_tuple, make_value
 
 __all__ = [
     "BalanceError",

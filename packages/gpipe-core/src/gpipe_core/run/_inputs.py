@@ -22,8 +22,9 @@ from typing import Any, NamedTuple
 import torch
 
 from gpipe_checkpoint import is_checkpointing, is_recomputing
-from gpipe_microbatch import Batch, NoChunk, make_tuple, make_value, mapping_kind, scatter
+from gpipe_microbatch import Batch, NoChunk, scatter
 from gpipe_microbatch import labels as microbatch_labels
+from gpipe_microbatch._values import values_of, with_values
 
 from ..schedule._schedules import GPipeSchedule, Schedule, get_schedule
 from ..transport._agreement import Fields, run_fields
@@ -42,7 +43,6 @@ __all__ = [
     "check_reduction",
     "first_call",
     "forward_inputs",
-    "items",
     "positional",
     "step_inputs",
     "tensor_of",
@@ -58,25 +58,6 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return batch.with_tensors(tensor.to(device) for tensor in batch)
 
 
-def items(value: object) -> tuple[object, ...]:
-    """The values of a mini-batch: the elements of a tuple, the values of a mapping, or the
-    value itself."""
-    if isinstance(value, tuple):
-        return value
-    if isinstance(value, Mapping):
-        return tuple(value.values())
-    return (value,)
-
-
-def remade(value: object, values: Sequence[object]) -> object:
-    """``value`` (a tuple, a mapping or one value) with ``values`` as its :func:`items`."""
-    if isinstance(value, tuple):
-        return make_tuple(type(value), values)
-    if isinstance(value, Mapping):
-        return make_value(mapping_kind(value), values)
-    return values[0]
-
-
 def tensor_of(item: object) -> torch.Tensor | None:
     """The tensor an element of a mini-batch passes to the layers (NoChunk unwrapped)."""
     if isinstance(item, NoChunk):
@@ -88,7 +69,7 @@ def batch_sizes(value: object, batches: Sequence[Batch]) -> list[int]:
     """The number of samples in each micro-batch of ``value`` (the length of the first
     tensor that :func:`~gpipe_microbatch.scatter` split)."""
     index = 0
-    for item in items(value):
+    for item in values_of(value):
         if isinstance(item, torch.Tensor):
             break
         index += isinstance(item, NoChunk)
@@ -173,7 +154,7 @@ def check_input_device(
     if not devices:
         return
     expected = devices[0]
-    for where, item in zip(labels or microbatch_labels(value, what), items(value), strict=True):
+    for where, item in zip(labels or microbatch_labels(value, what), values_of(value), strict=True):
         tensor = tensor_of(item)
         if tensor is not None and tensor.device != expected:
             raise ValueError(
@@ -254,7 +235,7 @@ class Leaves:
     """
 
     def __init__(self, value: object, backward: bool) -> None:
-        values = items(value)
+        values = values_of(value)
         tensors = tuple(t for t in map(tensor_of, values) if t is not None)
         self.originals: tuple[torch.Tensor, ...] = ()
         self.leaves: tuple[torch.Tensor, ...] = ()
@@ -271,7 +252,7 @@ class Leaves:
                 else item
                 for item in values
             )
-            self.value = remade(value, cut)
+            self.value = with_values(value, cut)
 
     def backward(self) -> None:
         pairs = [
