@@ -31,6 +31,8 @@ NAMES = [
     "normalize_device",
     "scatter",
     "use_device",
+    "values_of",
+    "with_values",
 ]
 
 

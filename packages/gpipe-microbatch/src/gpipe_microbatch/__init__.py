@@ -9,7 +9,8 @@ building blocks:
   check what a user passes and what a layer returns; :func:`make_tuple` puts a tuple of
   any type (a namedtuple) back together from its values, and :func:`make_value` a tuple or
   a mapping (a ``dict``, a ``ModelOutput``), whose type and keys a :class:`MappingKind`
-  (a batch's :data:`Kind`) keeps.
+  (a batch's :data:`Kind`) keeps; :func:`values_of` and :func:`with_values` take a
+  mini-batch's values out of a tuple or a mapping and put others back in its place.
 * The checks of a split: :func:`check_module`, :func:`check_balance` and
   :exc:`BalanceError`, shared by the balancing tools and the pipeline.
 * Devices as users name them, shared by the balancing tools and the pipeline:
@@ -41,7 +42,7 @@ from ._nochunk import NoChunk
 from ._phony import get_phony
 from ._scatter import gather, scatter
 from ._threadstate import ThreadState
-from ._values import Kind, TensorOrTensors, labels, make_tuple, make_value
+from ._values import Kind, TensorOrTensors, labels, make_tuple, make_value, values_of, with_values
 
 __all__ = [
     "BalanceError",
@@ -67,4 +68,6 @@ __all__ = [
     "normalize_device",
     "scatter",
     "use_device",
+    "values_of",
+    "with_values",
 ]

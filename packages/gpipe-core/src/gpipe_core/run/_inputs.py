@@ -22,9 +22,8 @@ from typing import Any, NamedTuple
 import torch
 
 from gpipe_checkpoint import is_checkpointing, is_recomputing
-from gpipe_microbatch import Batch, NoChunk, scatter
+from gpipe_microbatch import Batch, NoChunk, scatter, values_of, with_values
 from gpipe_microbatch import labels as microbatch_labels
-from gpipe_microbatch._values import values_of, with_values
 
 from ..schedule._schedules import GPipeSchedule, Schedule, get_schedule
 from ..transport._agreement import Fields, run_fields
