@@ -32,6 +32,7 @@ from ._pieces import (
     shifted_count,
     shifted_total,
 )
+from ._weights import save_weights
 
 __all__ = ["CausalLMPipe", "pipeline", "sequence"]
 
@@ -140,15 +141,23 @@ class CausalLMPipe(GPipe):
     :class:`~gpipe_core.GPipe` whose step takes ``labels`` and trains to the model's own
     loss."""
 
+    _group: dist.ProcessGroup | None
+    """The ranks of the pipeline (its ``group``; None: one process), which
+    :meth:`save_pretrained` writes across."""
+    _data_group: dist.ProcessGroup | None
+    """The pipeline's replicas (its ``data_group``), of which the first writes in
+    :meth:`save_pretrained`."""
+
     def __init__(
         self, layout: Layout, module: nn.Sequential, balance: list[int], **options: Any
     ) -> None:
         # Before GPipe's constructor, which asks for the names (see _renaming).
         self.__dict__["_layout"] = layout
         self.__dict__["_names"] = ModelNames(layout)
-        self.__dict__["_groups"] = (options.get("group"), options.get("data_group"))
         self.__dict__["_honoured"] = _honoured(layout)
         super().__init__(module, balance, **options)
+        self._group = options.get("group")
+        self._data_group = options.get("data_group")
         _free_remote(module, [piece for partition in self._partition_list() for piece in partition])
         #: The model's loss: the next-token cross entropy, averaged over the non-ignored
         #: labels of the whole mini-batch.
@@ -165,9 +174,7 @@ class CausalLMPipe(GPipe):
         ``AutoModelForCausalLM.from_pretrained(path)`` and :func:`from_pretrained` load:
         called on every rank of the pipeline's ``group`` (a collective), each writes its
         own tensors; see :func:`gpipe_transformers.save_pretrained`."""
-        from ._pretrained import save_pretrained
-
-        save_pretrained(self, path)
+        save_weights(self, self.causal_lm, path, self._group, self._data_group)
 
     def _renaming(self) -> ModelNames:
         names: ModelNames = self.__dict__["_names"]
