@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import graphlib
 from pathlib import Path
 
 import gpipe_transformers
@@ -39,15 +40,7 @@ def test_modules_make_no_import_circle() -> None:
         }
         for name, path in modules.items()
     }
-    done: set[str] = set()
-
-    def visit(module: str, trail: tuple[str, ...]) -> None:
-        assert module not in trail, f"import circle: {' -> '.join((*trail, module))}"
-        if module in done:
-            return
-        for target in sorted(edges[module]):
-            visit(target, (*trail, module))
-        done.add(module)
-
-    for module in sorted(edges):
-        visit(module, ())
+    try:
+        graphlib.TopologicalSorter(edges).prepare()
+    except graphlib.CycleError as error:
+        raise AssertionError(f"import circle: {' -> '.join(reversed(error.args[1]))}") from None
