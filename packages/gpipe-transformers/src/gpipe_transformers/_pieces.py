@@ -157,13 +157,14 @@ class Embed(nn.Module):
         for name in names:
             self.add_module(name, base._modules[name])
         # The base model and its layers are not this module's children: the pipeline
-        # holds each layer once, in its Decoder.
+        # holds each layer once, in its Decoder. Set through __dict__, so that
+        # nn.Module's __setattr__ does not register the base model as a child.
         layers = base._modules[layers_name]
         assert isinstance(layers, nn.ModuleList)
         self.__dict__["_base"] = base
-        self.__dict__["_layers"] = list(layers)
-        self.__dict__["_layers_name"] = layers_name
-        self.__dict__["_tail"] = tail
+        self._layers = list(layers)
+        self._layers_name = layers_name
+        self._tail = tail
 
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, object]:
         keep = kwargs.pop(KEEP, None)  # the causal LM's, for the head
@@ -264,9 +265,11 @@ class Head(nn.Module):
             self.add_module(name, base._modules[name])
         for name in head:
             self.add_module(name, model._modules[name])
+        # The model is not this module's child (it holds the pipeline's pieces' modules):
+        # set through __dict__, so that nn.Module's __setattr__ does not register it.
         self.__dict__["_model"] = model
-        self.__dict__["_base_name"] = base_name
-        self.__dict__["_tail"] = tail
+        self._base_name = base_name
+        self._tail = tail
 
     def forward(self, carry: object) -> Tensor:
         hidden = carry[HIDDEN] if isinstance(carry, Mapping) else carry

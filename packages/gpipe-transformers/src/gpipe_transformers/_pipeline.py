@@ -32,6 +32,7 @@ from ._pieces import (
     shifted_count,
     shifted_total,
 )
+from ._weights import save_weights
 
 __all__ = ["CausalLMPipe", "pipeline", "sequence"]
 
@@ -140,15 +141,30 @@ class CausalLMPipe(GPipe):
     :class:`~gpipe_core.GPipe` whose step takes ``labels`` and trains to the model's own
     loss."""
 
+    _layout: Layout
+    """Where the model's modules are (:func:`~._layout.find_layout`)."""
+    _names: ModelNames
+    """The model's own names of the sequence's keys (what :meth:`_renaming` gives)."""
+    _honoured: frozenset[str]
+    """The keywords the pipeline passes on to the base model's forward."""
+    _group: dist.ProcessGroup | None
+    """The ranks of the pipeline (its ``group``; None: one process), which
+    :meth:`save_pretrained` writes across."""
+    _data_group: dist.ProcessGroup | None
+    """The pipeline's replicas (its ``data_group``), of which the first writes in
+    :meth:`save_pretrained`."""
+
     def __init__(
         self, layout: Layout, module: nn.Sequential, balance: list[int], **options: Any
     ) -> None:
-        # Before GPipe's constructor, which asks for the names (see _renaming).
+        # Before GPipe's constructor, which asks for the names and the fields the ranks
+        # agree on (_renaming, _agreed_fields, which read them).
         self.__dict__["_layout"] = layout
         self.__dict__["_names"] = ModelNames(layout)
-        self.__dict__["_groups"] = (options.get("group"), options.get("data_group"))
-        self.__dict__["_honoured"] = _honoured(layout)
         super().__init__(module, balance, **options)
+        self._honoured = _honoured(layout)
+        self._group = options.get("group")
+        self._data_group = options.get("data_group")
         _free_remote(module, [piece for partition in self._partition_list() for piece in partition])
         #: The model's loss: the next-token cross entropy, averaged over the non-ignored
         #: labels of the whole mini-batch.
@@ -158,25 +174,22 @@ class CausalLMPipe(GPipe):
     def causal_lm(self) -> nn.Module:
         """The causal LM this pipeline trains; its modules are the pipeline's, so in one
         process its own ``save_pretrained`` writes the trained weights."""
-        return self.__dict__["_layout"].model  # type: ignore[no-any-return]
+        return self._layout.model
 
     def save_pretrained(self, path: str | os.PathLike[str]) -> None:
         """Write the trained model to the directory ``path`` in its own format, which
         ``AutoModelForCausalLM.from_pretrained(path)`` and :func:`from_pretrained` load:
         called on every rank of the pipeline's ``group`` (a collective), each writes its
         own tensors; see :func:`gpipe_transformers.save_pretrained`."""
-        from ._pretrained import save_pretrained
-
-        save_pretrained(self, path)
+        save_weights(self, self.causal_lm, path, self._group, self._data_group)
 
     def _renaming(self) -> ModelNames:
-        names: ModelNames = self.__dict__["_names"]
-        return names
+        return self._names
 
     def _agreed_fields(self) -> tuple[tuple[str, object], ...]:
         # Said by the configuration's name, before the ties it makes (which the ranks
         # agree on too, by the model's names).
-        config = self.__dict__["_layout"].model.config
+        config = self._layout.model.config
         tie = getattr(config, "tie_word_embeddings", None)
         return (("the model's config.tie_word_embeddings", tie),)
 
@@ -186,6 +199,8 @@ class CausalLMPipe(GPipe):
         except AttributeError:
             # The model's own children (``pipe.model``, ``pipe.lm_head``), so that its
             # names resolve on the pipeline: ``pipe.get_parameter("lm_head.weight")``.
+            # Read from __dict__: this runs for any name not found, before _layout is
+            # set too (a copy being made), where self._layout would call it again.
             layout = self.__dict__.get("_layout")
             if layout is not None and not name.startswith("_") and name in layout.model._modules:
                 return layout.model._modules[name]
@@ -250,7 +265,7 @@ class CausalLMPipe(GPipe):
     def _checked(self, keywords: dict[str, Any], method: str) -> dict[str, Any]:
         """``keywords`` as the pipeline passes them on, or the refusal of one it does
         not honour: a tensor ``logits_to_keep`` of positions is every micro-batch's."""
-        honoured: frozenset[str] = self.__dict__["_honoured"]
+        honoured = self._honoured
         passed: dict[str, Any] = {}
         for name, value in keywords.items():
             if name in honoured or (method == "step" and name in _STEP):
@@ -274,7 +289,7 @@ class CausalLMPipe(GPipe):
                     f"model's own loss ({name} given to forward)"
                 )
             else:
-                layout: Layout = self.__dict__["_layout"]
+                layout = self._layout
                 raise TypeError(
                     f"{name} is not a keyword a pipeline of {type(layout.model).__name__} "
                     f"honours: it takes those of {type(layout.base).__name__}.forward "

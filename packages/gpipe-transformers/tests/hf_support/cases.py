@@ -119,20 +119,20 @@ def from_pretrained_exact(rank: int, world: int, *, folder: str, family: str) ->
     scales), and the checkpoint keys it read."""
     from transformers import AutoModelForCausalLM
 
-    from gpipe_transformers import _pretrained, from_pretrained
+    from gpipe_transformers import _weights, from_pretrained
 
     read: list[str] = []
-    reader = _pretrained._Checkpoint.read
+    reader = _weights.WeightFiles.read
 
     def reading(self: Any, key: str) -> torch.Tensor:
         read.append(key)
         return reader(self, key)
 
-    _pretrained._Checkpoint.read = reading  # type: ignore[method-assign]
+    _weights.WeightFiles.read = reading  # type: ignore[method-assign]
     try:
         pipe = from_pretrained(folder, chunks=2, group=dist.group.WORLD)
     finally:
-        _pretrained._Checkpoint.read = reader  # type: ignore[method-assign]
+        _weights.WeightFiles.read = reader  # type: ignore[method-assign]
     loaded = AutoModelForCausalLM.from_pretrained(folder)
     loaded.train()
     data = batch(1, size=8)
