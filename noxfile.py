@@ -49,6 +49,10 @@ TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6"]
 PLOT = "matplotlib>=3.6"
 
 nox.options.sessions = ["tests", "lint", "typecheck", "docs", "build"]
+# Two sessions at a time, each in a process of its own (the default sessions allow it; the
+# demo and the benchmarks run alone): the test suite's processes keep about one core busy,
+# and this machine has two. The test cells come first, the longest sessions.
+nox.options.parallel = 2
 nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
 # Never fetch interpreters from the network (newer nox downloads missing ones by default).
@@ -76,9 +80,12 @@ def _expose_pyenv_interpreters() -> None:
             continue
         links.mkdir(parents=True, exist_ok=True)
         link = links / f"python{python}"
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(candidates[-1])
+        # Made beside it and moved over it, so that two nox processes started at once
+        # (.ci/run starts two) never see it missing or fail to make it.
+        made = links / f".python{python}.{os.getpid()}"
+        made.unlink(missing_ok=True)
+        made.symlink_to(candidates[-1])
+        os.replace(made, link)
     if links.is_dir():
         os.environ["PATH"] = os.pathsep.join([str(links), os.environ.get("PATH", "")])
 
@@ -399,6 +406,19 @@ def select_packages(args: list[str]) -> tuple[list[Package], list[str]]:
     return [p for p in packages if p.name in chosen] or list(packages), rest
 
 
+#: The packages whose tests run with every torch of the matrix; the others' run with
+#: DEV_TORCH only. A second torch tests what depends on torch's version: these packages call
+#: torch's private or version-dependent APIs, the others only its public tensor and module
+#: API (gpipe-skip, gpipe-bn, gpipe-balance) or transformers' (gpipe-transformers, whose
+#: torch calls are public ones). gpipe-microbatch: the saved-tensor hooks of the thread
+#: state (torch._C._autograd); gpipe-checkpoint: autograd's checkpoint validity and the
+#: generators' states; gpipe-core: autograd's graph nodes and saved tensors (the split
+#: backward, torch's checkpoint), torch.distributed's point-to-point and groups, and its
+#: cluster tests on the other payload channel (see payload_modes); gpipe: torch's elastic
+#: agent and torchrun, which start the demo's processes.
+EVERY_TORCH = ("gpipe-microbatch", "gpipe-checkpoint", "gpipe-core", "gpipe")
+
+
 def payload_modes(torch: str) -> dict[str, str]:
     """The payload channel gpipe-core's cluster tests run on in a cell, so that a CI run
     tests each channel once: the tagged one (gloo's default) with DEV_TORCH, the strict one
@@ -409,14 +429,16 @@ def payload_modes(torch: str) -> dict[str, str]:
     return {"GPIPE_TEST_PAYLOADS": "tagged" if torch == DEV_TORCH else "strict"}
 
 
-@nox.session
+@nox.session(allow_parallel=True)
 @nox.parametrize("torch", TORCH_VERSIONS)
 @nox.parametrize("python", PYTHONS)
 def tests(session: nox.Session, torch: str) -> None:
     """Each package's tests and docstring examples, with only its own dependency closure installed.
 
-    Arguments after ``--`` that name packages (``gpipe-skip``, ``gpipe_skip`` or
-    ``packages/gpipe-skip``) choose whose tests run; the others go to pytest. A cell without
+    With DEV_TORCH, every package's; with another torch, those of EVERY_TORCH (what a second
+    torch tests), unless packages are named. Arguments after ``--`` that name packages
+    (``gpipe-skip``, ``gpipe_skip`` or ``packages/gpipe-skip``) choose whose tests run; the
+    others go to pytest. A cell without
     its torch is skipped with the reason, except those of Python 3.11 (DEV_PYTHON), whose
     torch this machine holds: they fail, so that the run cannot pass without testing it.
     """
@@ -424,6 +446,9 @@ def tests(session: nox.Session, torch: str) -> None:
         chosen, pytest_args = select_packages(list(session.posargs))
     except ValueError as error:
         session.error(str(error))
+    if torch != DEV_TORCH and len(chosen) == len(discover_packages()):
+        # What another torch tests (see EVERY_TORCH); packages named after -- run anyway.
+        chosen = [p for p in chosen if p.name in EVERY_TORCH]
     install_torch(session, torch, skip=session.python != DEV_PYTHON)
     session.install(*TEST_DEPS)
     for package in chosen:
@@ -455,7 +480,7 @@ def tests(session: nox.Session, torch: str) -> None:
     uninstall_gpipe(session)
 
 
-@nox.session
+@nox.session(allow_parallel=True)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the repository."""
     session.install(RUFF)
@@ -463,7 +488,7 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session(python=DEV_PYTHON)
+@nox.session(python=DEV_PYTHON, allow_parallel=True)
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on every package's source tree (one run over all of them)."""
     install_torch(session, DEV_TORCH)
@@ -480,7 +505,7 @@ def typecheck(session: nox.Session) -> None:
     )
 
 
-@nox.session(python=DEV_PYTHON)
+@nox.session(python=DEV_PYTHON, allow_parallel=True)
 def docs(session: nox.Session) -> None:
     """Sphinx HTML build (warnings and unresolved references are errors); the pages' examples."""
     install_torch(session, DEV_TORCH)
@@ -499,7 +524,7 @@ def docs(session: nox.Session) -> None:
     )  # fmt: skip
 
 
-@nox.session(python=DEV_PYTHON)
+@nox.session(python=DEV_PYTHON, allow_parallel=True)
 def build(session: nox.Session) -> None:
     """Build every package into dist/; check the READMEs' install commands in a fresh venv.
 

@@ -5,12 +5,14 @@ mode, in one process."""
 from __future__ import annotations
 
 import copy
+from typing import get_args
 
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from gpipe_core import CheckpointMode
 from gpipe_transformers import pipeline
 from hf_support.models import (
     FAMILIES,
@@ -23,6 +25,8 @@ from hf_support.models import (
 
 pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
 TOLERANCE = 1e-10
+#: Every checkpoint mode of the pipeline.
+MODES: tuple[str, ...] = get_args(CheckpointMode)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -42,7 +46,7 @@ def test_step_and_logits_equal_the_models(family: str, attn: str) -> None:
     assert (out - logits).abs().max().item() < TOLERANCE
 
 
-@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("checkpoint", MODES)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"])
 def test_every_schedule_and_checkpoint_mode(schedule: str, checkpoint: str) -> None:
     built = model("llama", layers=4)
@@ -67,7 +71,7 @@ def test_every_schedule_and_checkpoint_mode(schedule: str, checkpoint: str) -> N
     data=st.data(),
     chunks=st.integers(1, 6),
     schedule=st.sampled_from(["gpipe", "1f1b"]),
-    checkpoint=st.sampled_from(["always", "except_last", "never"]),
+    checkpoint=st.sampled_from(MODES),
     tie=st.booleans(),
     attn=st.sampled_from(["eager", "sdpa"]),
     seed=st.integers(0, 2**16),

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from torch.distributed import TCPStore
 
 # -- several processes ---------------------------------------------------------------------
 
@@ -35,10 +36,14 @@ def load_cases() -> ModuleType:
     return module
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def meeting_store() -> TCPStore:
+    """A store on 127.0.0.1 and a port of its own, hosted by the test's process, where a
+    cluster's ranks meet (each opens it as a client: ``join_store`` in
+    ``distributed_cases.py``)."""
+    return TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=120),
+    )  # fmt: skip
 
 
 class RankFailed(AssertionError):
@@ -65,7 +70,10 @@ class Cluster:
         self.timeout = timeout
         self.payloads = payloads
         self.cases = load_cases()
-        port = _free_port()
+        #: The ranks meet at this store, which holds its port from the start (a port picked
+        #: free and then released could be taken by another run's ranks in between).
+        self.store = meeting_store()
+        port = self.store.port
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env["GPIPE_STRICT_PAYLOADS"] = "1" if payloads == "strict" else "0"
         # The script imports core_support, as the tests do.

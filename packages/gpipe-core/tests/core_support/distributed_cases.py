@@ -1739,6 +1739,13 @@ CASES: dict[str, Callable[..., Any]] = {
 }
 
 
+def join_store(port: int, seconds: float) -> dist.TCPStore:
+    """The store the test's process holds (``meeting_store`` in cluster.py), as a client."""
+    return dist.TCPStore(
+        "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=seconds)
+    )
+
+
 def main() -> None:
     rank, world, port = (int(arg) for arg in sys.argv[1:4])
     torch.set_num_threads(1)
@@ -1746,7 +1753,7 @@ def main() -> None:
     sys.stdout = sys.stderr  # prints must not mix with the replies
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        store=join_store(port, 60),
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=60),

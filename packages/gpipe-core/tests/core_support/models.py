@@ -14,16 +14,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from gpipe_core import CheckpointMode
 from gpipe_skip import Namespace, pop, skippable, stash
 
 #: Every checkpoint mode of GPipe.
-MODES = ("always", "except_last", "never")
+MODES: tuple[str, ...] = get_args(CheckpointMode)
 
 #: Every built-in schedule as a test runs it on four partitions: (schedule, placement),
 #: one partition per worker where the placement is None, two per worker otherwise (on

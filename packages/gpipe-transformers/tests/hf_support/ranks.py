@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,17 +30,13 @@ import traceback
 from pathlib import Path
 from typing import IO, Any
 
+from torch.distributed import TCPStore
+
 TESTS = Path(__file__).resolve().parent.parent
 
 
 class RankFailed(AssertionError):
     """A rank raised, or did not answer in time."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class _Ranks:
@@ -52,7 +48,13 @@ class _Ranks:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
         self.folder = tempfile.TemporaryDirectory()
         self.logs = [Path(self.folder.name, f"rank{rank}.log") for rank in range(world)]
-        port = _free_port()
+        # The ranks meet at a store that holds its port from the start (a port picked free
+        # and then released could be taken by another run's ranks in between).
+        self.store = TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=120),
+        )  # fmt: skip
+        port = self.store.port
         self.processes: list[subprocess.Popen[bytes]] = []
         for rank, log in enumerate(self.logs):
             with log.open("wb") as stderr:
@@ -146,16 +148,17 @@ def _main() -> None:
     requests: IO[bytes] = sys.stdin.buffer
     replies: IO[bytes] = sys.stdout.buffer
     sys.stdout = sys.stderr  # prints must not mix with the replies
-    import datetime
-
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     seed = torch.initial_seed()
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120)
+    )
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        store=store,
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=120),
