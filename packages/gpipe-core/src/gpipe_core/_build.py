@@ -15,12 +15,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import cast
 
-import torch
 from torch import nn
 
 from gpipe_bn import DeferredBatchNorm, convert_deferred_batch_norm
-from gpipe_checkpoint import is_checkpointing, is_recomputing
-from gpipe_microbatch import ThreadState
 from gpipe_skip import SkipLayout, inspect_skip_layout
 
 from ._arguments import Arguments, CheckpointMode, check_construction, check_data_group_devices
@@ -30,12 +27,7 @@ from ._placement import Placement
 from ._sequential import PipeSequential
 from ._shared import SharedReplicas, Ties, find_shared
 from ._state_dict import Renaming, shown
-from .run._description import RunDescription
-from .run._draws import SelfCheckpointing, draws_nothing
-from .run._inputs import RunInputs
-from .run._partition_run import nested
-from .schedule._schedules import step_actions
-from .trace._tracing import Tracer
+from .run._draws import SelfCheckpointing
 from .transport._agreement import Construction, layer_fields
 from .transport._data_parallel import Replicas
 from .transport._transport import Fields
@@ -72,62 +64,6 @@ class Configuration:
     shared: SharedReplicas
     #: Which partitions checkpoint themselves, as the runs learn it.
     self_checkpointing: SelfCheckpointing = field(default_factory=SelfCheckpointing)
-
-    def describe(
-        self,
-        given: RunInputs,
-        *,
-        training: bool,
-        grad: bool,
-        autograd_backward: bool,
-        tracer: Tracer | None,
-    ) -> RunDescription:
-        """The run of ``given`` (a forward's or a step's inputs), in ``training`` mode with
-        ``grad`` mode (autograd history recorded), whose backward pass autograd drives
-        (``autograd_backward``: a forward) or the partitions' runs (a step).
-
-        A pipeline nested in a checkpointed partition runs in the calling thread: the
-        outer recomputation must replay its random draws in the same order, and its
-        workers would wait forever for a generator lock the calling thread holds.
-        """
-        m, placement = len(given.sizes), self.placement
-        backward = grad and not autograd_backward
-        actions = step_actions(
-            given.schedule, m, len(self.partitions), backward, placement.placement
-        )
-        with torch.set_grad_enabled(grad):
-            state = ThreadState.capture()
-        # In eval mode a forward's output still has a graph (when grad mode is on);
-        # nothing is checkpointed.
-        stops = {"always": m, "except_last": m - 1, "never": 0}
-        checkpoint_stop = stops[self.checkpoint] if training and grad else 0
-        local = [p if placement.local[j] else None for j, p in enumerate(self.partitions)]
-        # Only a run that records autograd history has a backward pass that may replay.
-        drawless = [grad and p is not None and draws_nothing(p) for p in local]
-        replays = checkpoint_stop > 0 or (
-            grad and self.self_checkpointing.may_replay(local, drawless)
-        )
-        return RunDescription(
-            given.batches, actions, m, grad,
-            checkpoint_stop=checkpoint_stop,
-            autograd_backward=autograd_backward,
-            loss=given.loss,
-            unpack_input=given.unpack,
-            input_keywords=given.keywords,
-            unpacks=self.unpacks,
-            skip_layout=self.skip_layout,
-            placement=placement.placement,
-            threaded=placement.threaded(nested() or is_checkpointing() or is_recomputing()),
-            intra_op_threads=self.intra_op_threads,
-            state=state,
-            tracer=tracer,
-            partitions=local,
-            devices=placement.devices,
-            deferred_batch_norm=self.deferred_batch_norm,
-            drawless=drawless,
-            replays=replays,
-            self_checkpointing=self.self_checkpointing if grad else None,
-        )  # fmt: skip
 
 
 def build(

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpipe_microbatch import Batch, Device
+from gpipe_microbatch import Device
 from gpipe_skip import SkipLayout
 
 from ._arguments import Arguments, CheckpointMode
@@ -37,13 +37,13 @@ from ._moves import FixedDevices
 from ._placement import DEFAULT_TIMEOUT, construction_for
 from ._state_dict import PartitionKeys, map_keys
 from ._stream import AbstractStream
-from .run._inputs import UNSET, RunInputs, forward_inputs, step_inputs
+from .run._inputs import UNSET
 from .run._losses import Losses, LossFunction, Reduction, from_numbers, to_numbers
-from .run._run import execute, gather_output
+from .run._run import run_forward, run_step
 from .run._worker import WorkerPool
 from .schedule._schedules import Schedule
 from .trace._timeline import Timeline
-from .trace._tracing import record, tracer_for
+from .trace._tracing import record
 
 __all__ = ["GPipe"]
 
@@ -387,28 +387,7 @@ class GPipe(FixedDevices, Collectives):
                     "step(input, target, loss_fn), which runs every backward pass "
                     f"(training: {self.training}, grad enabled: {torch.is_grad_enabled()})"
                 )
-            placement, n = self._placement, len(self.partitions)
-            given = forward_inputs(
-                inputs, keywords, self.chunks, self.devices,
-                placement.share_plan,
-                training=self.training, first=placement.is_local(0),
-            )  # fmt: skip
-            if not n:
-                return given.output  # an empty nn.Sequential is the identity
-            outputs = self._run(given, torch.is_grad_enabled(), autograd_backward=True)
-            # The output is on the last partition's rank.
-            return gather_output(outputs, n - 1) if placement.is_local(-1) else None
-
-    def _run(self, given: RunInputs, grad: bool, *, autograd_backward: bool) -> list[Batch | None]:
-        """Run ``given`` over the partitions (see :mod:`gpipe_core.run._run`), described once
-        (:meth:`~gpipe_core._build.Configuration.describe`)."""
-        tracer = tracer_for(self, len(given.sizes))
-        description = self._config.describe(
-            given, training=self.training, grad=grad, autograd_backward=autograd_backward,
-            tracer=tracer,
-        )  # fmt: skip
-        transport = self._placement.transport()
-        return execute(description, transport, self._pool, self._copy_streams, self)
+            return run_forward(self._config, self, self._pool, self._copy_streams, inputs, keywords)
 
     def step(
         self,
@@ -546,21 +525,12 @@ class GPipe(FixedDevices, Collectives):
             # lands in the run, which every rank then ends.
             backward = torch.is_grad_enabled()  # in eval mode too, as autograd does
             before = self._config.shared.gradients() if backward else None
-            placement = self._placement
-            given = step_inputs(
-                inputs, keywords, target, loss_fn, schedule, reduction,
-                chunks=self.chunks, devices=self.devices,
-                share=placement.share_plan, training=self.training,
-                ends=(placement.is_local(0), placement.is_local(-1)),
-                count_mean=self._config.replicas.mean_on(self.devices),
+            losses = run_step(
+                self._config, self, self._pool, self._copy_streams, inputs, keywords,
+                target, loss_fn, schedule, reduction, self._config.replicas.mean_on(self.devices),
             )  # fmt: skip
-            if not self.partitions:
-                given.identity()
-            else:
-                self._run(given, backward, autograd_backward=False)
-            losses = given.end()
             if before is not None:
-                self._config.shared.sum_gradients(before, placement.transport().exchange)
+                self._config.shared.sum_gradients(before, self._placement.transport().exchange)
             if losses is not None:
                 session.payload = functools.partial(to_numbers, losses)
         if losses is not None:

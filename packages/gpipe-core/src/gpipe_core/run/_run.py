@@ -1,34 +1,251 @@
-"""A run executed on this process: the partitions' runs made from its description, the
-transport prepared, the runner called.
+"""A run of the pipeline, assembled in one place: :func:`run_forward` and :func:`run_step`
+parse and check the call's inputs (sharing the plan across ranks), describe the run and
+execute it on this process.
 
-This module owns what happens on this process between a run's description
-(:class:`~gpipe_core.run._description.RunDescription`) and its outputs: a
-:class:`~gpipe_core.run._partition_run.PartitionRun` per partition of this process, the
-copy streams of each partition (kept across runs), the deferred batch norms' mini-batch, and
-a cancelled run (another rank failed) raised as such. It must not know how the description
-was made, nor which transport carries the messages.
+This module owns what happens on this process between a call of ``GPipe.forward`` or
+``GPipe.step`` (inside the run's session, which the caller opens) and its outputs or losses:
+the run's description (:func:`describe`:
+:class:`~gpipe_core.run._description.RunDescription`), a
+:class:`~gpipe_core.run._partition_run.PartitionRun` per partition of this process, the copy
+streams of each partition (kept across runs), the deferred batch norms' mini-batch, and a
+cancelled run (another rank failed) raised as such. It knows the pipeline only through
+:class:`Pipeline` and where its partitions run through :class:`Topology`, and must not know
+which transport carries the messages.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from typing import cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
 
 from gpipe_bn import mini_batch
-from gpipe_microbatch import Batch, gather
+from gpipe_checkpoint import is_checkpointing, is_recomputing
+from gpipe_microbatch import Batch, ThreadState, gather
+from gpipe_skip import SkipLayout
 
 from .._stream import AbstractStream, current_stream, new_stream
-from ..transport._transport import Cancelled, Transport
+from ..schedule._schedules import Schedule, step_actions
+from ..trace._tracing import Tracer, tracer_for
+from ..transport._agreement import Fields
+from ..transport._transport import Cancelled, Plan, Transport
 from ._description import RunDescription
-from ._partition_run import PartitionRun
+from ._draws import SelfCheckpointing, draws_nothing
+from ._inputs import CountMean, RunInputs, forward_inputs, step_inputs
+from ._losses import Losses, Reduction
+from ._partition_run import PartitionRun, nested
 from ._runner import run
 from ._worker import WorkerPool
 
-__all__ = ["execute", "gather_output"]
+__all__ = [
+    "Pipeline",
+    "Topology",
+    "describe",
+    "execute",
+    "gather_output",
+    "run_forward",
+    "run_step",
+]
+
+
+class Topology(Protocol):
+    """Where a pipeline's partitions run (:class:`~gpipe_core._placement.Placement` is one):
+    what a run asks of it."""
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """The device of each partition."""
+
+    @property
+    def local(self) -> list[bool]:
+        """Whether each partition runs in this process."""
+
+    @property
+    def placement(self) -> list[int] | None:
+        """The worker of each partition (None: partition ``j`` on worker ``j``)."""
+
+    def is_local(self, j: int) -> bool:
+        """Whether partition ``j`` runs in this process."""
+
+    def threaded(self, nested: bool) -> bool:
+        """Whether the run gives each local partition its worker thread."""
+
+    def transport(self) -> Transport:
+        """What carries the run's messages."""
+
+    def share_plan(self, plan: Plan | None, fields: Fields) -> Plan:
+        """The run's plan, from the first partition's rank to every rank."""
+
+
+class Pipeline(Protocol):
+    """What a run asks of the pipeline it runs (:class:`~gpipe_core._build.Configuration`
+    is one)."""
+
+    @property
+    def chunks(self) -> int:
+        """How many micro-batches a mini-batch is split into."""
+
+    @property
+    def checkpoint(self) -> str:
+        """The checkpoint mode."""
+
+    @property
+    def intra_op_threads(self) -> int | None:
+        """How the workers on the CPU share the caller's intra-op threads."""
+
+    @property
+    def unpacks(self) -> bool:
+        """Whether a tuple between partitions is the next layer's positional arguments."""
+
+    @property
+    def skip_layout(self) -> SkipLayout:
+        """The skip connections."""
+
+    @property
+    def deferred_batch_norm(self) -> bool:
+        """Whether the layers hold deferred batch norms."""
+
+    @property
+    def partitions(self) -> list[nn.Sequential]:
+        """The partitions (another process's are empty)."""
+
+    @property
+    def self_checkpointing(self) -> SelfCheckpointing:
+        """Which partitions checkpoint themselves, as the runs learn it."""
+
+    @property
+    def placement(self) -> Topology:
+        """Where the partitions run."""
+
+
+def describe(
+    pipeline: Pipeline,
+    given: RunInputs,
+    *,
+    training: bool,
+    grad: bool,
+    autograd_backward: bool,
+    tracer: Tracer | None,
+) -> RunDescription:
+    """The run of ``given`` (a forward's or a step's inputs) over ``pipeline``, in
+    ``training`` mode with ``grad`` mode (autograd history recorded), whose backward pass
+    autograd drives (``autograd_backward``: a forward) or the partitions' runs (a step).
+
+    A pipeline nested in a checkpointed partition runs in the calling thread: the outer
+    recomputation must replay its random draws in the same order, and its workers would
+    wait forever for a generator lock the calling thread holds.
+    """
+    m, placement, partitions = len(given.sizes), pipeline.placement, pipeline.partitions
+    backward = grad and not autograd_backward
+    actions = step_actions(given.schedule, m, len(partitions), backward, placement.placement)
+    with torch.set_grad_enabled(grad):
+        state = ThreadState.capture()
+    # In eval mode a forward's output still has a graph (when grad mode is on); nothing is
+    # checkpointed.
+    stops = {"always": m, "except_last": m - 1, "never": 0}
+    checkpoint_stop = stops[pipeline.checkpoint] if training and grad else 0
+    local = [p if placement.local[j] else None for j, p in enumerate(partitions)]
+    # Only a run that records autograd history has a backward pass that may replay.
+    drawless = [grad and p is not None and draws_nothing(p) for p in local]
+    learned = pipeline.self_checkpointing
+    replays = checkpoint_stop > 0 or (grad and learned.may_replay(local, drawless))
+    return RunDescription(
+        given.batches, actions, m, grad,
+        checkpoint_stop=checkpoint_stop,
+        autograd_backward=autograd_backward,
+        loss=given.loss,
+        unpack_input=given.unpack,
+        input_keywords=given.keywords,
+        unpacks=pipeline.unpacks,
+        skip_layout=pipeline.skip_layout,
+        placement=placement.placement,
+        threaded=placement.threaded(nested() or is_checkpointing() or is_recomputing()),
+        intra_op_threads=pipeline.intra_op_threads,
+        state=state,
+        tracer=tracer,
+        partitions=local,
+        devices=placement.devices,
+        deferred_batch_norm=pipeline.deferred_batch_norm,
+        drawless=drawless,
+        replays=replays,
+        self_checkpointing=learned if grad else None,
+    )  # fmt: skip
+
+
+def run_forward(
+    pipeline: Pipeline,
+    module: nn.Module,
+    pool: WorkerPool,
+    copy_streams: list[list[AbstractStream]],
+    inputs: tuple[Any, ...],
+    keywords: Mapping[str, Any],
+) -> object:
+    """``module(*inputs, **keywords)`` (``GPipe.forward``) run over ``pipeline``: the
+    output, gathered on the last partition's process (None on the others)."""
+    placement, n = pipeline.placement, len(pipeline.partitions)
+    given = forward_inputs(
+        inputs, keywords, pipeline.chunks, placement.devices, placement.share_plan,
+        training=module.training, first=placement.is_local(0),
+    )  # fmt: skip
+    if not n:
+        return given.output  # an empty nn.Sequential is the identity
+    grad = torch.is_grad_enabled()
+    outputs = _run(pipeline, module, pool, copy_streams, given, grad, autograd_backward=True)
+    # The output is on the last partition's rank.
+    return gather_output(outputs, n - 1) if placement.is_local(-1) else None
+
+
+def run_step(
+    pipeline: Pipeline,
+    module: nn.Module,
+    pool: WorkerPool,
+    copy_streams: list[list[AbstractStream]],
+    inputs: tuple[Any, ...],
+    keywords: Mapping[str, Any],
+    target: object,
+    loss_fn: object,
+    schedule: str | Schedule,
+    reduction: Reduction | None,
+    count_mean: CountMean,
+) -> Losses | None:
+    """``module.step(...)`` run over ``pipeline``, its backward passes included: the losses
+    on the last partition's process (None on the others)."""
+    placement = pipeline.placement
+    given = step_inputs(
+        inputs, keywords, target, loss_fn, schedule, reduction,
+        chunks=pipeline.chunks, devices=placement.devices, share=placement.share_plan,
+        training=module.training, ends=(placement.is_local(0), placement.is_local(-1)),
+        count_mean=count_mean,
+    )  # fmt: skip
+    if not pipeline.partitions:
+        given.identity()
+    else:
+        grad = torch.is_grad_enabled()  # in eval mode too, as autograd does
+        _run(pipeline, module, pool, copy_streams, given, grad, autograd_backward=False)
+    return given.end()
+
+
+def _run(
+    pipeline: Pipeline,
+    module: nn.Module,
+    pool: WorkerPool,
+    copy_streams: list[list[AbstractStream]],
+    given: RunInputs,
+    grad: bool,
+    *,
+    autograd_backward: bool,
+) -> list[Batch | None]:
+    """Describe the run of ``given`` and execute it (the trace records it if ``module`` is
+    traced)."""
+    description = describe(
+        pipeline, given, training=module.training, grad=grad,
+        autograd_backward=autograd_backward, tracer=tracer_for(module, len(given.sizes)),
+    )  # fmt: skip
+    transport = pipeline.placement.transport()
+    return execute(description, transport, pool, copy_streams, module)
 
 
 def _copy_streams(
