@@ -134,7 +134,9 @@ class LayersModule(nn.Module):
     """A module whose layers are the plain module's, under its names, held by partitions.
 
     A base of :class:`~gpipe_core.GPipe`, which sets the attributes below; what it adds
-    is how the layers run.
+    is how the layers run. Its two hooks, :meth:`_renaming` and :meth:`_agreed_fields`, are
+    a subclass's to override, and GPipe's constructor calls them before any state of its
+    own exists: they read only what the subclass set before calling it (plain attributes).
     """
 
     partitions: nn.ModuleList

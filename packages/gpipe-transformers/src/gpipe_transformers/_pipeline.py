@@ -158,9 +158,10 @@ class CausalLMPipe(GPipe):
         self, layout: Layout, module: nn.Sequential, balance: list[int], **options: Any
     ) -> None:
         # Before GPipe's constructor, which asks for the names and the fields the ranks
-        # agree on (_renaming, _agreed_fields, which read them).
-        self.__dict__["_layout"] = layout
-        self.__dict__["_names"] = ModelNames(layout)
+        # agree on (its hooks _renaming and _agreed_fields read them): plain attributes,
+        # which a module takes before its constructor.
+        self._layout = layout
+        self._names = ModelNames(layout)
         super().__init__(module, balance, **options)
         self._honoured = _honoured(layout)
         self._group = options.get("group")
