@@ -59,7 +59,7 @@ from ._simulate import columns, idle_share, simulate
 
 __all__ = [
     "GPipeSchedule",
-    "Interleaved1F1BSchedule",
+    "InterleavedOneFOneBSchedule",
     "OneFOneBSchedule",
     "Schedule",
     "ZeroBubbleH1Schedule",
@@ -300,7 +300,7 @@ def _interleaved(
     return lists
 
 
-class Interleaved1F1BSchedule(Schedule):
+class InterleavedOneFOneBSchedule(Schedule):
     """Interleaved 1F1B (Megatron-LM's): each of ``W`` workers runs ``v`` partitions of a
     loop placement (partition ``j`` on worker ``j % W``).
 
@@ -315,7 +315,7 @@ class Interleaved1F1BSchedule(Schedule):
     last round is slower than 1F1B): other numbers raise :class:`~gpipe_core.ScheduleError`.
 
     Example:
-        >>> lists = Interleaved1F1BSchedule().worker_actions(2, 4, placement=[0, 1, 0, 1])
+        >>> lists = InterleavedOneFOneBSchedule().worker_actions(2, 4, placement=[0, 1, 0, 1])
         >>> [" ".join(str(a) for a in actions) for actions in lists]
         ['0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1', '1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1']
     """
@@ -422,7 +422,7 @@ _SCHEDULES: dict[str, type[Schedule]] = {
     for schedule_type in (
         GPipeSchedule,
         OneFOneBSchedule,
-        Interleaved1F1BSchedule,
+        InterleavedOneFOneBSchedule,
         ZeroBubbleH1Schedule,
         ZeroBubbleVSchedule,
     )
