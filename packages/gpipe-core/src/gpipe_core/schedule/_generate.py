@@ -140,34 +140,34 @@ def _v_worker(m: int, worker_count: int, w: int) -> list[Action]:
     forwards, inputs = [0, 0], [0, 0]  # how many have run, down and up
     actions: list[Action] = []
 
-    def run(kind: Phase, side: int) -> None:
+    def add(kind: Phase, side: int) -> None:
         done = forwards if kind is Phase.FORWARD else inputs
         actions.append(Action(kind, done[side], partitions[side]))
         done[side] += 1
 
     for _ in range(min(2 * (worker_count - w) - 1, m)):
-        run(Phase.FORWARD, 0)
+        add(Phase.FORWARD, 0)
     for _ in range(w):
         if forwards[1] < m:
-            run(Phase.FORWARD, 1)
+            add(Phase.FORWARD, 1)
         if forwards[0] < m:
-            run(Phase.FORWARD, 0)
+            add(Phase.FORWARD, 0)
     for _ in range(worker_count - w):
         if forwards[1] < min(forwards[0], m):
-            run(Phase.FORWARD, 1)
-            run(Phase.INPUT_GRADIENT, 1)
+            add(Phase.FORWARD, 1)
+            add(Phase.INPUT_GRADIENT, 1)
     while inputs[0] < m or inputs[1] < m:
         before = len(actions)
         if forwards[0] < m:
-            run(Phase.FORWARD, 0)
+            add(Phase.FORWARD, 0)
         if inputs[0] < inputs[1]:
-            run(Phase.INPUT_GRADIENT, 0)
+            add(Phase.INPUT_GRADIENT, 0)
         if forwards[1] < forwards[0]:
-            run(Phase.FORWARD, 1)
+            add(Phase.FORWARD, 1)
         if inputs[1] < forwards[1]:
-            run(Phase.INPUT_GRADIENT, 1)
+            add(Phase.INPUT_GRADIENT, 1)
         elif inputs[0] < inputs[1]:
-            run(Phase.INPUT_GRADIENT, 0)
+            add(Phase.INPUT_GRADIENT, 0)
         if len(actions) == before:  # a bug, never a loop without end
             raise AssertionError(
                 f"ZB-V's order is stuck on worker {w} (m={m}, workers={worker_count})"
