@@ -235,7 +235,7 @@ class OneFOneBSchedule(Schedule):
         return [_one_f_one_b(forwards, backwards, partitions - j - 1) for j in range(partitions)]
 
 
-def _loop_chunks(name: str, partitions: int, placement: Sequence[int] | None) -> int:
+def _loop_per_worker(name: str, partitions: int, placement: Sequence[int] | None) -> int:
     """How many partitions each worker of a loop ``placement`` runs; a clear error if the
     placement is not a loop."""
     placement = place_partitions(placement, partitions)
@@ -248,13 +248,13 @@ def _loop_chunks(name: str, partitions: int, placement: Sequence[int] | None) ->
     return partitions // count
 
 
-def _check_rounds(name: str, microbatches: int, partitions: int, chunks: int) -> None:
+def _check_rounds(name: str, microbatches: int, partitions: int, per_worker: int) -> None:
     """Interleaved 1F1B runs the micro-batches in rounds of one per worker: with several
     partitions per worker, a last round shorter than the others (``m`` more than the
     workers and not a multiple of them) would make it slower than 1F1B on the same
     placement, or deadlock (from four workers), so it is refused."""
-    worker_count = partitions // chunks
-    if chunks > 1 and microbatches > worker_count and microbatches % worker_count:
+    worker_count = partitions // per_worker
+    if per_worker > 1 and microbatches > worker_count and microbatches % worker_count:
         raise ScheduleError(
             f"schedule {name!r} with several partitions per worker needs a number of "
             "micro-batches that is a multiple of the workers, or at most the workers "
@@ -265,12 +265,12 @@ def _check_rounds(name: str, microbatches: int, partitions: int, chunks: int) ->
 
 
 def _interleaved(
-    microbatches: int, partitions: int, chunks: int, split: bool
+    microbatches: int, partitions: int, per_worker: int, split: bool
 ) -> list[list[Action]]:
-    """Interleaved 1F1B over ``partitions // chunks`` workers, each running ``chunks``
+    """Interleaved 1F1B over ``partitions // per_worker`` workers, each running ``per_worker``
     partitions in a loop; the backward passes split into input gradients alone if
     ``split`` (their weight gradients are left to the caller)."""
-    worker_count = partitions // chunks
+    worker_count = partitions // per_worker
     groups = [
         range(start, min(start + worker_count, microbatches))
         for start in range(0, microbatches, worker_count)
@@ -281,20 +281,20 @@ def _interleaved(
         forwards = [
             forward_of(i, c * worker_count + w)
             for group in groups
-            for c in range(chunks)
+            for c in range(per_worker)
             for i in group
         ]
         backwards = [
             Action(kind, i, c * worker_count + w)
             for group in groups
-            for c in reversed(range(chunks))
+            for c in reversed(range(per_worker))
             for i in group
         ]
         # 1F1B's warm-up; interleaved, twice as long, plus a round of the other partitions.
         warmup = (
             worker_count - w - 1
-            if chunks == 1
-            else 2 * (worker_count - w - 1) + (chunks - 1) * worker_count
+            if per_worker == 1
+            else 2 * (worker_count - w - 1) + (per_worker - 1) * worker_count
         )
         lists.append(_one_f_one_b(forwards, backwards, warmup))
     return lists
@@ -329,11 +329,11 @@ class InterleavedOneFOneBSchedule(Schedule):
         self, microbatches: int, partitions: int, placement: Sequence[int] | None = None
     ) -> list[list[Action]]:
         check_sizes(microbatches=microbatches, partitions=partitions)
-        chunks = _loop_chunks(self.name, partitions, placement)
-        if chunks == 1:
+        per_worker = _loop_per_worker(self.name, partitions, placement)
+        if per_worker == 1:
             return self.actions(microbatches, partitions)
-        _check_rounds(self.name, microbatches, partitions, chunks)
-        return _interleaved(microbatches, partitions, chunks, split=False)
+        _check_rounds(self.name, microbatches, partitions, per_worker)
+        return _interleaved(microbatches, partitions, per_worker, split=False)
 
 
 class ZeroBubbleH1Schedule(Schedule):
@@ -368,9 +368,9 @@ class ZeroBubbleH1Schedule(Schedule):
         self, microbatches: int, partitions: int, placement: Sequence[int] | None = None
     ) -> list[list[Action]]:
         check_sizes(microbatches=microbatches, partitions=partitions)
-        chunks = _loop_chunks(self.name, partitions, placement)
-        _check_rounds(self.name, microbatches, partitions, chunks)
-        base = _interleaved(microbatches, partitions, chunks, split=True)
+        per_worker = _loop_per_worker(self.name, partitions, placement)
+        _check_rounds(self.name, microbatches, partitions, per_worker)
+        base = _interleaved(microbatches, partitions, per_worker, split=True)
         return fill_weights(base, place_partitions(placement, partitions))
 
 
