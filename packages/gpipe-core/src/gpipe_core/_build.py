@@ -92,9 +92,7 @@ class Configuration:
         """
         m, placement = len(given.sizes), self.placement
         backward = grad and not autograd_backward
-        actions = step_actions(
-            given.schedule, m, len(self.partitions), backward, placement.placement
-        )
+        actions = step_actions(given.schedule, m, len(self.partitions), backward, placement.workers)
         with torch.set_grad_enabled(grad):
             state = ThreadState.capture()
         # In eval mode a forward's output still has a graph (when grad mode is on);
@@ -116,7 +114,7 @@ class Configuration:
             input_keywords=given.keywords,
             unpacks=self.unpacks,
             skip_layout=self.skip_layout,
-            placement=placement.placement,
+            workers=placement.workers,
             threaded=placement.threaded(nested() or is_checkpointing() or is_recomputing()),
             intra_op_threads=self.intra_op_threads,
             state=state,
@@ -172,7 +170,7 @@ def build(
             ("chunks", checked.chunks),
             ("checkpoint", checked.checkpoint),
             ("deferred_batch_norm", deferred_batch_norm),
-            ("placement", placement.placement if placement_spec is not None else None),
+            ("placement", placement.workers if placement_spec is not None else None),
             ("the rank of each partition", placement.ranks),
             (
                 "the uses of each shared parameter or buffer",

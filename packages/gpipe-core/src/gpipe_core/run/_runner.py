@@ -143,14 +143,14 @@ def run(
     Args:
         description: the run: its action lists, micro-batches (on the first partition's
             device), the caller's thread state (applied in every worker), whether it is
-            threaded, the placement and the workers' intra-op threads.
+            threaded, the worker of each partition and the workers' intra-op threads.
         partitions: the partitions, in pipeline order; None for a partition of another
             process, whose actions that process runs.
         transport: carries messages between them.
         pool: the worker threads, one per worker of this process.
     """
     actions, inputs, threaded = description.actions, description.batches, description.threaded
-    workers, state = description.placement, description.state
+    workers, state = description.workers, description.state
     assert state is not None  # captured when the run was described
     intra_op_threads = description.intra_op_threads
     outputs: list[Batch | None] = [None] * len({action.microbatch for action in actions[0]})

@@ -18,7 +18,7 @@ __all__: list[str] = []
 
 def generate(
     partitions: int,
-    placement: Sequence[int],
+    workers: Sequence[int],
     pending: Sequence[set[Action]],
     choose: Callable[[int, list[Action]], Action | None],
 ) -> list[list[Action]]:
@@ -51,19 +51,17 @@ def generate(
                 lists[w].append(pick)
                 ran.append(pick)
         if not ran:
-            raise AssertionError(f"schedule generation stalled (placement: {list(placement)})")
+            raise AssertionError(f"schedule generation stalled (placement: {list(workers)})")
         done.update(ran)
     return lists
 
 
-def merge(
-    per_partition: Sequence[Sequence[Action]], placement: Sequence[int]
-) -> list[list[Action]]:
+def merge(per_partition: Sequence[Sequence[Action]], workers: Sequence[int]) -> list[list[Action]]:
     """Per-partition lists (partitions resolved) merged into per-worker lists: each worker
     runs the next action of one of its partitions when it is ready, the later partition's
     first."""
     heads = [0] * len(per_partition)
-    owned = partitions_of(placement)
+    owned = partitions_of(workers)
 
     def choose(w: int, ready: list[Action]) -> Action | None:
         for j in reversed(owned[w]):
@@ -73,11 +71,11 @@ def merge(
         return None
 
     pending = [{a for j in owned[w] for a in per_partition[j]} for w in range(len(owned))]
-    return generate(len(placement), placement, pending, choose)
+    return generate(len(workers), workers, pending, choose)
 
 
 def fill_weights(
-    base: Sequence[Sequence[Action]], placement: Sequence[int], cap: int | None = None
+    base: Sequence[Sequence[Action]], workers: Sequence[int], cap: int | None = None
 ) -> list[list[Action]]:
     """``base`` (per worker: forward passes and input gradients) with the weight gradients
     placed: each worker runs its next base action when ready, unless it is a forward pass
@@ -124,7 +122,7 @@ def fill_weights(
         }
         for actions in base
     ]
-    return generate(len(placement), placement, pending, choose)
+    return generate(len(workers), workers, pending, choose)
 
 
 def v_order(microbatches: int, worker_count: int) -> list[list[Action]]:

@@ -480,32 +480,32 @@ def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
 
 @functools.lru_cache(maxsize=64)
 def _builtin_actions(
-    schedule_type: type[Schedule], m: int, n: int, backward: bool, placement: tuple[int, ...]
+    schedule_type: type[Schedule], m: int, n: int, backward: bool, workers: tuple[int, ...]
 ) -> tuple[tuple[Action, ...], ...]:
-    lists = _checked(schedule_type(), m, n, backward, placement)
+    lists = _checked(schedule_type(), m, n, backward, workers)
     return tuple(tuple(actions) for actions in lists)
 
 
 def _checked(
-    schedule: Schedule, m: int, n: int, backward: bool, placement: Sequence[int]
+    schedule: Schedule, m: int, n: int, backward: bool, workers: Sequence[int]
 ) -> list[list[Action]]:
-    given = None if is_identity(placement) else list(placement)
+    given = None if is_identity(workers) else list(workers)
     make = schedule.worker_actions if backward else schedule.forward_only
     lists = make(m, n, given)
-    result = as_lists(lists, len(partitions_of(placement)), schedule)
-    resolved = resolve(result, placement, schedule, n)
-    check_resolved(resolved, placement, m, backward)
+    result = as_lists(lists, len(partitions_of(workers)), schedule)
+    resolved = resolve(result, workers, schedule, n)
+    check_resolved(resolved, workers, m, backward)
     return resolved
 
 
 def step_actions(
-    schedule: Schedule, m: int, n: int, backward: bool, placement: Sequence[int] | None = None
+    schedule: Schedule, m: int, n: int, backward: bool, workers: Sequence[int] | None = None
 ) -> Sequence[Sequence[Action]]:
     """``schedule``'s actions for a run of ``m`` micro-batches over ``n`` partitions on
-    ``placement`` (the worker of each partition; default one each), forward ones only
+    ``workers`` (the worker of each partition; default one each), forward ones only
     without ``backward``; checked (once per shape for the built-in schedules), every action
     naming its partition."""
-    placement = tuple(range(n)) if placement is None else tuple(placement)
+    workers = tuple(range(n)) if workers is None else tuple(workers)
     if type(schedule) in _SCHEDULES.values():
-        return _builtin_actions(type(schedule), m, n, backward, placement)
-    return _checked(schedule, m, n, backward, placement)
+        return _builtin_actions(type(schedule), m, n, backward, workers)
+    return _checked(schedule, m, n, backward, workers)
