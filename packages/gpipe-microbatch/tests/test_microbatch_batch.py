@@ -173,7 +173,7 @@ def test_batches_made_from_parts_keep_the_tuple_type() -> None:
     result = torch.tensor([[1.0, 3.0], [4.0, 2.0]]).max(dim=1)
     batch = Batch(result)
     assert type(batch.with_tensors([torch.zeros(2), torch.ones(2)]).value) is type(result)
-    again = Batch.from_parts(False, batch.present, batch.tensors, batch.others, batch.kind)
+    again = Batch.from_parts(False, batch.present, batch.tensors, batch.others, batch.container)
     assert type(again.value) is type(result)
     assert again.value.indices.tolist() == [1, 0]
     assert type(Batch((torch.zeros(1), 2)).value) is tuple

@@ -15,12 +15,12 @@ import torch
 
 from gpipe_microbatch import (
     Batch,
-    MappingKind,
+    MappingContainer,
     NoChunk,
     check_output,
     gather,
     make_value,
-    mapping_kind,
+    mapping_container,
     scatter,
 )
 
@@ -98,7 +98,7 @@ def test_one_micro_batch_holds_the_input_tensors() -> None:
     x = torch.zeros(3, 2)
     (batch,) = scatter({"x": x, "n": 1}, chunks=1)
     assert batch.value["x"] is x
-    assert batch.kind == MappingKind(dict, ("x", "n"))
+    assert batch.container == MappingContainer(dict, ("x", "n"))
 
 
 def test_batch_of_a_mapping() -> None:
@@ -106,17 +106,17 @@ def test_batch_of_a_mapping() -> None:
     batch = Batch(Output(logits=x, note=3))
     assert not batch.atomic and len(batch) == 1
     assert batch.present == (True, False) and batch.others == (3,)
-    assert isinstance(batch.kind, MappingKind) and batch.kind.keywords
+    assert isinstance(batch.container, MappingContainer) and batch.container.keywords
     again = batch.with_tensors([torch.ones(2)]).value
     assert type(again) is Output and torch.equal(again["logits"], torch.ones(2))
-    made = Batch.from_parts(False, (True, False), [x], [3], batch.kind).value
+    made = Batch.from_parts(False, (True, False), [x], [3], batch.container).value
     assert type(made) is Output and made["note"] == 3
-    assert make_value(batch.kind, [x, 4]) == Output(logits=x, note=4)
+    assert make_value(batch.container, [x, 4]) == Output(logits=x, note=4)
 
 
 def test_the_kind_travels_as_a_value() -> None:
-    kind = Batch(OrderedDict(a=torch.zeros(1))).kind
-    assert pickle.loads(pickle.dumps(kind)) == kind
+    container = Batch(OrderedDict(a=torch.zeros(1))).container
+    assert pickle.loads(pickle.dumps(container)) == container
 
 
 def test_mappings_of_other_keys_are_not_gathered() -> None:
@@ -178,4 +178,4 @@ def test_scatter_names_values() -> None:
 
 def test_mapping_kind_refusal_says_what_to_do() -> None:
     with pytest.raises(TypeError, match=r"Opaque\(\*\*items\).*Opaque\(items\).*return a dict"):
-        mapping_kind(Opaque(1, 2, 3))
+        mapping_container(Opaque(1, 2, 3))

@@ -379,7 +379,7 @@ class Pair(NamedTuple):
 def test_scatter_and_gather_keep_a_namedtuple() -> None:
     value = Pair(torch.arange(6.0), "a")
     batches = scatter(value, chunks=3)
-    assert all(type(batch.value) is Pair and batch.kind is Pair for batch in batches)
+    assert all(type(batch.value) is Pair and batch.container is Pair for batch in batches)
     assert batches[1].value.x.tolist() == [2.0, 3.0]
     assert type(scatter(value, chunks=1)[0].value) is Pair
     gathered = gather(batches)

@@ -1,4 +1,4 @@
-"""Tests of the kinds of value: a tuple of any type made back from its values."""
+"""Tests of the forms of value: a tuple of any type made back from its values."""
 
 from __future__ import annotations
 
@@ -16,6 +16,6 @@ class Pair(NamedTuple):
 
 def test_make_tuple_builds_each_kind_of_tuple() -> None:
     assert make_tuple(Pair, [torch.zeros(1), "b"]).label == "b"
-    kind = type(torch.zeros(2, 2).max(dim=1))
-    assert make_tuple(kind, (torch.zeros(2), torch.ones(2))).values.tolist() == [0.0, 0.0]
+    container = type(torch.zeros(2, 2).max(dim=1))
+    assert make_tuple(container, (torch.zeros(2), torch.ones(2))).values.tolist() == [0.0, 0.0]
     assert make_tuple(tuple, iter([1, 2])) == (1, 2)

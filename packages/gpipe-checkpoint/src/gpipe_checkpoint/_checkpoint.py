@@ -39,7 +39,7 @@ from torch.autograd.graph import GradientEdge
 
 from gpipe_microbatch import (
     Batch,
-    Kind,
+    Container,
     TensorOrTensors,
     ThreadState,
     check,
@@ -71,8 +71,8 @@ _Saved = tuple[RNGStates, ThreadState]
 _HOOK_REFUSED = "cannot register a hook on a tensor that doesn't require gradient"
 
 # The values of an output that are not tensors, and where they go: (atomic, present,
-# others, the kind of the output tuple or mapping), kept without the output's tensors.
-_Layout = tuple[bool, tuple[bool, ...], tuple[object, ...], Kind]
+# others, the container of the output tuple or mapping), kept without the output's tensors.
+_Layout = tuple[bool, tuple[bool, ...], tuple[object, ...], Container]
 
 
 def _call(function: Function, batch: Batch, tensors: tuple[Tensor, ...]) -> Batch:
@@ -203,13 +203,13 @@ class Checkpointing:
                 "of a checkpointed block); pass copy_input=True, make that layer "
                 "out-of-place, or turn checkpointing off for this block"
             )
-        self.output_layout = (output.atomic, output.present, output.others, output.kind)
+        self.output_layout = (output.atomic, output.present, output.others, output.container)
         return output.tensors
 
     def _output(self, tensors: Iterable[Tensor]) -> Batch:
         """The checkpoint phase's output with ``tensors`` as its tensors."""
-        atomic, present, others, kind = self.output_layout
-        return Batch.from_parts(atomic, present, tensors, others, kind)
+        atomic, present, others, container = self.output_layout
+        return Batch.from_parts(atomic, present, tensors, others, container)
 
     def _run_recompute_phase(self, input: tuple[Tensor, ...]) -> Batch:
         """Run the function again on ``input``, with autograd, as the checkpoint phase ran."""

@@ -9,6 +9,8 @@ Example:
     torch.Size([6, 4])
 """
 
+import warnings
+
 from gpipe_microbatch import BalanceError, NoChunk
 
 from .__about__ import __version__
@@ -24,7 +26,7 @@ from .schedule._check import ScheduleError, check_actions
 from .schedule._placement import place_partitions
 from .schedule._schedules import (
     GPipeSchedule,
-    Interleaved1F1BSchedule,
+    InterleavedOneFOneBSchedule,
     OneFOneBSchedule,
     Schedule,
     ZeroBubbleH1Schedule,
@@ -52,7 +54,7 @@ __all__ = [
     "GPipe",
     "GPipeSchedule",
     "Init",
-    "Interleaved1F1BSchedule",
+    "InterleavedOneFOneBSchedule",
     "Losses",
     "NoChunk",
     "OneFOneBSchedule",
@@ -80,3 +82,18 @@ __all__ = [
     "task_label",
     "theoretical_bubble",
 ]
+
+#: Old names, kept as deprecated aliases of the new ones; not in ``__all__``.
+_RENAMED = {"Interleaved1F1BSchedule": "InterleavedOneFOneBSchedule"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(
+            f"{__name__}.{name} is deprecated, use {__name__}.{new}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -108,7 +108,7 @@ def build(
             ("chunks", checked.chunks),
             ("checkpoint", checked.checkpoint),
             ("deferred_batch_norm", deferred_batch_norm),
-            ("placement", placement.placement if placement_spec is not None else None),
+            ("placement", placement.workers if placement_spec is not None else None),
             ("the rank of each partition", placement.ranks),
             (
                 "the uses of each shared parameter or buffer",

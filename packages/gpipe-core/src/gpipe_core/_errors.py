@@ -46,7 +46,10 @@ def add_note(error: BaseException, note: str) -> None:
 
 
 class RemotePartitionError(RuntimeError):
-    """Another rank of the pipeline failed: raised on every rank but the failing one.
+    """Another rank of the pipeline failed: raised on every rank but the failing one, by
+    the ranks' agreement while the pipeline is built (``transport._agreement``) and by the
+    transport during a run (``transport._distributed``), never by :class:`~gpipe_core.GPipe`
+    itself.
 
     ``RemoteStageError`` is the same class, under the name it had before gpipe called the
     runtime pieces of a pipeline partitions (kept so that ``except RemoteStageError``

@@ -146,7 +146,8 @@ class GPipe(FixedDevices, Collectives):
             device left with a tensor that nothing initialised (the layers go back to
             the meta device), or an ``init`` state dict with keys of no layer.
         RanksDisagree: across processes, the ranks would build different pipelines.
-        RemoteStageError: across processes, another rank's constructor failed.
+        RemotePartitionError: across processes, another rank's constructor failed (told
+            by the ranks' agreement on the pipeline, on every rank but the failing one).
         TimeoutError: across processes, a rank did not build the pipeline within
             ``timeout``.
 
@@ -435,8 +436,9 @@ class GPipe(FixedDevices, Collectives):
         the last partition's rank ``target`` (``None``, or no input at all, is accepted
         where a value is unused), and every rank returns
         the last rank's losses. An error on any rank ends the step on every rank (the
-        others raise :class:`~gpipe_core.RemoteStageError`). With ``data_group``, the
-        gradients are then averaged over the replicas (see :doc:`/distributed`).
+        others raise :class:`~gpipe_core.RemotePartitionError`, told by the transport).
+        With ``data_group``, the gradients are then averaged over the replicas (see
+        :doc:`/distributed`).
 
         The step takes its input as :meth:`forward` does (``model.step(a, b, target=y,
         loss_fn=f)`` calls the first layer as ``layer(a, b)``, ``model.step(**batch,

@@ -1,11 +1,11 @@
 """Placement: which partitions a pipeline has, where each runs, and which are this process's.
 
 A :class:`Placement` is built once, from ``balance``, ``devices``, ``group`` and
-``placement``: the worker that runs each partition (one worker thread runs one action list
-for all its partitions), the rank (in ``group``) that runs each partition, each
-partition's device (``meta`` for another rank's), and, across processes, the process
-groups and the tag its messages travel on and the seconds any wait for another rank may
-last. It makes the pipeline's connections (see :mod:`gpipe_core.transport._groups`) and its
+``placement``: ``workers``, the worker that runs each partition (one worker thread runs
+one action list for all its partitions), the rank (in ``group``) that runs each
+partition, each partition's device (``meta`` for another rank's), and, across processes,
+the process groups and the tag its messages travel on and the seconds any wait for another
+rank may last. It makes the pipeline's connections (see :mod:`gpipe_core.transport._groups`) and its
 transport. It is the only place that knows whether a pipeline spans processes: the rest
 of gpipe-core asks it which partitions are local and which transport carries their
 messages.
@@ -177,12 +177,12 @@ class Placement:
                 )
             self.rank = group.rank()
             self.ranks = [j % size for j in range(n)]
-        #: The placement: the worker of each partition (each its own without ``placement``).
-        self.placement = list(range(n))
+        #: The worker of each partition (each its own without ``placement``).
+        self.workers = list(range(n))
         if placement is not None:
-            self.placement = _place(placement, n, devices, group)
+            self.workers = _place(placement, n, devices, group)
             if group is not None:
-                self.ranks = list(self.placement)
+                self.ranks = list(self.workers)
         #: Whether each partition runs in this process.
         self.local = [rank == self.rank for rank in self.ranks]
         #: The device of each partition (``meta`` for another rank's).
@@ -192,8 +192,8 @@ class Placement:
                 _check_one_device(self.local_devices(), self.rank, placement)
         elif placement is not None:
             # One device per worker: its partitions share it.
-            own = resolve_devices(devices, max(self.placement, default=-1) + 1)
-            self.devices = [own[w] for w in self.placement]
+            own = resolve_devices(devices, max(self.workers, default=-1) + 1)
+            self.devices = [own[w] for w in self.workers]
         else:
             self.devices = resolve_devices(devices, n)
         #: Whether the ranks compare their run fields at every run (see
@@ -218,7 +218,7 @@ class Placement:
     @property
     def local_worker_count(self) -> int:
         """How many workers (worker threads) this process runs."""
-        return len({w for w, here in zip(self.placement, self.local, strict=True) if here})
+        return len({w for w, here in zip(self.workers, self.local, strict=True) if here})
 
     def local_devices(self) -> list[torch.device]:
         """The devices of this process's partitions."""

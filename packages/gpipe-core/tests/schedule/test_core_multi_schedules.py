@@ -509,7 +509,7 @@ def test_forward_with_a_placement_matches_plain(checkpoint: str) -> None:
 def test_placement_sets_workers_and_devices() -> None:
     model = build(4, [], 0)
     pipe = GPipe(model, [1, 1, 1, 1], devices=["cpu", "cpu"], placement="v")
-    assert pipe._placement.placement == [0, 1, 1, 0]
+    assert pipe._placement.workers == [0, 1, 1, 0]
     assert pipe._placement.local_worker_count == 2
     assert [str(d) for d in pipe.devices] == ["cpu"] * 4
     listed = GPipe(build(4, [], 0), [1, 1, 1, 1], placement=[0, 0, 0, 0])

@@ -8,8 +8,8 @@ building blocks:
   micro-batch gets whole; :func:`check`, :func:`check_output` and :func:`check_chunks`
   check what a user passes and what a layer returns; :func:`make_tuple` puts a tuple of
   any type (a namedtuple) back together from its values, and :func:`make_value` a tuple or
-  a mapping (a ``dict``, a ``ModelOutput``), whose type and keys a :class:`MappingKind`
-  (a batch's :data:`Kind`) keeps; :func:`values_of` and :func:`with_values` take a
+  a mapping (a ``dict``, a ``ModelOutput``), whose type and keys a :class:`MappingContainer`
+  (a batch's :data:`Container`) keeps; :func:`values_of` and :func:`with_values` take a
   mini-batch's values out of a tuple or a mapping and put others back in its place.
 * The checks of a split: :func:`check_module`, :func:`check_balance` and
   :exc:`BalanceError`, shared by the balancing tools and the pipeline.
@@ -32,24 +32,34 @@ Example:
     torch.Size([10])
 """
 
+import warnings
+
 from .__about__ import __version__
 from ._balance import BalanceError, check_balance, check_module
 from ._batch import Batch
 from ._checks import check, check_chunks, check_output
 from ._device import Device, normalize_device, use_device
-from ._mapping import MappingKind, mapping_kind
+from ._mapping import MappingContainer, mapping_container
 from ._nochunk import NoChunk
 from ._phony import get_phony
 from ._scatter import gather, scatter
 from ._threadstate import ThreadState
-from ._values import Kind, TensorOrTensors, labels, make_tuple, make_value, values_of, with_values
+from ._values import (
+    Container,
+    TensorOrTensors,
+    labels,
+    make_tuple,
+    make_value,
+    values_of,
+    with_values,
+)
 
 __all__ = [
     "BalanceError",
     "Batch",
+    "Container",
     "Device",
-    "Kind",
-    "MappingKind",
+    "MappingContainer",
     "NoChunk",
     "TensorOrTensors",
     "ThreadState",
@@ -64,10 +74,30 @@ __all__ = [
     "labels",
     "make_tuple",
     "make_value",
-    "mapping_kind",
+    "mapping_container",
     "normalize_device",
     "scatter",
     "use_device",
     "values_of",
     "with_values",
 ]
+
+#: Old names, kept as deprecated aliases of the new ones; not in ``__all__``. A batch's
+#: container was called its kind, a word kept for an action's kind.
+_RENAMED = {
+    "Kind": "Container",
+    "MappingKind": "MappingContainer",
+    "mapping_kind": "mapping_container",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(
+            f"{__name__}.{name} is deprecated, use {__name__}.{new}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -71,7 +71,7 @@ def check_balance(balance: object, layers: int) -> list[int]:
 
 
 def check_module(module: object) -> nn.Sequential:
-    """Check that ``module`` is an :class:`~torch.nn.Sequential`, the only kind that splits.
+    """Check that ``module`` is an :class:`~torch.nn.Sequential`, the only module that splits.
 
     Args:
         module: the module to split into partitions.

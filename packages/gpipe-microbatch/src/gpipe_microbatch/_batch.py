@@ -8,14 +8,15 @@ mini-batch is split into micro-batches or gathered back (:mod:`gpipe_microbatch.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import cast
 
 from torch import Tensor
 
 from ._checks import check_output
-from ._mapping import mapping_kind
-from ._values import Kind, make_value, type_name
+from ._mapping import mapping_container
+from ._values import Container, make_value, type_name
 
 __all__ = ["Batch"]
 
@@ -47,19 +48,19 @@ class Batch:
         >>> len(mixed), mixed.present, mixed.others
         (1, (True, False, False), (3, None))
         >>> named = Batch({"x": torch.zeros(2), "n": 3})
-        >>> named.kind.keys, len(named), named.value["n"]
+        >>> named.container.keys, len(named), named.value["n"]
         (('x', 'n'), 1, 3)
     """
 
-    __slots__ = ("_others", "_present", "_values", "atomic", "kind")
+    __slots__ = ("_others", "_present", "_values", "atomic", "container")
 
     def __init__(self, value: object) -> None:
         #: Whether the batch is one value rather than a tuple or a mapping.
         self.atomic = True
         #: What :attr:`value` gives back: the type of the tuple (a namedtuple, say), or the
-        #: :class:`MappingKind` of a mapping (its type and keys); ``tuple`` for an atomic
+        #: :class:`MappingContainer` of a mapping (its type and keys); ``tuple`` for an atomic
         #: batch.
-        self.kind: Kind = tuple
+        self.container: Container = tuple
         # Only the tensors are kept in _values; _present is None when every value is one.
         self._present: tuple[bool, ...] | None = None
         self._others: tuple[object, ...] = ()
@@ -68,9 +69,9 @@ class Batch:
             return
         items: tuple[object, ...]
         if isinstance(value, tuple):
-            self.atomic, self.kind, items = False, type(value), value
+            self.atomic, self.container, items = False, type(value), value
         elif isinstance(value, Mapping):
-            self.atomic, self.kind = False, mapping_kind(value)
+            self.atomic, self.container = False, mapping_container(value)
             items = tuple(value.values())
         else:
             items = (value,)
@@ -81,6 +82,15 @@ class Batch:
             self._values = tuple(item for item in items if isinstance(item, Tensor))
             self._others = tuple(item for item in items if not isinstance(item, Tensor))
 
+    @property
+    def kind(self) -> Container:
+        """The former name of :attr:`container`, deprecated: reading it warns
+        (:class:`DeprecationWarning`)."""
+        warnings.warn(
+            "Batch.kind is deprecated, use Batch.container", DeprecationWarning, stacklevel=2
+        )
+        return self.container
+
     @classmethod
     def from_parts(
         cls,
@@ -88,11 +98,11 @@ class Batch:
         present: Sequence[bool],
         tensors: Iterable[Tensor],
         others: Iterable[object] = (),
-        kind: Kind = tuple,
+        container: Container = tuple,
     ) -> Batch:
         """The batch whose values are ``tensors`` where ``present`` is True and ``others``
         elsewhere, in order (as a transport's message describes them), in a tuple or a
-        mapping of ``kind`` unless ``atomic``.
+        mapping of ``container`` unless ``atomic``.
 
         Raises:
             ValueError: the counts do not match ``present``, or an atomic batch of several
@@ -117,7 +127,7 @@ class Batch:
             )
         batch = cls.__new__(cls)
         batch.atomic = atomic
-        batch.kind = kind
+        batch.container = container
         batch._values = tensors
         batch._present = None if count == len(present) else present
         batch._others = others
@@ -162,11 +172,11 @@ class Batch:
     @property
     def value(self) -> object:
         """The batch as the user sees it (the value, or the tuple or mapping of values, of
-        :attr:`kind`)."""
+        :attr:`container`)."""
         values = self.values
         if self.atomic:
             return values[0]
-        return values if self.kind is tuple else make_value(self.kind, values)
+        return values if self.container is tuple else make_value(self.container, values)
 
     def with_tensors(self, tensors: Iterable[Tensor]) -> Batch:
         """A batch of the same values but with ``tensors`` in place of its tensors.
@@ -183,7 +193,7 @@ class Batch:
             )
         batch = Batch.__new__(Batch)
         batch.atomic = self.atomic
-        batch.kind = self.kind
+        batch.container = self.container
         batch._values = tensors
         batch._present = self._present
         batch._others = self._others

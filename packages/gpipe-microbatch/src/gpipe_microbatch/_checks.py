@@ -120,7 +120,7 @@ def check_output(value: object, what: str = "output") -> object:
     Raises:
         TypeError: ``value`` holds no tensor, holds a tensor inside a list, dict or other
             container, holds a :class:`NoChunk`, or is a mapping with a key that is not
-            a string or whose type cannot be made back (see :class:`MappingKind`).
+            a string or whose type cannot be made back (see :class:`MappingContainer`).
 
     Example:
         >>> check_output((torch.zeros(2), "label"))[1]

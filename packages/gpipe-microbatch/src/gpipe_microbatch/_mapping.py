@@ -3,13 +3,13 @@
 A mini-batch, a micro-batch or a partition's output may be a :class:`~collections.abc.Mapping`
 with string keys: a ``dict``, an ``OrderedDict``, or another mapping type such as a
 Hugging Face ``ModelOutput``. Its values are split, moved and differentiated as a tuple's
-are; its type and keys are kept in a :class:`MappingKind`, which makes the mapping back from
+are; its type and keys are kept in a :class:`MappingContainer`, which makes the mapping back from
 its values.
 
 The rule that makes a mapping back from its type, keys and values: a ``dict`` or an
 ``OrderedDict`` from its items; any other type with its items as keywords,
-``kind(**items)`` (a dataclass-like ``ModelOutput``), or else as one mapping,
-``kind(items)``: the first of the two that gives back a mapping of the same type, keys
+``container(**items)`` (a dataclass-like ``ModelOutput``), or else as one mapping,
+``container(items)``: the first of the two that gives back a mapping of the same type, keys
 and values, tried once per type and keys. A type made back neither way is refused, with what
 to do.
 
@@ -24,22 +24,22 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MappingKind", "mapping_kind"]
+__all__ = ["MappingContainer", "mapping_container"]
 
 
 @dataclass(frozen=True)
-class MappingKind:
+class MappingContainer:
     """The type and keys of a mapping whose values a batch holds, and how to make it back.
 
-    :attr:`Batch.kind <gpipe_microbatch.Batch.kind>` is one for a mapping (a tuple type for
-    a tuple). It is compared, hashed and pickled as a value (the mapping type by its
+    :attr:`Batch.container <gpipe_microbatch.Batch.container>` is one for a mapping (a
+    tuple type for a tuple). It is compared, hashed and pickled as a value (the mapping type by its
     name, as pickle names classes), so it travels between processes.
 
     Example:
-        >>> kind = mapping_kind({"x": 1, "mask": None})
-        >>> kind.keys
+        >>> container = mapping_container({"x": 1, "mask": None})
+        >>> container.keys
         ('x', 'mask')
-        >>> kind.make([2, 3])
+        >>> container.make([2, 3])
         {'x': 2, 'mask': 3}
     """
 
@@ -61,25 +61,25 @@ class MappingKind:
 
 
 # Learned once per type and keys (a rebuild is tried on the first mapping of each).
-_KINDS: dict[tuple[type[Any], tuple[object, ...]], MappingKind] = {}
+_CONTAINERS: dict[tuple[type[Any], tuple[object, ...]], MappingContainer] = {}
 _LIMIT = 4096
 _lock = threading.Lock()
 
 
-def _gives_back(mapping: Mapping[Any, Any], kind: MappingKind) -> bool:
+def _gives_back(mapping: Mapping[Any, Any], container: MappingContainer) -> bool:
     try:
-        made = kind.make(mapping.values())
+        made = container.make(mapping.values())
     except Exception:
         return False
     return (
-        type(made) is kind.type
-        and tuple(made.keys()) == kind.keys
+        type(made) is container.type
+        and tuple(made.keys()) == container.keys
         and all(made[key] is value for key, value in mapping.items())
     )
 
 
-def mapping_kind(value: Mapping[Any, Any], what: str = "value") -> MappingKind:
-    """The :class:`MappingKind` of ``value`` (named ``what`` in errors).
+def mapping_container(value: Mapping[Any, Any], what: str = "value") -> MappingContainer:
+    """The :class:`MappingContainer` of ``value`` (named ``what`` in errors).
 
     Raises:
         TypeError: a key is not a string, or the mapping's type cannot be made back
@@ -87,16 +87,16 @@ def mapping_kind(value: Mapping[Any, Any], what: str = "value") -> MappingKind:
 
     Example:
         >>> from collections import OrderedDict
-        >>> kind = mapping_kind(OrderedDict(a=1))
-        >>> kind.type.__name__, dict(kind.make([2]))
+        >>> container = mapping_container(OrderedDict(a=1))
+        >>> container.type.__name__, dict(container.make([2]))
         ('OrderedDict', {'a': 2})
-        >>> mapping_kind({1: "one"}, "out")
+        >>> mapping_container({1: "one"}, "out")
         Traceback (most recent call last):
           ...
         TypeError: out must have string keys to be passed on (out key: 1, an int)
     """
-    kind_type, keys = type(value), tuple(value.keys())
-    cached = _KINDS.get((kind_type, keys))
+    container_type, keys = type(value), tuple(value.keys())
+    cached = _CONTAINERS.get((container_type, keys))
     if cached is not None:
         return cached
     for key in keys:
@@ -106,25 +106,25 @@ def mapping_kind(value: Mapping[Any, Any], what: str = "value") -> MappingKind:
                 f"({what} key: {key!r}, {_article(type(key).__name__)})"
             )
     names = tuple(str(key) for key in keys)
-    if kind_type is dict or kind_type is OrderedDict:
-        kind = MappingKind(kind_type, names)
+    if container_type is dict or container_type is OrderedDict:
+        container = MappingContainer(container_type, names)
     else:
         for keywords in (True, False):
-            kind = MappingKind(kind_type, names, keywords)
-            if _gives_back(value, kind):
+            container = MappingContainer(container_type, names, keywords)
+            if _gives_back(value, container):
                 break
         else:
-            name = kind_type.__name__
+            name = container_type.__name__
             raise TypeError(
                 f"{what} is a {name} that cannot be made back from its keys and values: give "
                 f"{name} a constructor that takes its items as keywords, {name}(**items), or "
                 f"as one mapping, {name}(items); or return a dict ({what}: {name})"
             )
     with _lock:
-        if len(_KINDS) >= _LIMIT:
-            _KINDS.clear()
-        _KINDS[kind_type, keys] = kind
-    return kind
+        if len(_CONTAINERS) >= _LIMIT:
+            _CONTAINERS.clear()
+        _CONTAINERS[container_type, keys] = container
+    return container
 
 
 def _article(name: str) -> str:

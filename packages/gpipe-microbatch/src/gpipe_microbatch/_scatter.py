@@ -8,7 +8,7 @@ the reverse: tensors are concatenated, and the other values of the micro-batches
 returned as a list, one entry per micro-batch. A tuple keeps its type and a mapping its type
 and keys.
 
-This module owns the split and the gathering and their errors (batch sizes, kinds of
+This module owns the split and the gathering and their errors (batch sizes, containers of
 micro-batches). It must not know what runs on the micro-batches: devices, partitions and
 pipelines are gpipe-core's.
 """
@@ -23,9 +23,9 @@ from torch import Tensor
 
 from ._batch import Batch
 from ._checks import check_chunks, holds_tensor, shown
-from ._mapping import MappingKind, mapping_kind
+from ._mapping import MappingContainer, mapping_container
 from ._nochunk import NoChunk
-from ._values import Kind, checked_values, labels, make_value, type_name
+from ._values import Container, checked_values, labels, make_value, type_name
 
 __all__ = ["gather", "scatter"]
 
@@ -104,7 +104,7 @@ def scatter(
     """Split a mini-batch into at most ``chunks`` micro-batches along dimension 0.
 
     ``input`` is one value, a tuple of values, or a mapping of values with string keys (a
-    ``dict``, an ``OrderedDict``, a ``ModelOutput``: see :class:`MappingKind`). Its
+    ``dict``, an ``OrderedDict``, a ``ModelOutput``: see :class:`MappingContainer`). Its
     tensors are split; a tensor wrapped in :class:`NoChunk` is unwrapped and passed whole to
     every micro-batch, and so is every value that is not a tensor. It must hold at least one
     tensor to split. Each micro-batch is a tuple of the input's type, or a mapping of its
@@ -130,7 +130,7 @@ def scatter(
         TypeError: ``input`` holds no tensor to split, holds a tensor inside another
             value (a list of tensors, say), or is a mapping that cannot be passed on (a key
             that is not a string, a type that cannot be made back: see
-            :class:`MappingKind`).
+            :class:`MappingContainer`).
         ValueError: ``chunks`` is not positive, a tensor to split has no batch dimension,
             or the tensors to split have different batch sizes.
 
@@ -145,16 +145,16 @@ def scatter(
     values, split, names = _values_to_split(input, what, names)
     check_chunks(chunks)
     atomic = not isinstance(input, (tuple, Mapping))
-    kind: Kind = tuple
+    container: Container = tuple
     if isinstance(input, tuple):
-        kind = type(input)
+        container = type(input)
     elif isinstance(input, Mapping):
-        kind = mapping_kind(input, what)
+        container = mapping_container(input, what)
     size = _batch_size([(names[k], cast(Tensor, values[k])) for k in split], what)
     if size == 0 or chunks == 1 or size == 1:
         # One micro-batch: the input itself, not a view of it, so that a first layer may
         # modify it in place exactly as without micro-batches.
-        return [Batch(values[0] if atomic else make_value(kind, values))]
+        return [Batch(values[0] if atomic else make_value(container, values))]
     if atomic:
         return [Batch(piece) for piece in cast(Tensor, values[0]).chunk(chunks)]
     pieces = {k: cast(Tensor, values[k]).chunk(chunks) for k in split}
@@ -164,7 +164,7 @@ def scatter(
         row = list(values)
         for k in split:
             row[k] = pieces[k][i]
-        batches.append(Batch(make_value(kind, row)))
+        batches.append(Batch(make_value(container, row)))
     return batches
 
 
@@ -177,7 +177,7 @@ def gather(outputs: Sequence[Batch]) -> object:
 
     Raises:
         ValueError: no micro-batches.
-        TypeError: the micro-batches do not have the same kind of values: a tensor in one
+        TypeError: the micro-batches do not hold their values in the same container: a tensor in one
             and a tuple or another value in another, tuples of different lengths, mappings
             of different types or keys.
 
@@ -192,18 +192,19 @@ def gather(outputs: Sequence[Batch]) -> object:
     first = outputs[0]
     for i, batch in enumerate(outputs):
         if batch.atomic != first.atomic:
-            kinds = [_kind_name(b) for b in (first, batch)]
+            names = [_container_name(b) for b in (first, batch)]
             raise TypeError(
                 "micro-batch outputs mix single values and tuples or mappings "
-                f"(micro-batch 0: {kinds[0]}, micro-batch {i}: {kinds[1]})"
+                f"(micro-batch 0: {names[0]}, micro-batch {i}: {names[1]})"
             )
-        if batch.kind != first.kind and (
-            isinstance(batch.kind, MappingKind) or isinstance(first.kind, MappingKind)
+        if batch.container != first.container and (
+            isinstance(batch.container, MappingContainer)
+            or isinstance(first.container, MappingContainer)
         ):
-            kinds = [_kind_name(b) for b in (first, batch)]
+            names = [_container_name(b) for b in (first, batch)]
             raise TypeError(
-                "micro-batch outputs are of different kinds: mappings need the same type and "
-                f"keys (micro-batch 0: {kinds[0]}, micro-batch {i}: {kinds[1]})"
+                "micro-batch outputs have different containers: mappings need the same type and "
+                f"keys (micro-batch 0: {names[0]}, micro-batch {i}: {names[1]})"
             )
         if len(batch.present) != len(first.present):
             raise TypeError(
@@ -232,13 +233,13 @@ def gather(outputs: Sequence[Batch]) -> object:
         else list(column)
         for here, column in zip(first.present, columns, strict=True)
     ]
-    return gathered[0] if first.atomic else make_value(first.kind, gathered)
+    return gathered[0] if first.atomic else make_value(first.container, gathered)
 
 
-def _kind_name(batch: Batch) -> str:
-    """How an error message names the kind of a micro-batch's value."""
+def _container_name(batch: Batch) -> str:
+    """How an error message names the container of a micro-batch's value."""
     if batch.atomic:
         return type_name(batch.value)
-    if isinstance(batch.kind, MappingKind):
-        return f"{batch.kind.type.__name__} of keys {list(batch.kind.keys)}"
+    if isinstance(batch.container, MappingContainer):
+        return f"{batch.container.type.__name__} of keys {list(batch.container.keys)}"
     return "tuple"

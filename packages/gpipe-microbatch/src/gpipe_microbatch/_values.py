@@ -1,12 +1,12 @@
-"""Values: the kinds of value a mini-batch or a micro-batch is, and how to walk them.
+"""Values: the forms of value a mini-batch or a micro-batch is, and how to walk them.
 
 A mini-batch is what a caller passes: one value, a tuple of values, or a mapping of values
 (a ``dict``, an ``OrderedDict``, a Hugging Face ``ModelOutput``: see
 :mod:`gpipe_microbatch._mapping`). This module owns what such a value is made of: its
 values in order (:func:`values_of`), how errors name them (:func:`labels`), and how a
-value of the same kind is made back from them (:func:`make_tuple`, :func:`make_value`,
-:func:`with_values`), the tuple's type or the mapping's :class:`MappingKind` kept as its
-:data:`Kind`. gpipe-core walks a run's inputs with the same functions.
+value of the same form is made back from them (:func:`make_tuple`, :func:`make_value`,
+:func:`with_values`), the tuple's type or the mapping's :class:`MappingContainer` kept as its
+:data:`Container`. gpipe-core walks a run's inputs with the same functions.
 
 It must not know :class:`~gpipe_microbatch.NoChunk`, the checks of what a value may hold
 (:mod:`gpipe_microbatch._checks`), micro-batches or their split: it describes one value.
@@ -19,10 +19,10 @@ from typing import Any, cast
 
 from torch import Tensor
 
-from ._mapping import MappingKind, mapping_kind
+from ._mapping import MappingContainer, mapping_container
 
 __all__ = [
-    "Kind",
+    "Container",
     "TensorOrTensors",
     "TupleType",
     "checked_values",
@@ -48,8 +48,8 @@ def type_name(value: object) -> str:
 TupleType = type[tuple[Any, ...]]
 
 
-def make_tuple(kind: TupleType, items: Iterable[object]) -> tuple[object, ...]:
-    """``items`` as a tuple of type ``kind``, as a value of that type was taken apart.
+def make_tuple(container: TupleType, items: Iterable[object]) -> tuple[object, ...]:
+    """``items`` as a tuple of type ``container``, as a value of that type was taken apart.
 
     A namedtuple is made with its ``_make``; another subclass (such as
     ``torch.return_types.max``) from the sequence of its items, as ``tuple`` itself.
@@ -61,32 +61,32 @@ def make_tuple(kind: TupleType, items: Iterable[object]) -> tuple[object, ...]:
         >>> make_tuple(tuple, iter([1, 2]))
         (1, 2)
     """
-    if kind is tuple:
+    if container is tuple:
         return tuple(items)
-    make = getattr(kind, "_make", None)
+    make = getattr(container, "_make", None)
     if make is not None:
         return cast(tuple[object, ...], make(items))
-    return kind(tuple(items))
+    return container(tuple(items))
 
 
 #: What a batch of several values is made back as: the type of a tuple, or the
-#: :class:`~gpipe_microbatch.MappingKind` of a mapping (its type and keys).
-Kind = TupleType | MappingKind
+#: :class:`~gpipe_microbatch.MappingContainer` of a mapping (its type and keys).
+Container = TupleType | MappingContainer
 
 
-def make_value(kind: Kind, items: Iterable[object]) -> object:
-    """``items`` as a value of ``kind``: a tuple (:func:`make_tuple`) or a mapping
-    (:meth:`MappingKind.make <gpipe_microbatch.MappingKind.make>`).
+def make_value(container: Container, items: Iterable[object]) -> object:
+    """``items`` as a value of ``container``: a tuple (:func:`make_tuple`) or a mapping
+    (:meth:`MappingContainer.make <gpipe_microbatch.MappingContainer.make>`).
 
     Example:
         >>> make_value(tuple, [1, 2])
         (1, 2)
-        >>> make_value(mapping_kind({"x": torch.zeros(1), "n": 3}), [torch.ones(1), 4])
+        >>> make_value(mapping_container({"x": torch.zeros(1), "n": 3}), [torch.ones(1), 4])
         {'x': tensor([1.]), 'n': 4}
     """
-    if isinstance(kind, MappingKind):
-        return kind.make(items)
-    return make_tuple(kind, items)
+    if isinstance(container, MappingContainer):
+        return container.make(items)
+    return make_tuple(container, items)
 
 
 def values_of(value: object) -> tuple[object, ...]:
@@ -114,7 +114,7 @@ def with_values(value: object, values: Sequence[object]) -> object:
     if isinstance(value, tuple):
         return make_tuple(type(value), values)
     if isinstance(value, Mapping):
-        return make_value(mapping_kind(value), values)
+        return make_value(mapping_container(value), values)
     return values[0]
 
 
@@ -123,12 +123,12 @@ def checked_values(value: object, what: str) -> tuple[object, ...] | None:
     first (named ``what`` in errors); None for one value.
 
     Raises:
-        TypeError: a mapping that cannot be passed on (see :func:`mapping_kind`).
+        TypeError: a mapping that cannot be passed on (see :func:`mapping_container`).
     """
     if isinstance(value, tuple):
         return value
     if isinstance(value, Mapping):
-        mapping_kind(value, what)
+        mapping_container(value, what)
         return tuple(value.values())
     return None
 

@@ -10,10 +10,12 @@ Example:
     p1: .  F0 F1 B1 B0 .
 """
 
+import warnings
+
 from gpipe_core import (
     Action,
     GPipeSchedule,
-    Interleaved1F1BSchedule,
+    InterleavedOneFOneBSchedule,
     Losses,
     OneFOneBSchedule,
     Schedule,
@@ -30,7 +32,7 @@ from gpipe_core import (
 __all__ = [
     "Action",
     "GPipeSchedule",
-    "Interleaved1F1BSchedule",
+    "InterleavedOneFOneBSchedule",
     "Losses",
     "OneFOneBSchedule",
     "Schedule",
@@ -43,3 +45,18 @@ __all__ = [
     "schedules",
     "simulate",
 ]
+
+#: Old names, kept as deprecated aliases of the new ones; not in ``__all__``.
+_RENAMED = {"Interleaved1F1BSchedule": "InterleavedOneFOneBSchedule"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(
+            f"{__name__}.{name} is deprecated, use {__name__}.{new}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -49,7 +49,7 @@ class RunDescription:
         unpacks: a tuple passed between partitions is the next layer's positional arguments
             (a :class:`~gpipe_core.PipeSequential`'s convention).
         skip_layout: the skip connections of the pipeline (None without any).
-        placement: the worker of each partition (None: partition ``j`` on worker ``j``).
+        workers: the worker of each partition (None: partition ``j`` on worker ``j``).
         threaded: run each partition of this process on its worker; otherwise in the
             calling thread (whose state is ``state``): every partition serially, or the one
             partition of this process.
@@ -81,7 +81,7 @@ class RunDescription:
     input_keywords: tuple[str, ...] = ()
     unpacks: bool = False
     skip_layout: SkipLayout | None = None
-    placement: Sequence[int] | None = None
+    workers: Sequence[int] | None = None
     threaded: bool = True
     intra_op_threads: int | None = None
     state: ThreadState | None = None

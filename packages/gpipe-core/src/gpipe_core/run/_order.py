@@ -39,25 +39,25 @@ def _per_lists(function: Callable[_P, _R]) -> Callable[_P, _R]:
 
 
 def serial_order(
-    lists: Sequence[Sequence[Action]], placement: Sequence[int] | None = None
+    lists: Sequence[Sequence[Action]], workers: Sequence[int] | None = None
 ) -> tuple[Action, ...]:
     """Every action of ``lists`` in the order one thread runs them: unit-time column by
     column of :func:`~gpipe_core.simulate`, the workers in order within a column (computed
-    once per lists and placement where the lists are tuples).
+    once per lists and workers where the lists are tuples).
 
     Example:
         >>> from gpipe_core import GPipeSchedule
         >>> [str(a) for a in serial_order(GPipeSchedule().actions(2, 2))]
         ['F0', 'F1', 'F0', 'F1', 'B1', 'B1', 'B0', 'B0']
     """
-    return _serial_order(lists, None if placement is None else tuple(placement))
+    return _serial_order(lists, None if workers is None else tuple(workers))
 
 
 @_per_lists
 def _serial_order(
-    lists: Sequence[Sequence[Action]], placement: tuple[int, ...] | None
+    lists: Sequence[Sequence[Action]], workers: tuple[int, ...] | None
 ) -> tuple[Action, ...]:
-    rows = simulate(lists, placement=placement)
+    rows = simulate(lists, placement=workers)
     return tuple(action for column in columns(rows) for _, action in column)
 
 

@@ -182,7 +182,7 @@ class PartitionRun:
         """Run ``function`` as the partition's task ``phase`` on micro-batch ``i``, traced."""
         if self.tracer is None:
             return function()
-        return self.tracer.run(phase, i, self.index, self.device, self.stream, backward, function)
+        return self.tracer.task(phase, i, self.index, self.device, self.stream, backward, function)
 
     # -- what a run learns about the partition -------------------------------------------
 

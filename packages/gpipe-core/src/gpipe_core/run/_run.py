@@ -64,7 +64,7 @@ class Topology(Protocol):
         """Whether each partition runs in this process."""
 
     @property
-    def placement(self) -> list[int] | None:
+    def workers(self) -> list[int] | None:
         """The worker of each partition (None: partition ``j`` on worker ``j``)."""
 
     def is_local(self, j: int) -> bool:
@@ -140,7 +140,7 @@ def describe(
     """
     m, placement, partitions = len(given.sizes), pipeline.placement, pipeline.partitions
     backward = grad and not autograd_backward
-    actions = step_actions(given.schedule, m, len(partitions), backward, placement.placement)
+    actions = step_actions(given.schedule, m, len(partitions), backward, placement.workers)
     with torch.set_grad_enabled(grad):
         state = ThreadState.capture()
     # In eval mode a forward's output still has a graph (when grad mode is on); nothing is
@@ -161,7 +161,7 @@ def describe(
         input_keywords=given.keywords,
         unpacks=pipeline.unpacks,
         skip_layout=pipeline.skip_layout,
-        placement=placement.placement,
+        workers=placement.workers,
         threaded=placement.threaded(nested() or is_checkpointing() or is_recomputing()),
         intra_op_threads=pipeline.intra_op_threads,
         state=state,

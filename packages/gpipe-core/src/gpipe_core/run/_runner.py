@@ -51,7 +51,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from gpipe_microbatch import Batch, Kind, ThreadState, use_device
+from gpipe_microbatch import Batch, Container, ThreadState, use_device
 from gpipe_skip import SkipKey
 
 from .._errors import add_note
@@ -143,14 +143,14 @@ def run(
     Args:
         description: the run: its action lists, micro-batches (on the first partition's
             device), the caller's thread state (applied in every worker), whether it is
-            threaded, the placement and the workers' intra-op threads.
+            threaded, the worker of each partition and the workers' intra-op threads.
         partitions: the partitions, in pipeline order; None for a partition of another
             process, whose actions that process runs.
         transport: carries messages between them.
         pool: the worker threads, one per worker of this process.
     """
     actions, inputs, threaded = description.actions, description.batches, description.threaded
-    workers, state = description.placement, description.state
+    workers, state = description.workers, description.state
     assert state is not None  # captured when the run was described
     intra_op_threads = description.intra_op_threads
     outputs: list[Batch | None] = [None] * len({action.microbatch for action in actions[0]})
@@ -460,7 +460,7 @@ class _Executor:
                 output.values,
                 atomic=output.atomic,
                 needs_grad=needs_grad,
-                kind=output.kind,
+                container=output.container,
             )
         for target, keys in partition.stashes.items():
             values = [stashed[key] for key in keys]
@@ -496,14 +496,16 @@ class _Executor:
         *,
         atomic: bool = False,
         needs_grad: bool = False,
-        kind: Kind = tuple,
+        container: Container = tuple,
     ) -> None:
         """Send a message (see :func:`outgoing`): into the mailbox between partitions of
         one worker (one device, one compute stream: nothing to wait for), else through the
         transport. Its tensors keep their graph where autograd drives the backward pass
         (``forward()``): each partition of a step starts its own."""
         detach = not self.partition(key.source).autograd_backward
-        message = outgoing(values, atomic=atomic, needs_grad=needs_grad, detach=detach, kind=kind)
+        message = outgoing(
+            values, atomic=atomic, needs_grad=needs_grad, detach=detach, container=container
+        )
         if self.workers[key.source] != self.workers[key.target]:
             self.transport.send(key, message)
         else:

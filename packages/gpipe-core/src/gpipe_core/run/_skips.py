@@ -21,17 +21,17 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
-from gpipe_microbatch import Batch, Kind, check_output, make_value
+from gpipe_microbatch import Batch, Container, check_output, make_value
 from gpipe_skip import SkipKey, SkipTracker, use_skip_tracker
 
 from .._sequential import call_partition
 
 __all__ = ["SkipCall"]
 
-# How a partition's flat output splits: the kind of its output tuple or mapping (None for
+# How a partition's flat output splits: the container of its output tuple or mapping (None for
 # one value), which of its values are tensors, and which outgoing skips are tensors (the
 # others are None).
-_Structure = tuple[Kind | None, tuple[bool, ...], tuple[SkipKey, ...]]
+_Structure = tuple[Container | None, tuple[bool, ...], tuple[SkipKey, ...]]
 
 
 class SkipCall:
@@ -57,7 +57,7 @@ class SkipCall:
         self.unpack = unpack
         self.keywords = keywords
         self.atomic = batch.atomic
-        self.kind = batch.kind
+        self.container = batch.container
         #: How many values the partition's input has, and how many of them are tensors.
         self.values = len(batch.present)
         self.inputs = len(batch)
@@ -75,7 +75,7 @@ class SkipCall:
 
     def __call__(self, flat: object) -> tuple[object, ...]:
         values = flat if isinstance(flat, tuple) else (flat,)
-        input = values[0] if self.atomic else make_value(self.kind, values[: self.values])
+        input = values[0] if self.atomic else make_value(self.container, values[: self.values])
         skips: dict[SkipKey, Tensor | None] = dict(
             zip(self.in_keys, values[self.values :], strict=True)
         )
@@ -92,8 +92,8 @@ class SkipCall:
         present = tuple(
             key for key, value in zip(self.provides, skip_values, strict=True) if value is not None
         )
-        kinds = tuple(isinstance(value, Tensor) for value in outputs)
-        structure = (None if taken.atomic else taken.kind, kinds, present)
+        are_tensors = tuple(isinstance(value, Tensor) for value in outputs)
+        structure = (None if taken.atomic else taken.container, are_tensors, present)
         if self.structure is None:
             self.structure, self.history = structure, history
         elif structure != self.structure or history != self.history:
@@ -110,10 +110,10 @@ class SkipCall:
     def split(self, flat: Batch) -> tuple[Batch, dict[SkipKey, Tensor | None]]:
         """Split a flat output into the partition's output and its outgoing skips."""
         assert self.structure is not None, "the partition has not run"
-        kind, kinds, present = self.structure
+        container, are_tensors, present = self.structure
         values = flat.values
-        count = len(kinds)
-        output = Batch(values[0] if kind is None else make_value(kind, values[:count]))
+        count = len(are_tensors)
+        output = Batch(values[0] if container is None else make_value(container, values[:count]))
         skips: dict[SkipKey, Tensor | None] = dict.fromkeys(self.provides)
         skips.update(zip(present, values[count:], strict=True))  # type: ignore[arg-type]
         return output, skips

@@ -126,18 +126,18 @@ def clock(
 
 def resolve(
     lists: Sequence[Sequence[Action]],
-    placement: Sequence[int],
+    workers: Sequence[int],
     schedule: object,
     partitions: int,
 ) -> list[list[Action]]:
     """``lists`` with every action's partition named (an action without one is its
     worker's only partition's), or a :class:`ScheduleError`."""
-    owned = partitions_of(placement)
+    owned = partitions_of(workers)
     if len(lists) != len(owned):
         who = f"schedule {schedule!r} returned" if schedule is not None else "got"
         raise ScheduleError(
             f"action lists must be one per worker ({who} {len(lists)} lists for "
-            f"{len(owned)} workers, placement: {list(placement)})"
+            f"{len(owned)} workers, placement: {list(workers)})"
         )
     resolved: list[list[Action]] = []
     for w, actions in enumerate(lists):
@@ -148,13 +148,13 @@ def resolve(
                 if len(mine) != 1:
                     raise ScheduleError(
                         f"worker {w} runs partitions {mine}: its action {action} must name "
-                        f"its partition (placement: {list(placement)})"
+                        f"its partition (placement: {list(workers)})"
                     )
                 action = replace(action, partition=mine[0])
-            elif not 0 <= action.partition < partitions or placement[action.partition] != w:
+            elif not 0 <= action.partition < partitions or workers[action.partition] != w:
                 raise ScheduleError(
                     f"worker {w} runs {action}, whose partition is not one of its partitions "
-                    f"{mine} (placement: {list(placement)})"
+                    f"{mine} (placement: {list(workers)})"
                 )
             row.append(action)
         resolved.append(row)
@@ -216,11 +216,11 @@ def check_actions(
 
 
 def check_resolved(
-    lists: Sequence[Sequence[Action]], placement: Sequence[int], microbatches: int, backward: bool
+    lists: Sequence[Sequence[Action]], workers: Sequence[int], microbatches: int, backward: bool
 ) -> None:
     """:func:`check_actions` on lists whose actions name their partitions."""
-    identity = is_identity(placement)
-    n = len(placement)
+    identity = is_identity(workers)
+    n = len(workers)
     by_partition: list[list[Action]] = [[] for _ in range(n)]
     for actions in lists:
         for action in actions:

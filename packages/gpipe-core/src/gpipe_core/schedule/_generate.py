@@ -18,7 +18,7 @@ __all__: list[str] = []
 
 def generate(
     partitions: int,
-    placement: Sequence[int],
+    workers: Sequence[int],
     pending: Sequence[set[Action]],
     choose: Callable[[int, list[Action]], Action | None],
 ) -> list[list[Action]]:
@@ -51,19 +51,17 @@ def generate(
                 lists[w].append(pick)
                 ran.append(pick)
         if not ran:
-            raise AssertionError(f"schedule generation stalled (placement: {list(placement)})")
+            raise AssertionError(f"schedule generation stalled (placement: {list(workers)})")
         done.update(ran)
     return lists
 
 
-def merge(
-    per_partition: Sequence[Sequence[Action]], placement: Sequence[int]
-) -> list[list[Action]]:
+def merge(per_partition: Sequence[Sequence[Action]], workers: Sequence[int]) -> list[list[Action]]:
     """Per-partition lists (partitions resolved) merged into per-worker lists: each worker
     runs the next action of one of its partitions when it is ready, the later partition's
     first."""
     heads = [0] * len(per_partition)
-    owned = partitions_of(placement)
+    owned = partitions_of(workers)
 
     def choose(w: int, ready: list[Action]) -> Action | None:
         for j in reversed(owned[w]):
@@ -73,11 +71,11 @@ def merge(
         return None
 
     pending = [{a for j in owned[w] for a in per_partition[j]} for w in range(len(owned))]
-    return generate(len(placement), placement, pending, choose)
+    return generate(len(workers), workers, pending, choose)
 
 
 def fill_weights(
-    base: Sequence[Sequence[Action]], placement: Sequence[int], cap: int | None = None
+    base: Sequence[Sequence[Action]], workers: Sequence[int], cap: int | None = None
 ) -> list[list[Action]]:
     """``base`` (per worker: forward passes and input gradients) with the weight gradients
     placed: each worker runs its next base action when ready, unless it is a forward pass
@@ -124,7 +122,7 @@ def fill_weights(
         }
         for actions in base
     ]
-    return generate(len(placement), placement, pending, choose)
+    return generate(len(workers), workers, pending, choose)
 
 
 def v_order(microbatches: int, worker_count: int) -> list[list[Action]]:
@@ -140,34 +138,34 @@ def _v_worker(m: int, worker_count: int, w: int) -> list[Action]:
     forwards, inputs = [0, 0], [0, 0]  # how many have run, down and up
     actions: list[Action] = []
 
-    def run(kind: Phase, side: int) -> None:
+    def add(kind: Phase, side: int) -> None:
         done = forwards if kind is Phase.FORWARD else inputs
         actions.append(Action(kind, done[side], partitions[side]))
         done[side] += 1
 
     for _ in range(min(2 * (worker_count - w) - 1, m)):
-        run(Phase.FORWARD, 0)
+        add(Phase.FORWARD, 0)
     for _ in range(w):
         if forwards[1] < m:
-            run(Phase.FORWARD, 1)
+            add(Phase.FORWARD, 1)
         if forwards[0] < m:
-            run(Phase.FORWARD, 0)
+            add(Phase.FORWARD, 0)
     for _ in range(worker_count - w):
         if forwards[1] < min(forwards[0], m):
-            run(Phase.FORWARD, 1)
-            run(Phase.INPUT_GRADIENT, 1)
+            add(Phase.FORWARD, 1)
+            add(Phase.INPUT_GRADIENT, 1)
     while inputs[0] < m or inputs[1] < m:
         before = len(actions)
         if forwards[0] < m:
-            run(Phase.FORWARD, 0)
+            add(Phase.FORWARD, 0)
         if inputs[0] < inputs[1]:
-            run(Phase.INPUT_GRADIENT, 0)
+            add(Phase.INPUT_GRADIENT, 0)
         if forwards[1] < forwards[0]:
-            run(Phase.FORWARD, 1)
+            add(Phase.FORWARD, 1)
         if inputs[1] < forwards[1]:
-            run(Phase.INPUT_GRADIENT, 1)
+            add(Phase.INPUT_GRADIENT, 1)
         elif inputs[0] < inputs[1]:
-            run(Phase.INPUT_GRADIENT, 0)
+            add(Phase.INPUT_GRADIENT, 0)
         if len(actions) == before:  # a bug, never a loop without end
             raise AssertionError(
                 f"ZB-V's order is stuck on worker {w} (m={m}, workers={worker_count})"

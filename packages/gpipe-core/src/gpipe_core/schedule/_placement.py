@@ -104,15 +104,15 @@ def place_partitions(
     return list(placement)
 
 
-def is_identity(placement: Sequence[int]) -> bool:
-    """Whether ``placement`` puts partition ``j`` on worker ``j``."""
-    return list(placement) == list(range(len(placement)))
+def is_identity(workers: Sequence[int]) -> bool:
+    """Whether ``workers`` puts partition ``j`` on worker ``j``."""
+    return list(workers) == list(range(len(workers)))
 
 
-def partitions_of(placement: Sequence[int]) -> list[list[int]]:
+def partitions_of(workers: Sequence[int]) -> list[list[int]]:
     """Each worker's partitions, in pipeline order."""
-    result: list[list[int]] = [[] for _ in range(max(placement, default=-1) + 1)]
-    for j, w in enumerate(placement):
+    result: list[list[int]] = [[] for _ in range(max(workers, default=-1) + 1)]
+    for j, w in enumerate(workers):
         result[w].append(j)
     return result
 

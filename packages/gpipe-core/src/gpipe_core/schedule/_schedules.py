@@ -59,7 +59,7 @@ from ._simulate import columns, idle_share, simulate
 
 __all__ = [
     "GPipeSchedule",
-    "Interleaved1F1BSchedule",
+    "InterleavedOneFOneBSchedule",
     "OneFOneBSchedule",
     "Schedule",
     "ZeroBubbleH1Schedule",
@@ -235,7 +235,7 @@ class OneFOneBSchedule(Schedule):
         return [_one_f_one_b(forwards, backwards, partitions - j - 1) for j in range(partitions)]
 
 
-def _loop_chunks(name: str, partitions: int, placement: Sequence[int] | None) -> int:
+def _loop_per_worker(name: str, partitions: int, placement: Sequence[int] | None) -> int:
     """How many partitions each worker of a loop ``placement`` runs; a clear error if the
     placement is not a loop."""
     placement = place_partitions(placement, partitions)
@@ -248,13 +248,13 @@ def _loop_chunks(name: str, partitions: int, placement: Sequence[int] | None) ->
     return partitions // count
 
 
-def _check_rounds(name: str, microbatches: int, partitions: int, chunks: int) -> None:
+def _check_rounds(name: str, microbatches: int, partitions: int, per_worker: int) -> None:
     """Interleaved 1F1B runs the micro-batches in rounds of one per worker: with several
     partitions per worker, a last round shorter than the others (``m`` more than the
     workers and not a multiple of them) would make it slower than 1F1B on the same
     placement, or deadlock (from four workers), so it is refused."""
-    worker_count = partitions // chunks
-    if chunks > 1 and microbatches > worker_count and microbatches % worker_count:
+    worker_count = partitions // per_worker
+    if per_worker > 1 and microbatches > worker_count and microbatches % worker_count:
         raise ScheduleError(
             f"schedule {name!r} with several partitions per worker needs a number of "
             "micro-batches that is a multiple of the workers, or at most the workers "
@@ -265,12 +265,12 @@ def _check_rounds(name: str, microbatches: int, partitions: int, chunks: int) ->
 
 
 def _interleaved(
-    microbatches: int, partitions: int, chunks: int, split: bool
+    microbatches: int, partitions: int, per_worker: int, split: bool
 ) -> list[list[Action]]:
-    """Interleaved 1F1B over ``partitions // chunks`` workers, each running ``chunks``
+    """Interleaved 1F1B over ``partitions // per_worker`` workers, each running ``per_worker``
     partitions in a loop; the backward passes split into input gradients alone if
     ``split`` (their weight gradients are left to the caller)."""
-    worker_count = partitions // chunks
+    worker_count = partitions // per_worker
     groups = [
         range(start, min(start + worker_count, microbatches))
         for start in range(0, microbatches, worker_count)
@@ -281,26 +281,26 @@ def _interleaved(
         forwards = [
             forward_of(i, c * worker_count + w)
             for group in groups
-            for c in range(chunks)
+            for c in range(per_worker)
             for i in group
         ]
         backwards = [
             Action(kind, i, c * worker_count + w)
             for group in groups
-            for c in reversed(range(chunks))
+            for c in reversed(range(per_worker))
             for i in group
         ]
         # 1F1B's warm-up; interleaved, twice as long, plus a round of the other partitions.
         warmup = (
             worker_count - w - 1
-            if chunks == 1
-            else 2 * (worker_count - w - 1) + (chunks - 1) * worker_count
+            if per_worker == 1
+            else 2 * (worker_count - w - 1) + (per_worker - 1) * worker_count
         )
         lists.append(_one_f_one_b(forwards, backwards, warmup))
     return lists
 
 
-class Interleaved1F1BSchedule(Schedule):
+class InterleavedOneFOneBSchedule(Schedule):
     """Interleaved 1F1B (Megatron-LM's): each of ``W`` workers runs ``v`` partitions of a
     loop placement (partition ``j`` on worker ``j % W``).
 
@@ -315,7 +315,7 @@ class Interleaved1F1BSchedule(Schedule):
     last round is slower than 1F1B): other numbers raise :class:`~gpipe_core.ScheduleError`.
 
     Example:
-        >>> lists = Interleaved1F1BSchedule().worker_actions(2, 4, placement=[0, 1, 0, 1])
+        >>> lists = InterleavedOneFOneBSchedule().worker_actions(2, 4, placement=[0, 1, 0, 1])
         >>> [" ".join(str(a) for a in actions) for actions in lists]
         ['0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1', '1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1']
     """
@@ -329,11 +329,11 @@ class Interleaved1F1BSchedule(Schedule):
         self, microbatches: int, partitions: int, placement: Sequence[int] | None = None
     ) -> list[list[Action]]:
         check_sizes(microbatches=microbatches, partitions=partitions)
-        chunks = _loop_chunks(self.name, partitions, placement)
-        if chunks == 1:
+        per_worker = _loop_per_worker(self.name, partitions, placement)
+        if per_worker == 1:
             return self.actions(microbatches, partitions)
-        _check_rounds(self.name, microbatches, partitions, chunks)
-        return _interleaved(microbatches, partitions, chunks, split=False)
+        _check_rounds(self.name, microbatches, partitions, per_worker)
+        return _interleaved(microbatches, partitions, per_worker, split=False)
 
 
 class ZeroBubbleH1Schedule(Schedule):
@@ -368,9 +368,9 @@ class ZeroBubbleH1Schedule(Schedule):
         self, microbatches: int, partitions: int, placement: Sequence[int] | None = None
     ) -> list[list[Action]]:
         check_sizes(microbatches=microbatches, partitions=partitions)
-        chunks = _loop_chunks(self.name, partitions, placement)
-        _check_rounds(self.name, microbatches, partitions, chunks)
-        base = _interleaved(microbatches, partitions, chunks, split=True)
+        per_worker = _loop_per_worker(self.name, partitions, placement)
+        _check_rounds(self.name, microbatches, partitions, per_worker)
+        base = _interleaved(microbatches, partitions, per_worker, split=True)
         return fill_weights(base, place_partitions(placement, partitions))
 
 
@@ -422,7 +422,7 @@ _SCHEDULES: dict[str, type[Schedule]] = {
     for schedule_type in (
         GPipeSchedule,
         OneFOneBSchedule,
-        Interleaved1F1BSchedule,
+        InterleavedOneFOneBSchedule,
         ZeroBubbleH1Schedule,
         ZeroBubbleVSchedule,
     )
@@ -480,32 +480,32 @@ def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
 
 @functools.lru_cache(maxsize=64)
 def _builtin_actions(
-    schedule_type: type[Schedule], m: int, n: int, backward: bool, placement: tuple[int, ...]
+    schedule_type: type[Schedule], m: int, n: int, backward: bool, workers: tuple[int, ...]
 ) -> tuple[tuple[Action, ...], ...]:
-    lists = _checked(schedule_type(), m, n, backward, placement)
+    lists = _checked(schedule_type(), m, n, backward, workers)
     return tuple(tuple(actions) for actions in lists)
 
 
 def _checked(
-    schedule: Schedule, m: int, n: int, backward: bool, placement: Sequence[int]
+    schedule: Schedule, m: int, n: int, backward: bool, workers: Sequence[int]
 ) -> list[list[Action]]:
-    given = None if is_identity(placement) else list(placement)
+    given = None if is_identity(workers) else list(workers)
     make = schedule.worker_actions if backward else schedule.forward_only
     lists = make(m, n, given)
-    result = as_lists(lists, len(partitions_of(placement)), schedule)
-    resolved = resolve(result, placement, schedule, n)
-    check_resolved(resolved, placement, m, backward)
+    result = as_lists(lists, len(partitions_of(workers)), schedule)
+    resolved = resolve(result, workers, schedule, n)
+    check_resolved(resolved, workers, m, backward)
     return resolved
 
 
 def step_actions(
-    schedule: Schedule, m: int, n: int, backward: bool, placement: Sequence[int] | None = None
+    schedule: Schedule, m: int, n: int, backward: bool, workers: Sequence[int] | None = None
 ) -> Sequence[Sequence[Action]]:
     """``schedule``'s actions for a run of ``m`` micro-batches over ``n`` partitions on
-    ``placement`` (the worker of each partition; default one each), forward ones only
+    ``workers`` (the worker of each partition; default one each), forward ones only
     without ``backward``; checked (once per shape for the built-in schedules), every action
     naming its partition."""
-    placement = tuple(range(n)) if placement is None else tuple(placement)
+    workers = tuple(range(n)) if workers is None else tuple(workers)
     if type(schedule) in _SCHEDULES.values():
-        return _builtin_actions(type(schedule), m, n, backward, placement)
-    return _checked(schedule, m, n, backward, placement)
+        return _builtin_actions(type(schedule), m, n, backward, workers)
+    return _checked(schedule, m, n, backward, workers)

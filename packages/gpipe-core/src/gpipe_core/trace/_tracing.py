@@ -6,7 +6,7 @@ returns None and the pipeline runs exactly as it would without this module.
 
 Every task a partition runs itself (a forward pass, a loss, and in a step a recomputation
 and a backward pass) and every device copy goes through one entry point,
-:meth:`Tracer.run`. When autograd runs a backward pass instead (the graph of
+:meth:`Tracer.task`. When autograd runs a backward pass instead (the graph of
 ``GPipe.forward``), the partition marks it with two identity autograd functions: one on the
 partition's output, whose backward runs first (the start; for a checkpointed micro-batch the
 end of its recomputation is the start), and one on its input, whose backward runs last
@@ -244,7 +244,7 @@ class Tracer:
             end = _stamp(stream)
             self.recorder.add(phase, j, i, self.run_index, span.start, end, str(device), backward)
 
-    def run(
+    def task(
         self,
         phase: Phase,
         i: int,
@@ -289,7 +289,9 @@ class Tracer:
             # A checkpoint phase inside an outer recomputation (a nested GPipe) is not one.
             if not is_recomputing() or is_checkpointing():
                 return function(input)
-            output = self.run(Phase.RECOMPUTE, i, j, device, stream, True, partial(function, input))
+            output = self.task(
+                Phase.RECOMPUTE, i, j, device, stream, True, partial(function, input)
+            )
             self._start_backward(i, j, stream)
             return output
 
@@ -362,7 +364,7 @@ class Tracer:
                 self._end(spans.pop(), Phase.COPY, i, j, device, prev_stream, True)
 
         self._mark(batch, back_end)
-        self.run(Phase.COPY, i, j, device, next_stream, backward, copy)
+        self.task(Phase.COPY, i, j, device, next_stream, backward, copy)
         self._mark(batch, back_start)
 
     # -- markers -------------------------------------------------------------------------

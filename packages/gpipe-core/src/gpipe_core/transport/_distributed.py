@@ -402,7 +402,7 @@ class DistributedTransport(Links, Transport):
         tensors = message.tensors.tensors
         _wire.check_strided(key, tensors)
         meta = ("data", key, message.atomic, message.present, message.requires_grad)
-        self._post(target, (*meta, message.others, message.kind), tensors)
+        self._post(target, (*meta, message.others, message.container), tensors)
 
     def receive(self, key: MessageKey) -> Message:
         source = self.partition_ranks[key.source]
@@ -570,8 +570,10 @@ class DistributedTransport(Links, Transport):
                 if not self.cancelled:  # the exchanges' tensors are on the CPU
                     self.exchanged[peer].append((meta[1], [t.cpu() for t in tensors]))
             elif not self.cancelled:
-                _, key, atomic, present, requires_grad, others, kind = meta
+                _, key, atomic, present, requires_grad, others, container = meta
                 batch = carried(tensors, atomic)
-                self.mailbox[key] = Message(atomic, present, requires_grad, batch, others, kind)
+                self.mailbox[key] = Message(
+                    atomic, present, requires_grad, batch, others, container
+                )
             self.cond.notify_all()
         return True

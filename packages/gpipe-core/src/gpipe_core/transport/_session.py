@@ -41,9 +41,9 @@ def run_session(transport: Transport) -> Iterator[Session]:
     different run fields all raise the same :class:`RanksDisagree`.
     """
     transport.begin()
-    run = Session()
+    session = Session()
     try:
-        yield run
+        yield session
     except Cancelled:
         transport.finish(None)  # raises the failing rank's error
         raise RuntimeError("the run was cancelled on this rank") from None
@@ -55,7 +55,7 @@ def run_session(transport: Transport) -> Iterator[Session]:
         except Exception as also:  # the local error stays the one raised
             add_note(error, f"(ending the run on the other ranks failed too: {also})")
         raise
-    run.payloads = transport.finish(None, run.payload)
+    session.payloads = transport.finish(None, session.payload)
 
 
 def share_plan(

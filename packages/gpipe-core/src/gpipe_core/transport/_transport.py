@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from gpipe_checkpoint import is_differentiable
-from gpipe_microbatch import Batch, Kind, make_value
+from gpipe_microbatch import Batch, Container, make_value
 
 from .._stream import AbstractStream, is_cuda
 from ..trace._tracing import Tracer
@@ -94,9 +94,9 @@ class Message(NamedTuple):
     #: The values that are not tensors (``None`` included), in order, as Python objects.
     others: tuple[object, ...] = ()
     #: What the values were: the type of their tuple (a namedtuple, say), or the
-    #: :class:`~gpipe_microbatch.MappingKind` of their mapping (its type and keys); ``tuple``
+    #: :class:`~gpipe_microbatch.MappingContainer` of their mapping (its type and keys); ``tuple``
     #: for one value.
-    kind: Kind = tuple
+    container: Container = tuple
 
     def values(self) -> list[object]:
         """Every value, in order: the tensors, and :attr:`others` where ``present`` is
@@ -106,8 +106,8 @@ class Message(NamedTuple):
 
     def value(self, values: Sequence[object]) -> object:
         """What the message's :meth:`values` were sent as (one value, or a tuple or a
-        mapping of :attr:`kind`), with ``values`` in their place."""
-        return values[0] if self.atomic else make_value(self.kind, values)
+        mapping of :attr:`container`), with ``values`` in their place."""
+        return values[0] if self.atomic else make_value(self.container, values)
 
     def detached(self) -> Message:
         """The message with its tensors detached from their graph (itself if none has
@@ -129,7 +129,7 @@ def outgoing(
     atomic: bool = False,
     needs_grad: bool = False,
     detach: bool,
-    kind: Kind = tuple,
+    container: Container = tuple,
 ) -> Message:
     """The message that carries ``values`` (the one place a message is built): its tensors
     are detached from their graph if ``detach``.
@@ -141,8 +141,9 @@ def outgoing(
         needs_grad: the values come from a checkpointed forward pass, without
             autograd history; their recomputation will need gradients.
         detach: detach the tensors from their graph (each partition starts its own).
-        kind: the type of the tuple the values are (a namedtuple, say), or the kind of
-            their mapping, which the receiver gets back (:meth:`Message.value`).
+        container: the type of the tuple the values are (a namedtuple, say), or the
+            :class:`~gpipe_microbatch.MappingContainer` of their mapping, which the receiver
+            gets back (:meth:`Message.value`).
     """
     # One pass over the values: this runs for every message.
     tensors: list[Tensor] = []
@@ -164,7 +165,7 @@ def outgoing(
     if detach:
         tensors = [tensor.detach() for tensor in tensors]
     return Message(
-        atomic, tuple(present), requires_grad, carried(tensors, atomic), tuple(others), kind
+        atomic, tuple(present), requires_grad, carried(tensors, atomic), tuple(others), container
     )
 
 
