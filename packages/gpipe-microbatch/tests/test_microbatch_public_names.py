@@ -25,6 +25,7 @@ NAMES = [
     "check_chunks",
     "check_module",
     "check_output",
+    "deprecated_aliases",
     "gather",
     "get_phony",
     "labels",

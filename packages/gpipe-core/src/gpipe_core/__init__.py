@@ -9,9 +9,7 @@ Example:
     torch.Size([6, 4])
 """
 
-import warnings
-
-from gpipe_microbatch import BalanceError, NoChunk
+from gpipe_microbatch import BalanceError, NoChunk, deprecated_aliases
 
 from .__about__ import __version__
 from ._arguments import CheckpointMode
@@ -87,13 +85,4 @@ __all__ = [
 _RENAMED = {"Interleaved1F1BSchedule": "InterleavedOneFOneBSchedule"}
 
 
-def __getattr__(name: str) -> object:
-    if name in _RENAMED:
-        new = _RENAMED[name]
-        warnings.warn(
-            f"{__name__}.{name} is deprecated, use {__name__}.{new}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return globals()[new]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = deprecated_aliases(__name__, _RENAMED, globals())

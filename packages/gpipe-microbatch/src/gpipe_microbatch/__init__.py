@@ -32,8 +32,6 @@ Example:
     torch.Size([10])
 """
 
-import warnings
-
 from .__about__ import __version__
 from ._balance import BalanceError, check_balance, check_module
 from ._batch import Batch
@@ -42,6 +40,7 @@ from ._device import Device, normalize_device, use_device
 from ._mapping import MappingContainer, mapping_container
 from ._nochunk import NoChunk
 from ._phony import get_phony
+from ._renamed import deprecated_aliases
 from ._scatter import gather, scatter
 from ._threadstate import ThreadState
 from ._values import (
@@ -69,6 +68,7 @@ __all__ = [
     "check_chunks",
     "check_module",
     "check_output",
+    "deprecated_aliases",
     "gather",
     "get_phony",
     "labels",
@@ -91,13 +91,4 @@ _RENAMED = {
 }
 
 
-def __getattr__(name: str) -> object:
-    if name in _RENAMED:
-        new = _RENAMED[name]
-        warnings.warn(
-            f"{__name__}.{name} is deprecated, use {__name__}.{new}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return globals()[new]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = deprecated_aliases(__name__, _RENAMED, globals())

@@ -10,8 +10,6 @@ Example:
     p1: .  F0 F1 B1 B0 .
 """
 
-import warnings
-
 from gpipe_core import (
     Action,
     GPipeSchedule,
@@ -28,6 +26,7 @@ from gpipe_core import (
     schedules,
     simulate,
 )
+from gpipe_microbatch import deprecated_aliases
 
 __all__ = [
     "Action",
@@ -50,13 +49,4 @@ __all__ = [
 _RENAMED = {"Interleaved1F1BSchedule": "InterleavedOneFOneBSchedule"}
 
 
-def __getattr__(name: str) -> object:
-    if name in _RENAMED:
-        new = _RENAMED[name]
-        warnings.warn(
-            f"{__name__}.{name} is deprecated, use {__name__}.{new}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return globals()[new]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = deprecated_aliases(__name__, _RENAMED, globals())
