@@ -69,6 +69,26 @@ def check(model: nn.Module, hows: list[str | None], checkpoint: str) -> None:
     assert any(not bool(m.all()) for m in masks)
 
 
+def step_matches_replay(
+    pipe: GPipe, model: nn.Module, plain: nn.Module, schedule: str, checkpoint: str
+) -> None:
+    """One step of ``pipe`` (over ``model``) on new data, the workers overlapping: its
+    recomputations drew their first masks, and ``plain`` given those masks computes its
+    loss and gradients (then every gradient is cleared)."""
+    x = torch.randn(BATCH, WIDTH, dtype=torch.float64)
+    y = torch.randn(BATCH, WIDTH, dtype=torch.float64)
+    measured_long(pipe)  # the workers overlap, as with larger layers
+    losses = pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+    check(model, [layer.how for layer in redrawn(model)], checkpoint)
+    replay_into(plain, model)
+    loss = nn.MSELoss()(plain(x), y)
+    loss.backward()
+    torch.testing.assert_close(losses.reduced(), loss.detach())
+    assert_grads_equal(pipe, plain)
+    for p in [*pipe.parameters(), *plain.parameters()]:
+        p.grad = None
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(), switched=st.integers(0, 4))
 def test_step_replays_every_draw(case: dict, switched: int) -> None:
@@ -89,18 +109,7 @@ def test_step_replays_every_draw(case: dict, switched: int) -> None:
             for layers in (model, plain):
                 layer = redrawn(layers)[switched]
                 layer.how = None if layer.how else "non-reentrant"
-        x = torch.randn(BATCH, WIDTH, dtype=torch.float64)
-        y = torch.randn(BATCH, WIDTH, dtype=torch.float64)
-        measured_long(pipe)  # the workers overlap, as with larger layers
-        losses = pipe.step(x, y, nn.MSELoss(), schedule=case["schedule"])
-        check(model, [layer.how for layer in redrawn(model)], case["checkpoint"])
-        replay_into(plain, model)
-        loss = nn.MSELoss()(plain(x), y)
-        loss.backward()
-        torch.testing.assert_close(losses.reduced(), loss.detach())
-        assert_grads_equal(pipe, plain)
-        for p in [*pipe.parameters(), *plain.parameters()]:
-            p.grad = None
+        step_matches_replay(pipe, model, plain, case["schedule"], case["checkpoint"])
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -137,15 +146,5 @@ def test_a_layer_that_starts_checkpointing_itself_is_seen(how: str) -> None:
         if step == 2:
             for layers in (model, plain):
                 redrawn(layers)[3].how = how
-        x = torch.randn(BATCH, WIDTH, dtype=torch.float64)
-        y = torch.randn(BATCH, WIDTH, dtype=torch.float64)
-        measured_long(pipe)
-        losses = pipe.step(x, y, nn.MSELoss(), schedule="1f1b")
+        step_matches_replay(pipe, model, plain, "1f1b", "never")
         assert assert_replayed(model) > 0 or step < 2
-        replay_into(plain, model)
-        loss = nn.MSELoss()(plain(x), y)
-        loss.backward()
-        torch.testing.assert_close(losses.reduced(), loss.detach())
-        assert_grads_equal(pipe, plain)
-        for p in [*pipe.parameters(), *plain.parameters()]:
-            p.grad = None
