@@ -131,7 +131,7 @@ class PartitionRun:
         #: Whether the partition's layers cannot draw random numbers (see _draws): then
         #: its forward passes take no lock and are never replayed.
         self.draws_nothing = run.replays and run.drawless[index]
-        #: Where the run learns whether the partition checkpoints itself (see _learn).
+        #: Where the run learns whether the partition checkpoints itself (see forward).
         learning = run.self_checkpointing
         self.learning = learning if learning is not None and index in learning.pending else None
         #: The micro-batches whose forward pass held the generator lock: their backward
@@ -190,8 +190,8 @@ class PartitionRun:
         self, i: int, compute: Callable[[], _T], chk: Checkpointing | None, batch: Batch
     ) -> _T:
         """Run ``compute``, the forward pass of micro-batch ``i`` on ``batch``, under the
-        device's generator lock in a run that may replay random draws (one with
-        checkpointing, or one that computes gradients).
+        device's generator lock in a run that may replay random draws (gpipe checkpoints,
+        or a partition checkpoints itself or is not known not to: ``run.replays``).
 
         Partitions on one device share a generator. A recomputation replays its first
         pass's draws from the generator's state when that pass started: gpipe's does, and
