@@ -24,6 +24,7 @@ NAMES = [
     "BalanceError",
     "BatchMean",
     "GPipe",
+    "Lanes",
     "NoChunk",
     "PipeSequential",
     "RanksDisagree",
@@ -35,6 +36,7 @@ NAMES = [
     "bn",
     "is_checkpointing",
     "is_recomputing",
+    "lane_state",
     "schedule",
     "skip",
     "timeline",
@@ -62,6 +64,7 @@ REEXPORTS = {
 CORE_NAMES = {
     "schedule": [
         "Action",
+        "DecodeSchedule",
         "GPipeSchedule",
         "InterleavedOneFOneBSchedule",
         "Losses",

@@ -18,9 +18,11 @@ from ._gpipe import GPipe
 from ._materialize import Init
 from ._partition import WithDevice
 from ._sequential import PipeSequential
+from .run._lanes import Lanes, lane_state
 from .run._losses import BatchMean, Losses
 from .schedule._action import Action, Phase
 from .schedule._check import ScheduleError, check_actions
+from .schedule._decode import DecodeSchedule
 from .schedule._placement import place_partitions
 from .schedule._schedules import (
     GPipeSchedule,
@@ -49,10 +51,12 @@ __all__ = [
     "BalanceError",
     "BatchMean",
     "CheckpointMode",
+    "DecodeSchedule",
     "GPipe",
     "GPipeSchedule",
     "Init",
     "InterleavedOneFOneBSchedule",
+    "Lanes",
     "Losses",
     "NoChunk",
     "OneFOneBSchedule",
@@ -74,6 +78,7 @@ __all__ = [
     "check_actions",
     "clock_cycles",
     "get_schedule",
+    "lane_state",
     "place_partitions",
     "schedules",
     "simulate",

@@ -24,12 +24,14 @@ from gpipe_checkpoint import is_checkpointing, is_recomputing
 from gpipe_core import (
     BatchMean,
     GPipe,
+    Lanes,
     NoChunk,
     PipeSequential,
     RanksDisagree,
     RemotePartitionError,
     RemoteStageError,
     WithDevice,
+    lane_state,
 )
 
 from . import balance, bn, schedule, skip, timeline  # the facade modules gpipe.<name>
@@ -43,6 +45,7 @@ __all__ = [
     "BalanceError",
     "BatchMean",
     "GPipe",
+    "Lanes",
     "NoChunk",
     "PipeSequential",
     "RanksDisagree",
@@ -54,6 +57,7 @@ __all__ = [
     "bn",
     "is_checkpointing",
     "is_recomputing",
+    "lane_state",
     "schedule",
     "skip",
     "timeline",

@@ -12,6 +12,7 @@ Example:
 
 from gpipe_core import (
     Action,
+    DecodeSchedule,
     GPipeSchedule,
     InterleavedOneFOneBSchedule,
     Losses,
@@ -30,6 +31,7 @@ from gpipe_microbatch import deprecated_aliases
 
 __all__ = [
     "Action",
+    "DecodeSchedule",
     "GPipeSchedule",
     "InterleavedOneFOneBSchedule",
     "Losses",

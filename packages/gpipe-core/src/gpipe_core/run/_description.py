@@ -23,6 +23,7 @@ from gpipe_skip import SkipLayout
 from ..schedule._action import Action
 from ..trace._tracing import Tracer
 from ._draws import SelfCheckpointing
+from ._lanes import DecodeRun
 from ._losses import LossSpec
 
 __all__ = ["RunDescription"]
@@ -68,6 +69,8 @@ class RunDescription:
             not to): then forward passes and backward tasks that may draw take turns.
         self_checkpointing: what the pipeline learns of its partitions checkpointing
             themselves (the run learns its ``pending`` ones).
+        decode: what a decode run adds: its lanes, rounds and feedback (None: a forward
+            or a step).
     """
 
     batches: Sequence[Batch]
@@ -92,6 +95,7 @@ class RunDescription:
     drawless: Sequence[bool] = ()
     replays: bool = False
     self_checkpointing: SelfCheckpointing | None = None
+    decode: DecodeRun | None = None
 
     def unpack(self, j: int) -> bool:
         """Whether partition ``j`` takes a tuple as its first layer's positional arguments."""

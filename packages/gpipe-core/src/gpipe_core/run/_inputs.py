@@ -346,11 +346,14 @@ def forward_inputs(
     *,
     training: bool,
     first: bool,
+    method: str = "forward",
+    agree: Fields = (),
 ) -> RunInputs:
     """``forward(*inputs, **keywords)``'s inputs, split into ``chunks`` micro-batches (the
     input's on the first partition's rank, ``first``; the other ranks read none). An empty
     pipeline (no ``devices``) is the identity: its :attr:`~RunInputs.output` is its input,
-    as the first layer would see it.
+    as the first layer would see it. The ranks agree on the run of ``method`` and on
+    ``agree`` besides.
 
     Raises:
         TypeError: no input, an input without a tensor to split, or keyword inputs to an
@@ -359,7 +362,7 @@ def forward_inputs(
             different batch sizes.
     """
     call = FirstCall(None, False, "input")
-    fields = run_fields("forward", chunks=chunks, training=training)
+    fields = (*run_fields(method, chunks=chunks, training=training), *agree)
     if first:
         call = first_call(inputs, keywords)
         check_input_device(call.value, call.what, devices, call.names)

@@ -39,7 +39,9 @@ def _per_lists(function: Callable[_P, _R]) -> Callable[_P, _R]:
 
 
 def serial_order(
-    lists: Sequence[Sequence[Action]], workers: Sequence[int] | None = None
+    lists: Sequence[Sequence[Action]],
+    workers: Sequence[int] | None = None,
+    lanes: int | None = None,
 ) -> tuple[Action, ...]:
     """Every action of ``lists`` in the order one thread runs them: unit-time column by
     column of :func:`~gpipe_core.simulate`, the workers in order within a column (computed
@@ -50,14 +52,14 @@ def serial_order(
         >>> [str(a) for a in serial_order(GPipeSchedule().actions(2, 2))]
         ['F0', 'F1', 'F0', 'F1', 'B1', 'B1', 'B0', 'B0']
     """
-    return _serial_order(lists, None if workers is None else tuple(workers))
+    return _serial_order(lists, None if workers is None else tuple(workers), lanes)
 
 
 @_per_lists
 def _serial_order(
-    lists: Sequence[Sequence[Action]], workers: tuple[int, ...] | None
+    lists: Sequence[Sequence[Action]], workers: tuple[int, ...] | None, lanes: int | None
 ) -> tuple[Action, ...]:
-    rows = simulate(lists, placement=workers)
+    rows = simulate(lists, placement=workers, lanes=lanes)
     return tuple(action for column in columns(rows) for _, action in column)
 
 

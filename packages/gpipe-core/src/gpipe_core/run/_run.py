@@ -28,13 +28,15 @@ from gpipe_microbatch import Batch, ThreadState, gather
 from gpipe_skip import SkipLayout
 
 from .._stream import AbstractStream, current_stream, new_stream
+from ..schedule._decode import decode_actions
 from ..schedule._schedules import Schedule, step_actions
 from ..trace._tracing import Tracer, tracer_for
 from ..transport._agreement import Fields
 from ..transport._transport import Cancelled, Plan, Transport
 from ._description import RunDescription
 from ._draws import SelfCheckpointing, draws_nothing
-from ._inputs import CountMean, RunInputs, forward_inputs, step_inputs
+from ._inputs import CountMean, RunInputs, first_call, forward_inputs, step_inputs
+from ._lanes import DecodeRun, Feedback
 from ._losses import Losses, Reduction
 from ._partition_run import PartitionRun, nested
 from ._runner import run
@@ -46,6 +48,7 @@ __all__ = [
     "describe",
     "execute",
     "gather_output",
+    "run_decode",
     "run_forward",
     "run_step",
 ]
@@ -129,6 +132,7 @@ def describe(
     grad: bool,
     autograd_backward: bool,
     tracer: Tracer | None,
+    decode: DecodeRun | None = None,
 ) -> RunDescription:
     """The run of ``given`` (a forward's or a step's inputs) over ``pipeline``, in
     ``training`` mode with ``grad`` mode (autograd history recorded), whose backward pass
@@ -137,10 +141,18 @@ def describe(
     A pipeline nested in a checkpointed partition runs in the calling thread: the outer
     recomputation must replay its random draws in the same order, and its workers would
     wait forever for a generator lock the calling thread holds.
+
+    A ``decode`` run (a forward without autograd history) runs each of the micro-batches,
+    its lanes, ``decode.rounds`` times, in the :class:`~gpipe_core.DecodeSchedule`.
     """
     m, placement, partitions = len(given.sizes), pipeline.placement, pipeline.partitions
     backward = grad and not autograd_backward
-    actions = step_actions(given.schedule, m, len(partitions), backward, placement.workers)
+    if decode is None:
+        actions = step_actions(given.schedule, m, len(partitions), backward, placement.workers)
+    else:
+        workers = None if placement.workers is None else tuple(placement.workers)
+        actions = decode_actions(m, decode.rounds, len(partitions), workers)
+        m *= decode.rounds
     with torch.set_grad_enabled(grad):
         state = ThreadState.capture()
     # In eval mode a forward's output still has a graph (when grad mode is on); nothing is
@@ -172,6 +184,7 @@ def describe(
         drawless=drawless,
         replays=replays,
         self_checkpointing=learned if grad else None,
+        decode=decode,
     )  # fmt: skip
 
 
@@ -228,6 +241,49 @@ def run_step(
     return given.end()
 
 
+def run_decode(
+    pipeline: Pipeline,
+    module: nn.Module,
+    pool: WorkerPool,
+    copy_streams: list[list[AbstractStream]],
+    inputs: tuple[Any, ...],
+    keywords: Mapping[str, Any],
+    feedback: Feedback,
+    rounds: int,
+    agree: Fields,
+) -> None:
+    """``module.decode(...)`` run over ``pipeline``: the first round's input split into
+    lanes, each lane run ``rounds`` times, its next input made by ``feedback`` on the last
+    partition's process (see :mod:`gpipe_core.run._lanes`); the ranks agree on the
+    rounds and on ``agree``. The lanes' states are dropped when it returns or raises."""
+    placement = pipeline.placement
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive integer (rounds: {rounds!r})")
+    if not callable(feedback):
+        raise TypeError(
+            "feedback must be a callable feedback(lane, round, output) returning the lane's "
+            f"next input or None (feedback: {type(feedback).__name__})"
+        )
+    if not pipeline.partitions:
+        raise ValueError("an empty pipeline has no partition to decode with")
+    given = forward_inputs(
+        inputs, keywords, pipeline.chunks, placement.devices, placement.share_plan,
+        training=module.training, first=placement.is_local(0), method="decode",
+        agree=(("rounds", rounds), *agree),
+    )  # fmt: skip
+    call = first_call(inputs, keywords) if placement.is_local(0) else None
+    positional = None
+    if call is not None:
+        positional = len(call.value) - len(call.keywords) if call.unpack else 1
+    decode = DecodeRun(len(given.sizes), rounds, feedback, given.keywords, positional)
+    try:
+        with torch.no_grad():
+            _run(pipeline, module, pool, copy_streams, given, False, autograd_backward=True,
+                 decode=decode)  # fmt: skip
+    finally:
+        decode.store.clear()
+
+
 def _run(
     pipeline: Pipeline,
     module: nn.Module,
@@ -237,12 +293,14 @@ def _run(
     grad: bool,
     *,
     autograd_backward: bool,
+    decode: DecodeRun | None = None,
 ) -> list[Batch | None]:
-    """Describe the run of ``given`` and execute it (the trace records it if ``module`` is
-    traced)."""
+    """Describe the run of ``given`` (a ``decode`` run's, if given) and execute it (the
+    trace records it if ``module`` is traced)."""
+    m = len(given.sizes) * (1 if decode is None else decode.rounds)
     description = describe(
         pipeline, given, training=module.training, grad=grad,
-        autograd_backward=autograd_backward, tracer=tracer_for(module, len(given.sizes)),
+        autograd_backward=autograd_backward, tracer=tracer_for(module, m), decode=decode,
     )  # fmt: skip
     transport = pipeline.placement.transport()
     return execute(description, transport, pool, copy_streams, module)
@@ -280,7 +338,11 @@ def execute(
         None if layers is None else PartitionRun(j, description, streams[j])
         for j, layers in enumerate(description.partitions)
     ]
-    held = _copy_streams(copy_streams, devices, description.microbatches)
+    decode = description.decode
+    # A decode run's micro-batches share their lane's copy streams.
+    held = _copy_streams(
+        copy_streams, devices, description.microbatches if decode is None else decode.lanes
+    )
     transport.prepare(streams, held, tracer=description.tracer)
     # Deferred batch norms update their running statistics once, after all m
     # micro-batches (m may be less than chunks), and not at all if a micro-batch fails.

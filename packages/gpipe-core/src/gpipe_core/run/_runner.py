@@ -60,6 +60,7 @@ from ..schedule._action import Action, Phase
 from ..schedule._simulate import simulate
 from ..transport._transport import Cancelled, Message, MessageKey, Transport, outgoing
 from ._description import RunDescription
+from ._lanes import DecodeRun, Stopped
 from ._order import serial_order
 from ._partition_run import PartitionRun
 from ._threads import NO_SHARE, ThreadShare
@@ -78,11 +79,14 @@ class FailureChannel:
         transport: Transport,
         actions: Sequence[Sequence[Action]],
         workers: Sequence[int] | None = None,
+        lanes: int | None = None,
     ) -> None:
         self.transport = transport
         self.actions = actions
         #: The worker of each partition (None: partition ``j`` on worker ``j``).
         self.workers = workers
+        #: A decode run's lanes (None: a forward or a step).
+        self.lanes = lanes
         self.lock = threading.Lock()
         self.errors: list[tuple[int, int, ExcInfo]] = []
         self.cancelled = False
@@ -115,7 +119,7 @@ class FailureChannel:
         errors, self.errors = self.errors, []
         if len(errors) > 1:
             # The unit-time column of each action (computed only when errors compete).
-            rows = simulate(self.actions, placement=self.workers)
+            rows = simulate(self.actions, placement=self.workers, lanes=self.lanes)
 
             def order(error: tuple[int, int, ExcInfo]) -> tuple[int, int]:
                 j, position, _ = error
@@ -161,11 +165,15 @@ def run(
         # Every action is short: the run is one turn, in this thread (no worker to wake),
         # unless an action blocks (see _Executor.run_one_turn).
         threaded = False
-    failure = FailureChannel(transport, actions, workers)
+    decode = description.decode
+    lanes = None if decode is None else decode.lanes
+    failure = FailureChannel(transport, actions, workers, lanes)
     # Workers divide the caller's intra-op threads; a run in the calling thread keeps them.
     share = ThreadShare(intra_op_threads, torch.get_num_threads()) if threaded else NO_SHARE
     where = list(range(len(partitions))) if workers is None else list(workers)
-    executor = _Executor(partitions, transport, turns, inputs, outputs, failure, share, where)
+    executor = _Executor(
+        partitions, transport, turns, inputs, outputs, failure, share, where, decode
+    )  # fmt: skip
     local = sorted({where[j] for j, partition in enumerate(partitions) if partition is not None})
     try:
         if threaded:
@@ -189,6 +197,11 @@ def run(
     finally:
         transport.reset()
     return outputs
+
+
+def _stopped(message: Message) -> bool:
+    """Whether ``message`` (one value) carries a stopped lane's marker."""
+    return not message.present[0] and isinstance(message.others[0], Stopped)
 
 
 class _Watch:
@@ -267,8 +280,12 @@ class _Executor:
         failure: FailureChannel,
         share: ThreadShare = NO_SHARE,
         workers: Sequence[int] | None = None,
+        decode: DecodeRun | None = None,
     ) -> None:
         self.partitions = partitions
+        #: What a decode run adds (None: a forward or a step).
+        self.decode = decode
+        self.lanes = None if decode is None else decode.lanes
         #: The worker of each partition.
         self.workers = list(range(len(partitions))) if workers is None else list(workers)
         #: The messages between partitions of one worker (each read by the thread that wrote it).
@@ -319,7 +336,7 @@ class _Executor:
         """Run every action in the calling thread, in :func:`serial_order`."""
         # Where a partition needs its device and stream made current (not on the CPU).
         current = [_needs_device(partition) for partition in self.partitions]
-        for action in serial_order(actions, self.workers):
+        for action in serial_order(actions, self.workers, self.lanes):
             j = cast(int, action.partition)
             if current[j]:
                 with _on_device(self.partition(j)):
@@ -347,7 +364,7 @@ class _Executor:
             self.run_serially(actions)
             return
         watch = _Watch(len(actions), patience)
-        order = serial_order(actions, self.workers)
+        order = serial_order(actions, self.workers, self.lanes)
         jobs.start(0, partial(self._watch, watch, actions, state, jobs), self._lost)
         blocked: int | None = None
         try:
@@ -435,11 +452,22 @@ class _Executor:
         return _Computing(self.turns, j, kind, self.share.computing(self.partition(j).device))
 
     def forward(self, j: int, i: int) -> None:
-        partition = self.partition(j)
+        partition, decode = self.partition(j), self.decode
         if j == 0:
-            batch = self.inputs[i]
+            if decode is None or i < decode.lanes:
+                batch = self.inputs[i]
+            else:  # a decode run's next round: made from the lane's last output
+                message = self.receive(MessageKey("feedback", i - decode.lanes, self.last, 0))
+                value = message.value(message.values())
+                if isinstance(value, Stopped):
+                    self.pass_stopped(j, i)
+                    return
+                batch = Batch(value)
         else:
             message = self.receive(MessageKey("activations", i, j - 1, j))
+            if decode is not None and message.atomic and _stopped(message):
+                self.pass_stopped(j, i)
+                return
             values = partition.accept(message.values(), message.requires_grad)
             batch = Batch(message.value(values))
         skips: dict[SkipKey, Tensor | None] = {}
@@ -448,11 +476,17 @@ class _Executor:
             values = partition.accept(message.values(), message.requires_grad)
             skips.update(zip(keys, cast(list[Tensor | None], values), strict=True))
         with self.computing(j, Phase.FORWARD):
-            output, stashed, needs_grad = partition.forward(i, batch, skips)
+            if decode is None:
+                output, stashed, needs_grad = partition.forward(i, batch, skips)
+            else:
+                with decode.store.lane(i % decode.lanes):
+                    output, stashed, needs_grad = partition.forward(i, batch, skips)
         if j == self.last:
+            if decode is not None:
+                self.feed_back(i, decode.next_input(i, output.value))
             # A step's output is not returned (its loss is kept, detached): holding it would
             # keep the graph, and with it what the split backward's W does not need.
-            if partition.autograd_backward:
+            elif partition.autograd_backward:
                 self.outputs[i] = output
         else:
             self.send(
@@ -465,6 +499,31 @@ class _Executor:
         for target, keys in partition.stashes.items():
             values = [stashed[key] for key in keys]
             self.send(MessageKey("skips", i, j, target), values, needs_grad=needs_grad)
+
+    def pass_stopped(self, j: int, i: int) -> None:
+        """Micro-batch ``i`` of a decode run is a stopped lane's: partition ``j`` passes
+        the marker on, computing nothing."""
+        partition = self.partition(j)
+        for source in partition.pops:
+            self.receive(MessageKey("skips", i, source, j))
+        if j == self.last:
+            self.feed_back(i, Stopped())
+            return
+        self.send(MessageKey("activations", i, j, j + 1), [Stopped()], atomic=True)
+        for target in partition.stashes:
+            self.send(MessageKey("skips", i, j, target), [Stopped()])
+
+    def feed_back(self, i: int, next_input: Batch | Stopped) -> None:
+        """Send the lane of micro-batch ``i`` its next round's input (none after the last
+        round)."""
+        decode = cast(DecodeRun, self.decode)
+        if i + decode.lanes >= decode.lanes * decode.rounds:
+            return
+        key = MessageKey("feedback", i, self.last, 0)
+        if isinstance(next_input, Stopped):
+            self.send(key, [next_input], atomic=True)
+        else:
+            self.send(key, next_input.values, atomic=next_input.atomic)
 
     def backward(self, j: int, i: int, split: bool = False) -> None:
         """The backward pass of micro-batch ``i`` on partition ``j``, or only its input

@@ -41,14 +41,22 @@ class ScheduleError(ValueError):
 
 
 def dependencies(
-    action: Action, partitions: int, gradients: Mapping[tuple[int, int | None], Action]
+    action: Action,
+    partitions: int,
+    gradients: Mapping[tuple[int, int | None], Action],
+    lanes: int | None = None,
 ) -> list[Action]:
     """The actions (partitions resolved) that ``action`` waits for: on other partitions,
-    and the input gradient before its weight gradient."""
+    and the input gradient before its weight gradient; in a decode run of ``lanes`` lanes,
+    the first partition's forward pass of micro-batch ``i`` also waits for the last
+    partition's of ``i - lanes`` (the lane's previous round, whose output makes its
+    input)."""
     i, j = action.microbatch, action.partition
     assert j is not None
     if action.kind is Phase.FORWARD:
-        return [forward_of(i, j - 1)] if j > 0 else []
+        if j > 0:
+            return [forward_of(i, j - 1)]
+        return [forward_of(i - lanes, partitions - 1)] if lanes and i >= lanes else []
     if action.kind is Phase.WEIGHT_GRADIENT:
         return [Action(Phase.INPUT_GRADIENT, i, j)]
     if j < partitions - 1:
@@ -87,9 +95,14 @@ def unit_durations(durations: Mapping[str, int] | None) -> dict[Phase, int]:
 
 
 def clock(
-    lists: Sequence[Sequence[Action]], partitions: int, units: Mapping[Phase, int], identity: bool
+    lists: Sequence[Sequence[Action]],
+    partitions: int,
+    units: Mapping[Phase, int],
+    identity: bool,
+    lanes: int | None = None,
 ) -> list[list[tuple[int, int]]]:
-    """Each action's start and end, for resolved ``lists``; a deadlock raises."""
+    """Each action's start and end, for resolved ``lists`` (of a decode run of ``lanes``
+    lanes, if given); a deadlock raises."""
     gradients = {
         (a.microbatch, a.partition): a
         for actions in lists
@@ -105,7 +118,7 @@ def clock(
         for w, actions in enumerate(lists):
             while len(times[w]) < len(actions):
                 action = actions[len(times[w])]
-                waits = dependencies(action, partitions, gradients)
+                waits = dependencies(action, partitions, gradients, lanes)
                 if any(dependency not in ends for dependency in waits):
                     break
                 start = max([free[w], *(ends[dependency] for dependency in waits)])

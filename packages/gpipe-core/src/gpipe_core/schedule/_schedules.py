@@ -44,7 +44,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import ClassVar
 
-from ._action import Action, Phase, action_label, backward_of, forward_of
+from ._action import Action, Phase, backward_of, forward_of
 from ._check import ScheduleError, as_lists, check_resolved, resolve
 from ._generate import fill_weights, merge, v_order
 from ._placement import (
@@ -55,7 +55,7 @@ from ._placement import (
     partitions_of,
     place_partitions,
 )
-from ._simulate import columns, idle_share, simulate
+from ._simulate import columns, grid_text, idle_share, simulate
 
 __all__ = [
     "GPipeSchedule",
@@ -142,17 +142,7 @@ class Schedule(ABC):
         placement = place_partitions(placement, partitions, count_argument(worker_count, workers))
         lists = self.worker_actions(microbatches, partitions, placement)
         rows = simulate(lists, durations, placement=placement)
-        identity = is_identity(placement)
-        prefix = "p" if identity else "w"
-        labels = [
-            ["." if action is None else action_label(action, identity) for action in row]
-            for row in rows
-        ]
-        width = max((len(label) for row in labels for label in row), default=1)
-        return "\n".join(
-            f"{prefix}{k}: " + " ".join(label.ljust(width) for label in row).rstrip()
-            for k, row in enumerate(labels)
-        )
+        return grid_text(rows, is_identity(placement))
 
     def bubble(
         self,

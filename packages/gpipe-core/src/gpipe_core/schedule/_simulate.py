@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 
-from ._action import Action
+from ._action import Action, action_label
 from ._check import as_lists, clock, resolve, unit_durations
 from ._placement import is_identity
 
-__all__ = ["simulate"]
+__all__ = ["grid_text", "simulate"]
 
 
 def simulate(
@@ -21,6 +21,7 @@ def simulate(
     durations: Mapping[str, int] | None = None,
     *,
     placement: Sequence[int] | None = None,
+    lanes: int | None = None,
 ) -> list[list[Action | None]]:
     """Run action lists on a clock.
 
@@ -35,6 +36,9 @@ def simulate(
             each kind it leaves out, but the backward pass takes the input and weight
             gradients' sum).
         placement: the worker of each partition (default: partition ``j`` on worker ``j``).
+        lanes: the lists are a decode run's of ``lanes`` lanes (see
+            :class:`~gpipe_core.DecodeSchedule`): the first partition's forward pass of
+            micro-batch ``i`` waits for the last partition's of ``i - lanes``.
 
     Raises:
         ScheduleError: the workers would wait for each other forever.
@@ -51,7 +55,7 @@ def simulate(
     units = unit_durations(durations)
     placement = list(range(len(lists))) if placement is None else list(placement)
     resolved = resolve(as_lists(lists, None, None), placement, None, len(placement))
-    times = clock(resolved, len(placement), units, is_identity(placement))
+    times = clock(resolved, len(placement), units, is_identity(placement), lanes)
     end = max((stop for row in times for _, stop in row), default=0)
     rows: list[list[Action | None]] = []
     for actions, row in zip(lists, times, strict=True):
@@ -86,3 +90,19 @@ def idle_share(rows: Sequence[Sequence[Action | None]]) -> float:
     cells = sum(len(row) for row in rows)
     idle = sum(action is None for row in rows for action in row)
     return idle / cells if cells else 0.0
+
+
+def grid_text(rows: Sequence[Sequence[Action | None]], identity: bool) -> str:
+    """``rows`` (:func:`simulate`'s) as text: one line per worker, one column per time unit,
+    ``.`` for an idle unit; the rows are partitions (``p0``) whose actions leave their
+    partition out where each worker runs one (``identity``), else workers (``w0``)."""
+    labels = [
+        ["." if action is None else action_label(action, identity) for action in row]
+        for row in rows
+    ]
+    width = max((len(label) for row in labels for label in row), default=1)
+    prefix = "p" if identity else "w"
+    return "\n".join(
+        f"{prefix}{k}: " + " ".join(label.ljust(width) for label in row).rstrip()
+        for k, row in enumerate(labels)
+    )

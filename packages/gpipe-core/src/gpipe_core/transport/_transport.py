@@ -65,8 +65,9 @@ __all__ = [
 ]
 
 #: What a message carries: activations (forward), their gradients (backward), skip
-#: tensors, or the gradients of skip tensors.
-Contents = Literal["activations", "gradients", "skips", "skip-gradients"]
+#: tensors, the gradients of skip tensors, or a decode run's feedback (a lane's next input,
+#: from the last partition to the first).
+Contents = Literal["activations", "gradients", "skips", "skip-gradients", "feedback"]
 
 
 class MessageKey(NamedTuple):
@@ -423,7 +424,7 @@ class LocalTransport(Transport):
         if self.moves and message.tensors:
             # The copy to the other partition waits for this partition's computation.
             source, i = key.source, key.microbatch
-            wait(message.tensors, self.compute_streams[source], self.copy_streams[source][i])
+            wait(message.tensors, self.compute_streams[source], self._copy_stream(source, i))
         with self.lock:
             self.messages[key] = message
             # Wake the receiver only if it waits for this message, and can go on with it.
@@ -461,11 +462,17 @@ class LocalTransport(Transport):
             cast(Turnstile, turnstile).hold()
         return self.messages.pop(key)
 
+    def _copy_stream(self, j: int, i: int) -> AbstractStream:
+        """Partition ``j``'s copy stream of micro-batch ``i`` (a decode run's micro-batches
+        share their lane's)."""
+        row = self.copy_streams[j]
+        return row[i % len(row)]
+
     def _move(self, key: MessageKey, batch: Batch) -> None:
         """Bring ``batch`` to the target's device and compute stream (in place)."""
         source, target, i = key.source, key.target, key.microbatch
-        source_stream = self.copy_streams[source][i]
-        target_stream = self.copy_streams[target][i]
+        source_stream = self._copy_stream(source, i)
+        target_stream = self._copy_stream(target, i)
         if self.devices[source] == self.devices[target]:
             wait(batch, source_stream, target_stream)
         elif self.tracer is not None:

@@ -283,6 +283,7 @@ def describe(key: MessageKey) -> str:
         "gradients": "the gradients",
         "skips": "the skips",
         "skip-gradients": "the skips' gradients",
+        "feedback": "the next input",
     }[key.contents]
     return (
         f"{what} of micro-batch {key.microbatch} from partition {key.source} to partition "
