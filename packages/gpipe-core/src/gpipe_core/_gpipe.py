@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime
 import functools
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -397,8 +397,9 @@ class GPipe(FixedDevices, Collectives):
         feedback: Feedback,
         rounds: int,
         agree: Mapping[str, object] | None = None,
+        result: Callable[[], object] | None = None,
         **keywords: Any,
-    ) -> None:
+    ) -> object:
         """Run lanes through the pipeline round after round, each lane's next input made from
         its last output: a forward pass without autograd history whose layers keep state
         per lane (a cache, with :func:`~gpipe_core.lane_state`), as autoregressive decoding
@@ -424,7 +425,13 @@ class GPipe(FixedDevices, Collectives):
             rounds: how many rounds each lane runs.
             agree: values the ranks must agree on (a generation's options, say): the run
                 is refused on every rank if any differs (:class:`~gpipe_core.RanksDisagree`).
+            result: called on the last partition's process once every round has run; what
+                it returns (across processes: a value that pickles, without tensors) is
+                returned on every rank.
             keywords: the first round's keyword inputs.
+
+        Returns:
+            What ``result`` returns (None without it).
 
         Raises:
             ValueError: ``rounds`` is not a positive integer, the pipeline is empty, or the
@@ -452,11 +459,18 @@ class GPipe(FixedDevices, Collectives):
             ([2.0], [6.0], [12.0])
         """
         fields = tuple((str(name), value) for name, value in (agree or {}).items())
-        with self._run_session():
+        last = self._placement.is_local(-1)
+        with self._run_session() as session:
             run_decode(
                 self._config, self, self._pool, self._copy_streams, inputs, keywords,
                 feedback, rounds, fields,
             )  # fmt: skip
+            if result is not None and last:
+                value = result()
+                session.payload = value
+        if result is None:
+            return None
+        return value if last else session.payloads[self.partition_ranks[-1]]
 
     def step(
         self,

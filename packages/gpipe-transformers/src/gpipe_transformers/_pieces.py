@@ -23,6 +23,7 @@ follow its mode. It must not know pipelines or losses.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["KEEP", "Carry", "Decoder", "Embed", "Head", "stand_in"]
+from gpipe_core import lane_state
+
+__all__ = ["KEEP", "Carry", "Decoder", "Embed", "Head", "new_cache", "stand_in"]
 
 # The carry's keys: the hidden states, the layers' arguments (a value that is not a
 # tensor: their structure) and their tensors, each once, as t0, t1, ...; and the causal
@@ -110,6 +113,60 @@ class Carry:
         return args, kwargs
 
 
+@dataclass(frozen=True)
+class _CacheSlot:
+    """Where a decoder layer's argument is the cache: each partition puts its lane's there."""
+
+
+def new_cache(config: Any) -> Any:
+    """A lane's cache for the model of ``config``: transformers' own ``DynamicCache``, one
+    layer of it per decoder layer (sliding-window layers where the family has them); a
+    partition fills its own layers' only.
+
+    Raises:
+        ValueError: the family's cache has layers that are not attention's (linear
+            attention, state-space layers), which a pipeline does not generate with yet.
+    """
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=config)
+    kinds = {type(layer).__name__ for layer in cache.layers}
+    if not all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers):
+        raise ValueError(
+            "generate supports the caches of attention layers (full and sliding-window): "
+            f"{type(config).__name__}'s cache has layers of the kinds {sorted(kinds)}; "
+            "generate with the model itself on one device"
+        )
+    return cache
+
+
+def cache_argument(base: nn.Module) -> str:
+    """The name of the cache in ``base``'s forward: ``cache`` (transformers 5.24 on) or
+    ``past_key_values``."""
+    parameters = inspect.signature(type(base).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def _with_slots(call: Any, cache: object) -> tuple[Any, bool]:
+    """``call`` (a layer's arguments) with ``cache`` replaced by a :class:`_CacheSlot`, and
+    whether it was there."""
+    args, kwargs = call
+    found = any(value is cache for value in (*args, *kwargs.values()))
+    slot = _CacheSlot()
+    args = tuple(slot if value is cache else value for value in args)
+    kwargs = {name: slot if value is cache else value for name, value in kwargs.items()}
+    return (args, kwargs), found
+
+
+def _filled(args: tuple[Any, ...], kwargs: dict[str, Any], cache: object) -> Any:
+    """A layer's arguments with its lane's ``cache`` in its :class:`_CacheSlot`."""
+    args = tuple(cache if isinstance(value, _CacheSlot) else value for value in args)
+    kwargs = {
+        name: cache if isinstance(value, _CacheSlot) else value for name, value in kwargs.items()
+    }
+    return args, kwargs
+
+
 class _Stop(Exception):
     """Ends the base model's forward at the first module after the layers."""
 
@@ -149,6 +206,7 @@ class Embed(nn.Module):
     _layers: list[nn.Module]
     _layers_name: str
     _tail: str
+    _cache_name: str
 
     def __init__(
         self, base: nn.Module, names: tuple[str, ...], layers_name: str, tail: str
@@ -165,6 +223,7 @@ class Embed(nn.Module):
         self._layers = list(layers)
         self._layers_name = layers_name
         self._tail = tail
+        self._cache_name = cache_argument(base)
 
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, object]:
         keep = kwargs.pop(KEEP, None)  # the causal LM's, for the head
@@ -174,7 +233,18 @@ class Embed(nn.Module):
         base = stand_in(
             self._base, self.training, **{self._tail: _stop, self._layers_name: recorders}
         )
-        kwargs.setdefault("use_cache", False)
+        # In a lane of a decode run (generation), the base model builds its masks from a
+        # cache that knows how many positions each layer holds (see _advance); the
+        # layers get their own partition's cache instead.
+        lane = lane_state(self)
+        masks = None
+        if lane is None:
+            kwargs.setdefault("use_cache", False)
+        else:
+            masks = lane.get("masks")
+            if masks is None:
+                masks = lane["masks"] = new_cache(self._base.config)
+            kwargs[self._cache_name], kwargs["use_cache"] = masks, True
         try:
             base.forward(*args, **kwargs)
         except _Stop:
@@ -190,27 +260,59 @@ class Embed(nn.Module):
                 f"{type(self._base).__name__}.forward called {len(calls)} of its "
                 f"{len(self._layers)} decoder layers: a pipeline runs each layer once"
             )
+        if masks is not None:
+            for index, call in enumerate(calls):
+                calls[index], found = _with_slots(call, masks)
+                if not found:
+                    raise ValueError(
+                        f"{type(self._base).__name__}.forward gives its decoder layer "
+                        f"{index} no cache, which generation needs: generate with the "
+                        "model itself on one device"
+                    )
+            _advance(masks, first[0], len(self._layers))
         carry = Carry.make(first[0], calls)
         if keep is not None:
             carry[KEEP] = keep
         return carry
 
 
+def _advance(masks: Any, hidden: Tensor, layers: int) -> None:
+    """Let the masks' cache hold as many positions as the layers' caches after this
+    call: each layer of it takes the call's positions with keys and values of one sample,
+    one head and one channel (transformers' cache counts no position in an empty
+    tensor), so that it answers the mask sizes (sliding windows included) as the layers'
+    own caches would, at a cost of one number per position."""
+    tiny = hidden.new_zeros((1, 1, hidden.shape[1], 1))
+    for index in range(layers):
+        masks.update(tiny, tiny, index)
+
+
 class Decoder(nn.Module):
     """Decoder layer ``index``, called with the arguments the base model's forward gives it.
 
     The last decoder layer returns its hidden states alone (with the causal LM's
-    ``logits_to_keep``, where given); the others a :class:`Carry`.
+    ``logits_to_keep``, where given); the others a :class:`Carry`. In a lane of a decode
+    run, the layer's cache is its lane's: one per lane for the layers of ``config``'s model
+    that this process holds.
     """
 
-    def __init__(self, layer: nn.Module, index: int, last: bool) -> None:
+    _config: Any
+
+    def __init__(self, layer: nn.Module, index: int, last: bool, config: Any = None) -> None:
         super().__init__()
         self.layer = layer
         self.index = index
         self.last = last
+        self.__dict__["_config"] = config
 
     def forward(self, carry: dict[str, object]) -> object:
         args, kwargs = Carry.arguments(carry, self.index)
+        lane = lane_state(self._config) if self._config is not None else None
+        if lane is not None:
+            cache = lane.get("cache")
+            if cache is None:
+                cache = lane["cache"] = new_cache(self._config)
+            args, kwargs = _filled(args, kwargs, cache)
         hidden = carry[HIDDEN]
         output = self.layer(hidden, *args, **kwargs)
         if isinstance(output, tuple):  # layers of older families return (hidden, ...)

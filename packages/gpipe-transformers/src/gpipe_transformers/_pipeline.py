@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from gpipe_core import BatchMean, CheckpointMode, GPipe, Init, Losses, NoChunk
 
+from ._generate import generate
 from ._layout import Layout, find_layout
 from ._names import EMBED, HEAD, ModelNames, layer_name
 from ._pieces import (
@@ -80,7 +81,9 @@ def _sequence(layout: Layout) -> nn.Sequential:
     pieces: OrderedDict[str, nn.Module] = OrderedDict()
     pieces[EMBED] = Embed(layout.base, layout.pre_names(), layout.layers_name, layout.tail_names[0])
     for index, layer in enumerate(layout.layers):
-        pieces[layer_name(index)] = Decoder(layer, index, last=index == count - 1)
+        pieces[layer_name(index)] = Decoder(
+            layer, index, last=index == count - 1, config=layout.model.config
+        )
     pieces[HEAD] = Head(
         layout.model, layout.base, layout.base_name, layout.tail_names, layout.head_names()
     )
@@ -262,6 +265,56 @@ class CausalLMPipe(GPipe):
             target = (target, share)
             loss = _OVER_SHIFTED if shift_labels is not None else _OVER_ITEMS
         return super().step(*inputs, target=target, loss_fn=loss, **keywords)
+
+    def generate(self, inputs: Tensor | None = None, **options: Any) -> Tensor:
+        """Generate through the pipeline what ``model.generate(inputs, **options)`` gives:
+        the prompts and their new tokens, sequences that stopped padded with
+        ``pad_token_id``.
+
+        The options are transformers' own (``input_ids``, ``attention_mask``,
+        ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``repetition_penalty``, ``eos_token_id``, ``pad_token_id``, ``stopping_criteria``,
+        ``logits_processor``, ``generation_config``; the model's ``generation_config`` is
+        the default), applied by transformers' own logits processors and stopping
+        criteria. The batch is split into ``chunks`` lanes, each with its own cache on
+        every partition (its layers' only): the prompts are prefilled, then partition ``j``
+        computes a lane's next token while partition ``j - 1`` computes the next lane's
+        (see :meth:`GPipe.decode <gpipe_core.GPipe.decode>`); a lane whose sequences
+        have all stopped stops.
+
+        Greedy generation gives the model's tokens for any ``chunks`` and balance;
+        sampling with ``chunks=1`` draws the model's tokens under the same seed, and with
+        several lanes each token from the model's distribution (the lanes draw in turn).
+        With ``group`` every rank calls it with the same prompts and options (the ranks
+        are refused at once if the options differ), and every rank gets the sequences.
+
+        Raises:
+            ValueError: an option a pipeline does not support (beam search, assisted
+                decoding, returning scores or hidden states, ``use_cache=False``, a
+                family whose cache holds layers other than attention's), named, before
+                anything runs.
+
+        Example:
+            >>> import torch
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> config = LlamaConfig(
+            ...     vocab_size=64,
+            ...     hidden_size=16,
+            ...     intermediate_size=32,
+            ...     num_hidden_layers=2,
+            ...     num_attention_heads=2,
+            ...     pad_token_id=0,
+            ... )
+            >>> model = LlamaForCausalLM(config).eval()
+            >>> pipe = pipeline(model, balance=[1, 1], chunks=2)
+            >>> ids = torch.randint(1, 64, (4, 5))
+            >>> tokens = pipe.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+            >>> torch.equal(
+            ...     tokens, model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+            ... )
+            True
+        """
+        return generate(self, inputs, options)
 
     def _checked(self, keywords: dict[str, Any], method: str) -> dict[str, Any]:
         """``keywords`` as the pipeline passes them on, or the refusal of one it does
