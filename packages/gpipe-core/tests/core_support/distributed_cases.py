@@ -1734,6 +1734,110 @@ def case_meta_init(rank: int, *, how: str, seed: int) -> dict[str, Any]:
     return {"reduced": losses.reduced().item(), "grads": grads, "output": output}
 
 
+# -- decode runs ---------------------------------------------------------------------------
+
+
+class Cached(nn.Module):
+    """Mixes its input with the mean of every input its lane has seen (a decode run's
+    cache, in :func:`gpipe_core.lane_state`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(WIDTH, WIDTH, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from gpipe_core import lane_state
+
+        state = lane_state(self)
+        if state is None:  # outside a decode run: no cache
+            return x + self.mix(x)
+        past = state.get("cache")
+        cache = x[:, None] if past is None else torch.cat([past, x[:, None]], dim=1)
+        state["cache"] = cache
+        return x + self.mix(cache.mean(dim=1))
+
+
+def cached_model(seed: int, layers: int = 4) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*(Cached() if k % 2 == 0 else nn.Tanh() for k in range(layers)))
+
+
+class Halving:
+    """A decode run's feedback: each lane's next input is its output halved, until its round
+    ``stops[lane]``; it keeps every output."""
+
+    def __init__(self, stops: list[int]) -> None:
+        self.stops = stops
+        self.outputs: dict[tuple[int, int], list[list[float]]] = {}
+
+    def __call__(self, lane: int, round: int, output: torch.Tensor) -> torch.Tensor | None:
+        self.outputs[lane, round] = output.tolist()
+        return None if round + 1 >= self.stops[lane] else output * 0.5
+
+
+def decode_input(seed: int, batch: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, WIDTH, generator=generator, dtype=torch.float64)
+
+
+def case_decode(
+    rank: int, *, balance: list[int], chunks: int, rounds: int, stops: list[int]
+) -> dict[str, Any]:
+    """A decode run across the ranks (the last one's outputs given to every rank by the
+    run's result), then a step on the same pipeline (its layers without a cache)."""
+    pipe = GPipe(
+        cached_model(0, sum(balance)), balance, chunks=chunks, group=dist.group.WORLD, timeout=60
+    )
+    feedback = Halving(stops)
+    outputs = pipe.decode(
+        decode_input(1, 2 * chunks), feedback=feedback, rounds=rounds,
+        result=lambda: feedback.outputs,
+    )  # fmt: skip
+    x, y = data(0, 4)
+    return {"outputs": outputs, "reduced": pipe.step(x, y, nn.MSELoss()).reduced().item()}
+
+
+def case_decode_die(rank: int, *, dying_rank: int) -> dict[str, Any]:
+    """``dying_rank`` exits in the third round of a decode run; the others must fail, not
+    hang."""
+    pipe = GPipe(cached_model(0), [2, 2], chunks=2, group=dist.group.WORLD, timeout=30)
+    if rank == dying_rank:
+        calls = [0]
+
+        def die(*_: object) -> None:
+            calls[0] += 1
+            if calls[0] > 4:
+                os._exit(3)
+
+        pipe[0].register_forward_hook(die)  # type: ignore[arg-type]
+    try:
+        pipe.decode(decode_input(1, 4), feedback=Halving([5, 5]), rounds=5)
+    except Exception as caught:
+        return _error(caught)
+    return {}
+
+
+def case_decode_disagree(rank: int, *, odd_rank: int) -> dict[str, Any]:
+    """``odd_rank`` asks for other rounds, then another agreed value: every rank is refused
+    alike; then every rank decodes alike, on the same pipeline."""
+    pipe = GPipe(cached_model(0), [2, 2], chunks=2, group=dist.group.WORLD, timeout=30)
+    odd = rank == odd_rank
+    found: dict[str, Any] = {}
+    for name, rounds, agree in (
+        ("rounds", 4 if odd else 3, {}),
+        ("agree", 3, {"options": "a" if odd else "b"}),
+    ):
+        try:
+            pipe.decode(decode_input(1, 4), feedback=Halving([9, 9]), rounds=rounds, agree=agree)
+        except Exception as caught:
+            found[name] = _error(caught)
+    feedback = Halving([3, 3])
+    found["outputs"] = pipe.decode(
+        decode_input(1, 4), feedback=feedback, rounds=3, result=lambda: feedback.outputs
+    )
+    return found
+
+
 CASES: dict[str, Callable[..., Any]] = {
     name[len("case_") :]: value for name, value in globals().items() if name.startswith("case_")
 }
