@@ -210,3 +210,51 @@ def test_training_after_generating_gives_the_models_loss() -> None:
     with torch.no_grad():
         expected_tokens = plain.generate(**data, max_new_tokens=5, do_sample=False)
     assert torch.equal(pipe.generate(**data, max_new_tokens=5, do_sample=False), expected_tokens)
+
+
+# -- across ranks ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("family", "chunks"), [("gemma", 2), ("llama", 1), ("qwen2", 4)])
+def test_two_ranks_generate_the_models_tokens(family: str, chunks: int) -> None:
+    from hf_support import cases
+    from hf_support.ranks import run
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        built = model(family).eval()
+        data = cases.prompts(0)
+        options = {
+            "max_new_tokens": NEW,
+            "do_sample": False,
+            "eos_token_id": end_token(built, data),
+        }
+        with torch.no_grad():
+            expected = built.generate(**data, **options)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    results = run("generated", family=family, chunks=chunks, options=options)
+    for rank, found in enumerate(results):
+        assert torch.equal(torch.tensor(found["tokens"]), expected), rank
+        assert found["loss"] < 1e-10, (rank, found["loss"])
+
+
+def test_a_rank_killed_mid_generation_fails_every_rank() -> None:
+    from hf_support.ranks import replies
+
+    found = replies("generate_dies", dying_rank=1, timeout=120)
+    assert not found[1][0], found[1]  # gone
+    ok, result = found[0]
+    assert ok, result
+    assert result["type"] == "RemotePartitionError", result
+    assert "rank 1" in result["message"] and "died" in result["message"], result
+
+
+def test_ranks_that_disagree_on_the_options_are_refused_alike() -> None:
+    from hf_support.ranks import run
+
+    results = run("generate_disagrees")
+    for found in results:
+        assert found["error"]["type"] == "RanksDisagree", found
+        assert "generation options" in found["error"]["message"], found
+    assert results[0]["tokens"] == results[1]["tokens"]

@@ -249,3 +249,73 @@ def tie_differs(rank: int, world: int) -> str:
     except Exception as error:  # the refusal, reported to the test
         return f"{type(error).__name__}: {error}"
     return ""
+
+
+def prompts(seed: int, size: int = 8, length: int = 7) -> dict[str, torch.Tensor]:
+    """Left-padded prompts of different lengths (at least 2 tokens each)."""
+    from hf_support.models import VOCAB
+
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (size, length), generator=generator)
+    mask = torch.ones(size, length, dtype=torch.long)
+    for row in range(size):
+        pad = int(torch.randint(0, length - 1, (1,), generator=generator))
+        mask[row, :pad] = 0
+        ids[row, :pad] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def generated(
+    rank: int, world: int, *, family: str, chunks: int, options: dict[str, Any], seed: int = 0
+) -> dict[str, Any]:
+    """The sequences the pipeline over the ranks generates (every rank gets them), then the
+    difference of a training step's loss from the float64 reference on the same pipeline."""
+    torch.set_default_dtype(torch.float64)
+    built = model(family, seed)
+    data = batch(1, size=8)
+    _, loss, _ = reference(built, data)  # before the pipeline frees other ranks' layers
+    pipe = pipeline(built, chunks=chunks, group=dist.group.WORLD)
+    pipe.eval()
+    tokens = pipe.generate(**prompts(seed), **options)
+    pipe.train()
+    losses = pipe.step(**data)
+    return {"tokens": tokens.tolist(), "loss": abs(losses.reduced().item() - loss.item())}
+
+
+def generate_dies(rank: int, world: int, *, dying_rank: int) -> dict[str, Any]:
+    """``dying_rank`` exits in the fourth new token; the other ranks must fail, not hang;
+    what each raised."""
+    import os
+
+    torch.set_default_dtype(torch.float64)
+    built = model("llama").eval()
+    pipe = pipeline(built, chunks=2, group=dist.group.WORLD, timeout=30)
+    if rank == dying_rank:
+        calls = [0]
+
+        def die(*_: object) -> None:
+            calls[0] += 1
+            if calls[0] > 6:
+                os._exit(3)
+
+        pipe.partitions[rank].register_forward_hook(die)
+    try:
+        pipe.generate(**prompts(0), max_new_tokens=8, do_sample=False)
+    except Exception as error:
+        return {"type": type(error).__name__, "message": str(error)}
+    return {}
+
+
+def generate_disagrees(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 asks for other options: every rank is refused alike; then every rank generates
+    alike, on the same pipeline."""
+    torch.set_default_dtype(torch.float64)
+    built = model("llama").eval()
+    pipe = pipeline(built, chunks=2, group=dist.group.WORLD, timeout=30)
+    found: dict[str, Any] = {}
+    try:
+        pipe.generate(**prompts(0), max_new_tokens=4, do_sample=False, top_k=3 + rank)
+    except Exception as error:
+        found["error"] = {"type": type(error).__name__, "message": str(error)}
+    found["tokens"] = pipe.generate(**prompts(0), max_new_tokens=4, do_sample=False).tolist()
+    return found

@@ -68,7 +68,9 @@ class _Ranks:
                     )
                 )
 
-    def run(self, case: str, timeout: float, kwargs: dict[str, Any]) -> list[Any]:
+    def run(
+        self, case: str, timeout: float, kwargs: dict[str, Any], strict: bool = True
+    ) -> list[Any]:
         replies: list[Any] = [None] * self.world
 
         def ask(rank: int, process: subprocess.Popen[bytes]) -> None:
@@ -93,6 +95,8 @@ class _Ranks:
         late = [rank for rank, asker in enumerate(askers) if asker.is_alive()]
         if late:
             raise RankFailed(f"ranks {late} did not answer case {case} within {timeout} s")
+        if not strict:
+            return replies
         results = []
         for rank, (ok, value) in enumerate(replies):
             if not ok:
@@ -132,6 +136,16 @@ def run(case: str, world: int = 2, timeout: float = 240.0, **kwargs: Any) -> lis
         del _RANKS[world]
         ranks.close()
         raise
+
+
+def replies(case: str, world: int = 2, timeout: float = 240.0, **kwargs: Any) -> list[Any]:
+    """Each rank's ``(ok, result or traceback)`` of ``cases.<case>(rank, world, **kwargs)``,
+    whether it raised or died (the ranks are stopped after it: one may be gone)."""
+    ranks = _RANKS.pop(world, None) or _Ranks(world)
+    try:
+        return ranks.run(case, timeout, kwargs, strict=False)
+    finally:
+        ranks.close()
 
 
 def close_all() -> None:
