@@ -41,6 +41,15 @@ done
 if [ "${GPU_RUN_BENCH:-1}" != 0 ]; then
     echo "== bench_gpu.py ($((SECONDS - start)) s so far)"
     timeout 330 "$python" benchmarks/bench_gpu.py "$@" 2>&1 | tee "$out/bench_gpu.log"
+    # Generation's one-process lines on the GPU (two partitions on the one device), where
+    # transformers is there to run them.
+    if "$python" -c "import transformers" 2>/dev/null &&
+        "$python" -m pip install -q --no-index --no-deps --no-build-isolation \
+            -e packages/gpipe-transformers >>"$out/install.log" 2>&1; then
+        echo "== bench_generate.py --device cuda ($((SECONDS - start)) s so far)"
+        timeout 200 "$python" benchmarks/bench_generate.py --device cuda --one-process 2>&1 |
+            tee "$out/bench_generate.log"
+    fi
 fi
 
 left=$((${GPU_RUN_SECONDS:-360} - (SECONDS - start)))

@@ -258,3 +258,15 @@ def test_ranks_that_disagree_on_the_options_are_refused_alike() -> None:
         assert found["error"]["type"] == "RanksDisagree", found
         assert "generation options" in found["error"]["message"], found
     assert results[0]["tokens"] == results[1]["tokens"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_greedy_generation_on_a_gpu_is_the_models() -> None:
+    built = model("llama").eval().to("cuda")  # float64, as on the CPU
+    data = {key: value.to("cuda") for key, value in prompts(seed=1).items()}
+    options = {"max_new_tokens": NEW, "do_sample": False}
+    with torch.no_grad():
+        expected = built.generate(**data, **options)
+    pipe = pipeline(built, balance=[2, 2], chunks=2, devices=["cuda:0", "cuda:0"])
+    assert torch.equal(pipe.generate(**data, **options), expected)

@@ -7,8 +7,8 @@ module's, called from here: the construction and its checks, into one configurat
 inputs parsed, checked and split (``run._inputs``), its description (``run._description``)
 and execution (``run._run``), the layers under the plain module's names with the
 :class:`~torch.nn.Module` protocol over them (``_layers``), the methods every rank calls
-together outside a run, ``clip_grad_norm_`` and ``shared_drift`` (``_collectives``, whose
-``Collectives`` is GPipe's base), device moves (``_moves``).
+together outside a run, ``clip_grad_norm_`` and ``shared_drift`` (``_collectives``), the
+decode run (``_decoding``, whose ``Decoding`` is GPipe's base), device moves (``_moves``).
 Whether the pipeline spans processes it does not know beyond what its placement
 (``_placement.Placement``) answers.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime
 import functools
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -31,16 +31,15 @@ from gpipe_skip import SkipLayout
 
 from ._arguments import Arguments, CheckpointMode
 from ._build import Configuration, build
-from ._collectives import Collectives
+from ._decoding import Decoding
 from ._materialize import Init
 from ._moves import FixedDevices
 from ._placement import DEFAULT_TIMEOUT, construction_for
 from ._state_dict import PartitionKeys, map_keys
 from ._stream import AbstractStream
 from .run._inputs import UNSET
-from .run._lanes import Feedback
 from .run._losses import Losses, LossFunction, Reduction, from_numbers, to_numbers
-from .run._run import run_decode, run_forward, run_step
+from .run._run import run_forward, run_step
 from .run._worker import WorkerPool
 from .schedule._schedules import Schedule
 from .trace._timeline import Timeline
@@ -49,7 +48,7 @@ from .trace._tracing import record
 __all__ = ["GPipe"]
 
 
-class GPipe(FixedDevices, Collectives):
+class GPipe(FixedDevices, Decoding):
     """Pipeline parallelism with micro-batches and checkpointing, as in GPipe.
 
     The layers of ``module`` are split into partitions, ``balance[j]`` layers each, and
@@ -390,87 +389,6 @@ class GPipe(FixedDevices, Collectives):
                     f"(training: {self.training}, grad enabled: {torch.is_grad_enabled()})"
                 )
             return run_forward(self._config, self, self._pool, self._copy_streams, inputs, keywords)
-
-    def decode(
-        self,
-        *inputs: Any,
-        feedback: Feedback,
-        rounds: int,
-        agree: Mapping[str, object] | None = None,
-        result: Callable[[], object] | None = None,
-        **keywords: Any,
-    ) -> object:
-        """Run lanes through the pipeline round after round, each lane's next input made from
-        its last output: a forward pass without autograd history whose layers keep state
-        per lane (a cache, with :func:`~gpipe_core.lane_state`), as autoregressive decoding
-        needs.
-
-        The input (as :meth:`forward` takes it) is split into ``chunks`` micro-batches, the
-        *lanes*. Each round runs every lane through every partition: partition ``j``
-        computes lane ``i`` while partition ``j - 1`` computes lane ``i + 1``
-        (:class:`~gpipe_core.DecodeSchedule`), so that with at least as many lanes as
-        partitions no partition waits once the first round has filled the pipeline. On
-        the last partition's process, ``feedback(lane, round, output)`` gets the lane's
-        output of each round and returns its next input, in the first round's form (a
-        tensor, a tuple of positional inputs, or a dict of the same keywords), on any
-        device: it goes to the first partition's device. A lane whose feedback returns
-        None has stopped: its later rounds compute nothing. The value returned for the
-        last round is not used. The lanes' states are dropped when the call returns or
-        raises.
-
-        Args:
-            inputs: the first round's positional inputs, as :meth:`forward` takes them.
-            feedback: ``feedback(lane, round, output) -> next input | None``, called on the
-                last partition's process (in one of its worker threads), lane by lane.
-            rounds: how many rounds each lane runs.
-            agree: values the ranks must agree on (a generation's options, say): the run
-                is refused on every rank if any differs (:class:`~gpipe_core.RanksDisagree`).
-            result: called on the last partition's process once every round has run; what
-                it returns (across processes: a value that pickles, without tensors) is
-                returned on every rank.
-            keywords: the first round's keyword inputs.
-
-        Returns:
-            What ``result`` returns (None without it).
-
-        Raises:
-            ValueError: ``rounds`` is not a positive integer, the pipeline is empty, or the
-                input is refused as :meth:`forward` refuses it.
-            TypeError: ``feedback`` is not callable, or returned a value in another form
-                than the first round's input.
-
-        With ``group`` (across processes), every rank calls it alike; the first
-        partition's rank reads the inputs and the last partition's calls the feedback.
-
-        Example:
-            >>> from gpipe_core import lane_state
-            >>> class Count(nn.Module):  # adds the number of rounds its lane has seen
-            ...     def forward(self, x):
-            ...         state = lane_state(self)
-            ...         state["seen"] = state.get("seen", 0) + 1
-            ...         return x + state["seen"]
-            >>> model = GPipe(nn.Sequential(Count(), Count()), [1, 1], chunks=2)
-            >>> seen = {}
-            >>> def feedback(lane, round, output):
-            ...     seen[lane, round] = output.flatten().tolist()
-            ...     return output
-            >>> model.decode(torch.zeros(2, 1), feedback=feedback, rounds=3)
-            >>> seen[0, 0], seen[0, 1], seen[1, 2]
-            ([2.0], [6.0], [12.0])
-        """
-        fields = tuple((str(name), value) for name, value in (agree or {}).items())
-        last = self._placement.is_local(-1)
-        with self._run_session() as session:
-            run_decode(
-                self._config, self, self._pool, self._copy_streams, inputs, keywords,
-                feedback, rounds, fields,
-            )  # fmt: skip
-            if result is not None and last:
-                value = result()
-                session.payload = value
-        if result is None:
-            return None
-        return value if last else session.payloads[self.partition_ranks[-1]]
 
     def step(
         self,

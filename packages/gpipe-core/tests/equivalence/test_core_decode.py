@@ -182,3 +182,18 @@ def test_the_decode_schedule_is_data() -> None:
     assert schedule.grid(lanes=3, rounds=2, partitions=3).splitlines()[0] == (
         "p0: F0 F1 F2 F3 F4 F5 .  ."
     )
+
+
+def test_the_timeline_records_every_lane_and_round() -> None:
+    pipe = GPipe(model(4, seed=3), [2, 2], chunks=2)
+    x = torch.randn(4, WIDTH, dtype=torch.float64)
+    with pipe.trace() as timeline:
+        pipe.decode(x, feedback=Feedback([3, 2]), rounds=3)
+    forwards = {
+        (event.partition, event.microbatch)
+        for event in timeline.events
+        if event.phase == "forward"
+    }
+    # Micro-batch k is lane k % 2 in round k // 2; lane 1 stopped after its second round
+    # (micro-batch 3), so micro-batch 5 computed nothing.
+    assert forwards == {(j, k) for j in range(2) for k in (0, 1, 2, 3, 4)}

@@ -18,6 +18,7 @@ It must not know partitions or transports: the pipeline's decode run carries the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -160,7 +161,8 @@ class _Prepared:
             )  # fmt: skip
             return input_ids
 
-        model.generate(inputs, custom_generate=loop, **options)
+        generate = cast(Callable[..., object], model.generate)
+        generate(inputs, custom_generate=loop, **options)
         return found[0]
 
 

@@ -47,8 +47,8 @@ _REFUSED = {
     "output_hidden_states": "a pipeline returns the logits only",
     "output_router_logits": "a pipeline returns the logits only, and trains to the language "
     "model loss without a mixture-of-experts auxiliary loss",
-    "past_key_values": "generation with a KV cache is not supported",
-    "cache": "generation with a KV cache is not supported",
+    "past_key_values": "a pipeline's forward keeps no cache: generate with pipe.generate()",
+    "cache": "a pipeline's forward keeps no cache: generate with pipe.generate()",
     "return_dict": "a pipeline returns the logits only",
     **dict.fromkeys(("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"), _PACKED),
     "seq_idx": _PACKED,
@@ -334,7 +334,8 @@ class CausalLMPipe(GPipe):
                 raise ValueError(f"{name} is not supported: {why} ({name}: {_shown(value)})")
             elif name == "use_cache":
                 raise ValueError(
-                    "use_cache is not supported: generation with a KV cache is not "
+                    "use_cache is not supported: a pipeline's forward keeps no cache; "
+                    "generate with pipe.generate(), which keeps each partition's cache "
                     f"(use_cache: {_shown(value)})"
                 )
             elif name == "labels" or name in _LOSS:

@@ -274,7 +274,8 @@ def run_decode(
     call = first_call(inputs, keywords) if placement.is_local(0) else None
     positional = None
     if call is not None:
-        positional = len(call.value) - len(call.keywords) if call.unpack else 1
+        count = len(cast(tuple[Any, ...], call.value)) if call.unpack else 1
+        positional = count - len(call.keywords)
     decode = DecodeRun(len(given.sizes), rounds, feedback, given.keywords, positional)
     try:
         with torch.no_grad():
