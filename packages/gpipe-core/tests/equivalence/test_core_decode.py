@@ -190,9 +190,7 @@ def test_the_timeline_records_every_lane_and_round() -> None:
     with pipe.trace() as timeline:
         pipe.decode(x, feedback=Feedback([3, 2]), rounds=3)
     forwards = {
-        (event.partition, event.microbatch)
-        for event in timeline.events
-        if event.phase == "forward"
+        (event.partition, event.microbatch) for event in timeline.events if event.phase == "forward"
     }
     # Micro-batch k is lane k % 2 in round k // 2; lane 1 stopped after its second round
     # (micro-batch 3), so micro-batch 5 computed nothing.
