@@ -195,3 +195,34 @@ def test_the_timeline_records_every_lane_and_round() -> None:
     # Micro-batch k is lane k % 2 in round k // 2; lane 1 stopped after its second round
     # (micro-batch 3), so micro-batch 5 computed nothing.
     assert forwards == {(j, k) for j in range(2) for k in (0, 1, 2, 3, 4)}
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_caches_are_freed_when_decode_returns_or_raises(fails: bool) -> None:
+    import weakref
+
+    caches: list[weakref.ref[torch.Tensor]] = []
+
+    class Watched(Cached):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            output = super().forward(x)
+            state = lane_state(self)
+            assert state is not None
+            caches.append(weakref.ref(state["cache"]))
+            return output
+
+    torch.manual_seed(0)
+    pipe = GPipe(nn.Sequential(Watched(), nn.Tanh(), Watched()), [2, 1], chunks=2)
+    x = torch.randn(4, WIDTH, dtype=torch.float64)
+
+    def feedback(lane: int, round: int, output: torch.Tensor) -> torch.Tensor:
+        if fails and round == 2:
+            raise ValueError("stop here")
+        return output
+
+    if fails:
+        with pytest.raises(ValueError, match="stop here"):
+            pipe.decode(x, feedback=feedback, rounds=4)
+    else:
+        pipe.decode(x, feedback=feedback, rounds=4)
+    assert caches and all(ref() is None for ref in caches)
