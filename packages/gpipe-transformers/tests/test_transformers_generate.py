@@ -18,21 +18,10 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_transformers import pipeline
-from hf_support.models import VOCAB, any_config, model, reference_loss
+from hf_support.cases import prompts
+from hf_support.models import any_config, model, reference_loss
 
 NEW = 16
-
-
-def prompts(seed: int, size: int = 8, length: int = 7) -> dict[str, Tensor]:
-    """Left-padded prompts of different lengths (at least 2 tokens each)."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (size, length), generator=generator)
-    mask = torch.ones(size, length, dtype=torch.long)
-    for row in range(size):
-        pad = int(torch.randint(0, length - 1, (1,), generator=generator))
-        mask[row, :pad] = 0
-        ids[row, :pad] = 0
-    return {"input_ids": ids, "attention_mask": mask}
 
 
 def end_token(built: nn.Module, data: dict[str, Tensor]) -> int:
@@ -217,13 +206,12 @@ def test_training_after_generating_gives_the_models_loss() -> None:
 
 @pytest.mark.parametrize(("family", "chunks"), [("gemma", 2), ("llama", 1), ("qwen2", 4)])
 def test_two_ranks_generate_the_models_tokens(family: str, chunks: int) -> None:
-    from hf_support import cases
     from hf_support.ranks import run
 
     torch.set_default_dtype(torch.float64)
     try:
         built = model(family).eval()
-        data = cases.prompts(0)
+        data = prompts(0)
         options = {
             "max_new_tokens": NEW,
             "do_sample": False,

@@ -14,7 +14,7 @@ from typing import Any
 from ._collectives import Collectives
 from ._stream import AbstractStream
 from .run._lanes import Feedback
-from .run._run import run_decode
+from .run._run import Runtime, run_decode
 
 __all__ = ["Decoding"]
 
@@ -24,6 +24,11 @@ class Decoding(Collectives):
     which sets the attributes below)."""
 
     _copy_streams: list[list[AbstractStream]]
+
+    @property
+    def _runtime(self) -> Runtime:
+        """What this pipeline's runs run with (its forward, step and decode runs)."""
+        return Runtime(self._config, self, self._pool, self._copy_streams)
 
     def decode(
         self,
@@ -97,10 +102,7 @@ class Decoding(Collectives):
         fields = tuple((str(name), value) for name, value in (agree or {}).items())
         last = self._placement.is_local(-1)
         with self._run_session() as session:
-            run_decode(
-                self._config, self, self._pool, self._copy_streams, inputs, keywords,
-                feedback, rounds, fields,
-            )  # fmt: skip
+            run_decode(self._runtime, inputs, keywords, feedback, rounds, fields)
             if result is not None and last:
                 value = result()
                 session.payload = value

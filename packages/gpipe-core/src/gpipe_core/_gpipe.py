@@ -388,7 +388,7 @@ class GPipe(FixedDevices, Decoding):
                     "step(input, target, loss_fn), which runs every backward pass "
                     f"(training: {self.training}, grad enabled: {torch.is_grad_enabled()})"
                 )
-            return run_forward(self._config, self, self._pool, self._copy_streams, inputs, keywords)
+            return run_forward(self._runtime, inputs, keywords)
 
     def step(
         self,
@@ -528,9 +528,15 @@ class GPipe(FixedDevices, Decoding):
             backward = torch.is_grad_enabled()  # in eval mode too, as autograd does
             before = self._config.shared.gradients() if backward else None
             losses = run_step(
-                self._config, self, self._pool, self._copy_streams, inputs, keywords,
-                target, loss_fn, schedule, reduction, self._config.replicas.mean_on(self.devices),
-            )  # fmt: skip
+                self._runtime,
+                inputs,
+                keywords,
+                target,
+                loss_fn,
+                schedule,
+                reduction,
+                self._config.replicas.mean_on(self.devices),
+            )
             if before is not None:
                 self._config.shared.sum_gradients(before, self._placement.transport().exchange)
             if losses is not None:

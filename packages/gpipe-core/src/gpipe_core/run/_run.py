@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
@@ -44,6 +45,7 @@ from ._worker import WorkerPool
 
 __all__ = [
     "Pipeline",
+    "Runtime",
     "Topology",
     "describe",
     "execute",
@@ -124,6 +126,18 @@ class Pipeline(Protocol):
         """Where the partitions run."""
 
 
+@dataclass(frozen=True)
+class Runtime:
+    """What every run of a pipeline runs with: the ``pipeline``, its ``module`` (whose
+    mode, trace and deferred batch norms the run follows), its worker ``pool`` and the
+    copy streams of each partition (kept across runs)."""
+
+    pipeline: Pipeline
+    module: nn.Module
+    pool: WorkerPool
+    copy_streams: list[list[AbstractStream]]
+
+
 def describe(
     pipeline: Pipeline,
     given: RunInputs,
@@ -188,16 +202,10 @@ def describe(
     )  # fmt: skip
 
 
-def run_forward(
-    pipeline: Pipeline,
-    module: nn.Module,
-    pool: WorkerPool,
-    copy_streams: list[list[AbstractStream]],
-    inputs: tuple[Any, ...],
-    keywords: Mapping[str, Any],
-) -> object:
-    """``module(*inputs, **keywords)`` (``GPipe.forward``) run over ``pipeline``: the
-    output, gathered on the last partition's process (None on the others)."""
+def run_forward(runtime: Runtime, inputs: tuple[Any, ...], keywords: Mapping[str, Any]) -> object:
+    """``module(*inputs, **keywords)`` (``GPipe.forward``) run over the ``runtime``'s
+    pipeline: the output, gathered on the last partition's process (None on the others)."""
+    pipeline, module = runtime.pipeline, runtime.module
     placement, n = pipeline.placement, len(pipeline.partitions)
     given = forward_inputs(
         inputs, keywords, pipeline.chunks, placement.devices, placement.share_plan,
@@ -206,16 +214,13 @@ def run_forward(
     if not n:
         return given.output  # an empty nn.Sequential is the identity
     grad = torch.is_grad_enabled()
-    outputs = _run(pipeline, module, pool, copy_streams, given, grad, autograd_backward=True)
+    outputs = _run(runtime, given, grad, autograd_backward=True)
     # The output is on the last partition's rank.
     return gather_output(outputs, n - 1) if placement.is_local(-1) else None
 
 
 def run_step(
-    pipeline: Pipeline,
-    module: nn.Module,
-    pool: WorkerPool,
-    copy_streams: list[list[AbstractStream]],
+    runtime: Runtime,
     inputs: tuple[Any, ...],
     keywords: Mapping[str, Any],
     target: object,
@@ -224,8 +229,9 @@ def run_step(
     reduction: Reduction | None,
     count_mean: CountMean,
 ) -> Losses | None:
-    """``module.step(...)`` run over ``pipeline``, its backward passes included: the losses
-    on the last partition's process (None on the others)."""
+    """``module.step(...)`` run over the ``runtime``'s pipeline, its backward passes
+    included: the losses on the last partition's process (None on the others)."""
+    pipeline, module = runtime.pipeline, runtime.module
     placement = pipeline.placement
     given = step_inputs(
         inputs, keywords, target, loss_fn, schedule, reduction,
@@ -237,25 +243,24 @@ def run_step(
         given.identity()
     else:
         grad = torch.is_grad_enabled()  # in eval mode too, as autograd does
-        _run(pipeline, module, pool, copy_streams, given, grad, autograd_backward=False)
+        _run(runtime, given, grad, autograd_backward=False)
     return given.end()
 
 
 def run_decode(
-    pipeline: Pipeline,
-    module: nn.Module,
-    pool: WorkerPool,
-    copy_streams: list[list[AbstractStream]],
+    runtime: Runtime,
     inputs: tuple[Any, ...],
     keywords: Mapping[str, Any],
     feedback: Feedback,
     rounds: int,
     agree: Fields,
 ) -> None:
-    """``module.decode(...)`` run over ``pipeline``: the first round's input split into
-    lanes, each lane run ``rounds`` times, its next input made by ``feedback`` on the last
-    partition's process (see :mod:`gpipe_core.run._lanes`); the ranks agree on the
-    rounds and on ``agree``. The lanes' states are dropped when it returns or raises."""
+    """``module.decode(...)`` run over the ``runtime``'s pipeline: the first round's input
+    split into lanes, each lane run ``rounds`` times, its next input made by ``feedback``
+    on the last partition's process (see :mod:`gpipe_core.run._lanes`); the ranks agree
+    on the rounds and on ``agree``. The lanes' states are dropped when it returns or
+    raises."""
+    pipeline, module = runtime.pipeline, runtime.module
     placement = pipeline.placement
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be a positive integer (rounds: {rounds!r})")
@@ -279,17 +284,13 @@ def run_decode(
     decode = DecodeRun(len(given.sizes), rounds, feedback, given.keywords, positional)
     try:
         with torch.no_grad():
-            _run(pipeline, module, pool, copy_streams, given, False, autograd_backward=True,
-                 decode=decode)  # fmt: skip
+            _run(runtime, given, False, autograd_backward=True, decode=decode)
     finally:
         decode.store.clear()
 
 
 def _run(
-    pipeline: Pipeline,
-    module: nn.Module,
-    pool: WorkerPool,
-    copy_streams: list[list[AbstractStream]],
+    runtime: Runtime,
     given: RunInputs,
     grad: bool,
     *,
@@ -297,14 +298,15 @@ def _run(
     decode: DecodeRun | None = None,
 ) -> list[Batch | None]:
     """Describe the run of ``given`` (a ``decode`` run's, if given) and execute it (the
-    trace records it if ``module`` is traced)."""
+    trace records it if the module is traced)."""
+    pipeline, module = runtime.pipeline, runtime.module
     m = len(given.sizes) * (1 if decode is None else decode.rounds)
     description = describe(
         pipeline, given, training=module.training, grad=grad,
         autograd_backward=autograd_backward, tracer=tracer_for(module, m), decode=decode,
     )  # fmt: skip
     transport = pipeline.placement.transport()
-    return execute(description, transport, pool, copy_streams, module)
+    return execute(description, transport, runtime.pool, runtime.copy_streams, module)
 
 
 def _copy_streams(

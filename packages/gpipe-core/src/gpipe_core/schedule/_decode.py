@@ -90,11 +90,7 @@ class DecodeSchedule:
     ) -> str:
         """The actions laid out in unit time (see :func:`~gpipe_core.simulate`), as
         :meth:`Schedule.grid <gpipe_core.Schedule.grid>` prints them."""  # fmt: skip
-        workers = place_partitions(placement, partitions, count_argument(worker_count, None))
-        rows = simulate(
-            decode_actions(lanes, rounds, partitions, tuple(workers)), placement=workers,
-            lanes=lanes,
-        )  # fmt: skip
+        rows, workers = self._layout(lanes, rounds, partitions, placement, worker_count)
         return grid_text(rows, is_identity(workers))
 
     def bubble(
@@ -107,12 +103,21 @@ class DecodeSchedule:
         worker_count: int | None = None,
     ) -> float:
         """The idle share of the workers' time in unit time (0: none)."""  # fmt: skip
-        workers = place_partitions(placement, partitions, count_argument(worker_count, None))
-        rows = simulate(
-            decode_actions(lanes, rounds, partitions, tuple(workers)), placement=workers,
-            lanes=lanes,
-        )  # fmt: skip
+        rows, _ = self._layout(lanes, rounds, partitions, placement, worker_count)
         return idle_share(rows)
+
+    @staticmethod
+    def _layout(
+        lanes: int,
+        rounds: int,
+        partitions: int,
+        placement: PlacementSpec,
+        worker_count: int | None,
+    ) -> tuple[list[list[Action | None]], list[int]]:
+        """The unit-time rows of the run, and the worker of each partition."""  # fmt: skip
+        workers = place_partitions(placement, partitions, count_argument(worker_count, None))
+        actions = decode_actions(lanes, rounds, partitions, tuple(workers))
+        return simulate(actions, placement=workers, lanes=lanes), workers
 
     def __repr__(self) -> str:
         return "DecodeSchedule()"
