@@ -38,7 +38,7 @@ from core_support.models import (
     redraws_model,
 )
 from gpipe_checkpoint import is_recomputing
-from gpipe_core import Action, BatchMean, GPipe, NoChunk, Schedule
+from gpipe_core import Action, BatchMean, GPipe, NoChunk, Schedule, lane_state
 
 WIDTH = 4
 
@@ -1746,8 +1746,6 @@ class Cached(nn.Module):
         self.mix = nn.Linear(WIDTH, WIDTH, dtype=torch.float64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from gpipe_core import lane_state
-
         state = lane_state(self)
         if state is None:  # outside a decode run: no cache
             return x + self.mix(x)

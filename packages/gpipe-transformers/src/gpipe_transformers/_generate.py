@@ -167,6 +167,8 @@ class _Prepared:
 
 
 def _check_mode(generation_config: Any) -> None:
+    # Local, as the package's other imports of transformers: importing gpipe_transformers
+    # does not import transformers' generation.
     from transformers.generation.configuration_utils import GenerationMode
 
     mode = generation_config.get_generation_mode()

@@ -127,6 +127,7 @@ def new_cache(config: Any) -> Any:
         ValueError: the family's cache has layers that are not attention's (linear
             attention, state-space layers), which a pipeline does not generate with yet.
     """
+    # Local, as the package's other imports of transformers: only generation needs them.
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     cache = DynamicCache(config=config)
