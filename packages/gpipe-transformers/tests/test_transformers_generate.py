@@ -258,3 +258,38 @@ def test_greedy_generation_on_a_gpu_is_the_models() -> None:
         expected = built.generate(**data, **options)
     pipe = pipeline(built, balance=[2, 2], chunks=2, devices=["cuda:0", "cuda:0"])
     assert torch.equal(pipe.generate(**data, **options), expected)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra"),
+    [
+        # Sliding-window and full attention layers mixed: two caches' kinds in one model.
+        (
+            "gemma3_text",
+            {
+                "sliding_window": 3,
+                "layer_types": ["sliding_attention"] * 2 + ["full_attention", "sliding_attention"],
+            },
+        ),
+        ("olmo3", {"sliding_window": 3}),
+        ("starcoder2", {"sliding_window": 3}),
+        ("phi3", {}),
+        ("cohere", {}),
+    ],
+)
+def test_families_the_code_does_not_name_generate_the_models_tokens(
+    model_type: str, extra: dict[str, Any]
+) -> None:
+    import transformers
+
+    made = any_config(model_type, **extra)
+    torch.manual_seed(0)
+    built = transformers.AutoModelForCausalLM.from_config(
+        made, dtype=torch.float64, attn_implementation="sdpa"
+    ).eval()
+    data = prompts(3)
+    options = {"max_new_tokens": 10, "do_sample": False}
+    with torch.no_grad():
+        expected = built.generate(**data, **options)
+    pipe = pipeline(built, balance=[1, 3], chunks=2)
+    assert torch.equal(pipe.generate(**data, **options), expected)
