@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from ._pieces import KEEP, new_cache
+from ._shown import shown
 
 
 class Pipe(Protocol):
@@ -79,7 +80,7 @@ def generate(pipe: Pipe, inputs: Tensor | None, options: dict[str, Any]) -> Tens
         if name in _REFUSED and value is not None and value is not False:
             raise ValueError(
                 f"{name} is not supported by a pipeline's generate: {_REFUSED[name]} "
-                f"({name}: {_shown(value)})"
+                f"({name}: {shown(value)})"
             )
     if options.get("use_cache") is False:
         raise ValueError(
@@ -119,13 +120,6 @@ def _lane_call(
         return value
 
     return cast(Tensor | None, lane(inputs)), {key: lane(value) for key, value in options.items()}
-
-
-def _shown(value: object) -> str:
-    if isinstance(value, Tensor):
-        return f"tensor of shape {tuple(value.shape)}, {value.dtype}"
-    shown = repr(value)
-    return shown if len(shown) <= 80 else f"{shown[:77]}..."
 
 
 @dataclass

@@ -33,6 +33,7 @@ from ._pieces import (
     shifted_count,
     shifted_total,
 )
+from ._shown import shown
 from ._weights import save_weights
 
 __all__ = ["CausalLMPipe", "pipeline", "sequence"]
@@ -246,7 +247,7 @@ class CausalLMPipe(GPipe):
             if items is not None:
                 raise TypeError(
                     "num_items_in_batch divides the model's loss: pass labels or shift_labels "
-                    f"with it (num_items_in_batch: {_shown(items)}, labels: None)"
+                    f"with it (num_items_in_batch: {shown(items)}, labels: None)"
                 )
             return super().step(*inputs, **keywords)
         for own in ("target", "loss_fn"):
@@ -331,12 +332,12 @@ class CausalLMPipe(GPipe):
                 continue  # what the model does without it
             elif name in _REFUSED:
                 why = _REFUSED[name]
-                raise ValueError(f"{name} is not supported: {why} ({name}: {_shown(value)})")
+                raise ValueError(f"{name} is not supported: {why} ({name}: {shown(value)})")
             elif name == "use_cache":
                 raise ValueError(
                     "use_cache is not supported: a pipeline's forward keeps no cache; "
                     "generate with pipe.generate(), which keeps each partition's cache "
-                    f"(use_cache: {_shown(value)})"
+                    f"(use_cache: {shown(value)})"
                 )
             elif name == "labels" or name in _LOSS:
                 raise TypeError(
@@ -349,7 +350,7 @@ class CausalLMPipe(GPipe):
                     f"{name} is not a keyword a pipeline of {type(layout.model).__name__} "
                     f"honours: it takes those of {type(layout.base).__name__}.forward "
                     f"({', '.join(sorted(honoured))}) and {KEEP}, and step() also labels, "
-                    f"shift_labels and num_items_in_batch ({name}: {_shown(value)})"
+                    f"shift_labels and num_items_in_batch ({name}: {shown(value)})"
                 )
         return passed
 
@@ -382,14 +383,6 @@ def _honoured(layout: Layout) -> frozenset[str]:
     return frozenset(named - {"self", "use_cache", "labels", KEEP, *_LOSS, *_REFUSED})
 
 
-def _shown(value: object) -> str:
-    """``value`` as an error message shows it (a tensor by its shape and dtype)."""
-    if isinstance(value, Tensor):
-        return f"tensor of shape {tuple(value.shape)}, {value.dtype}"
-    shown = repr(value)
-    return shown if len(shown) <= 80 else f"{shown[:77]}..."
-
-
 def _items(items: object) -> float:
     """``num_items_in_batch`` as a number, or its refusal."""
     number = isinstance(items, int) and not isinstance(items, bool)
@@ -398,12 +391,12 @@ def _items(items: object) -> float:
     else:
         raise TypeError(
             "num_items_in_batch must be an int or a 0-dimensional tensor: the count of targets "
-            f"the model's summed loss is divided by (num_items_in_batch: {_shown(items)})"
+            f"the model's summed loss is divided by (num_items_in_batch: {shown(items)})"
         )
     if not count > 0:
         raise ValueError(
             "num_items_in_batch must be positive: the model's summed loss is divided by it "
-            f"(num_items_in_batch: {_shown(items)})"
+            f"(num_items_in_batch: {shown(items)})"
         )
     return count
 
