@@ -293,3 +293,25 @@ def test_families_the_code_does_not_name_generate_the_models_tokens(
         expected = built.generate(**data, **options)
     pipe = pipeline(built, balance=[1, 3], chunks=2)
     assert torch.equal(pipe.generate(**data, **options), expected)
+
+
+def test_three_ranks_generate_the_models_tokens() -> None:
+    # Each lane's next input goes from the last rank to the first past the middle one.
+    from hf_support.ranks import close, run
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        built = model("llama").eval()
+        data = prompts(0)
+        options = {"max_new_tokens": 8, "do_sample": False}
+        with torch.no_grad():
+            expected = built.generate(**data, **options)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    try:
+        results = run("generated", world=3, family="llama", chunks=3, options=options)
+    finally:
+        close(3)  # three ranks are not kept for the other tests
+    for rank, found in enumerate(results):
+        assert torch.equal(torch.tensor(found["tokens"]), expected), rank
+        assert found["loss"] < 1e-10, (rank, found["loss"])

@@ -148,6 +148,13 @@ def replies(case: str, world: int = 2, timeout: float = 240.0, **kwargs: Any) ->
         ranks.close()
 
 
+def close(world: int) -> None:
+    """Stop and reap the rank processes of ``world`` ranks, if running."""
+    ranks = _RANKS.pop(world, None)
+    if ranks is not None:
+        ranks.close()
+
+
 def close_all() -> None:
     """Stop and reap every rank process."""
     while _RANKS:
