@@ -86,6 +86,15 @@ def _unflatten(value: object, table: Mapping[str, object]) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class _Structure:
+    """The structure of every decoder layer's other arguments, their tensors replaced by
+    :class:`_Ref`: one value that is not a container, so that the checks of a partition's
+    output do not walk it (it holds no tensor)."""
+
+    calls: tuple[object, ...]
+
+
 class Carry:
     """What passes from layer to layer: a dict of the hidden states, the structure of
     every decoder layer's other arguments, and their tensors (``t0``, ``t1``, ...)."""
@@ -97,7 +106,7 @@ class Carry:
         """The carry of ``hidden`` and each layer's other arguments ``calls``."""
         tensors: dict[int, int] = {}
         table: list[Tensor] = []
-        structure = tuple(_flatten(call, tensors, table) for call in calls)
+        structure = _Structure(tuple(_flatten(call, tensors, table) for call in calls))
         carry: dict[str, object] = {HIDDEN: hidden, ARGUMENTS: structure}
         carry.update((f"t{k}", tensor) for k, tensor in enumerate(table))
         return carry
@@ -108,8 +117,8 @@ class Carry:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The other arguments of decoder layer ``index``."""
         structure = carry[ARGUMENTS]
-        assert isinstance(structure, tuple)
-        args, kwargs = _unflatten(structure[index], carry)
+        assert isinstance(structure, _Structure)
+        args, kwargs = _unflatten(structure.calls[index], carry)
         return args, kwargs
 
 
