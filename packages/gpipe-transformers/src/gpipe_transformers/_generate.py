@@ -28,6 +28,8 @@ from torch import Tensor, nn
 from ._pieces import KEEP, new_cache
 from ._shown import shown
 
+__all__ = ["Pipe", "generate"]
+
 
 class Pipe(Protocol):
     """What generation asks of a pipeline (:class:`~gpipe_transformers.CausalLMPipe` is
@@ -45,8 +47,6 @@ class Pipe(Protocol):
         """:meth:`GPipe.decode <gpipe_core.GPipe.decode>`."""
 
 
-__all__ = ["generate"]
-
 # generate's options that a pipeline does not honour, refused before anything runs.
 _REFUSED = {
     "assistant_model": "assisted decoding is not supported",
@@ -57,13 +57,9 @@ _REFUSED = {
     "inputs_embeds": "a pipeline generates from input_ids",
     "cache": "the pipeline keeps each partition's cache itself",
     "past_key_values": "the pipeline keeps each partition's cache itself",
-    "return_dict_in_generate": "a pipeline returns the sequences only",
-    "output_scores": "a pipeline returns the sequences only",
-    "output_logits": "a pipeline returns the sequences only",
-    "output_attentions": "a pipeline returns the sequences only",
-    "output_hidden_states": "a pipeline returns the sequences only",
 }
-# The config's fields of those options (a GenerationConfig may set them too).
+# What a pipeline does not return, refused from the generation config the model's generate
+# prepares (the options and a GenerationConfig alike).
 _FLAGS = (
     "return_dict_in_generate",
     "output_scores",

@@ -96,9 +96,6 @@ class Lanes:
             self._states.clear()
             self._owners.clear()
 
-    def __len__(self) -> int:
-        return len(self._states)
-
 
 def lane_state(owner: object) -> dict[str, Any] | None:
     """The state ``owner`` (a layer, say) keeps in the lane this thread computes, a dict
@@ -152,7 +149,6 @@ class DecodeRun:
         positional: how many positional inputs the first round has (None where this
             process does not know: the first partition's rank checks what it receives).
         store: the lanes' states.
-        stopped: the lanes that have stopped, on the last partition's process.
     """
 
     lanes: int
@@ -161,21 +157,18 @@ class DecodeRun:
     keywords: tuple[str, ...]
     positional: int | None
     store: Lanes = field(default_factory=Lanes)
-    stopped: set[int] = field(default_factory=set)
 
     def next_input(self, k: int, output: object) -> Batch | Stopped:
         """Lane ``k % lanes``'s input of the round after micro-batch ``k``'s, from its
-        output (the feedback's value, checked against the first round's form)."""
+        output (the feedback's value, checked against the first round's form). A stopped
+        lane's later rounds never reach the feedback: they carry :class:`Stopped`."""
         lane, round = k % self.lanes, k // self.lanes
-        if lane in self.stopped:
-            return Stopped()
         try:
             value = self.feedback(lane, round, output)
         except Exception as error:
             add_note(error, f"(in the feedback of lane {lane}, round {round})")
             raise
         if value is None:
-            self.stopped.add(lane)
             return Stopped()
         return Batch(self._call_value(value, lane, round))
 

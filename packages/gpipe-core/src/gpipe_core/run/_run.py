@@ -36,7 +36,7 @@ from ..transport._agreement import Fields
 from ..transport._transport import Cancelled, Plan, Transport
 from ._description import RunDescription
 from ._draws import SelfCheckpointing, draws_nothing
-from ._inputs import CountMean, RunInputs, first_call, forward_inputs, step_inputs
+from ._inputs import CountMean, RunInputs, forward_inputs, step_inputs
 from ._lanes import DecodeRun, Feedback
 from ._losses import Losses, Reduction
 from ._partition_run import PartitionRun, nested
@@ -276,11 +276,11 @@ def run_decode(
         training=module.training, first=placement.is_local(0), method="decode",
         agree=(("rounds", rounds), *agree),
     )  # fmt: skip
-    call = first_call(inputs, keywords) if placement.is_local(0) else None
+    # The first round's form, where this process read the input (the first partition's).
     positional = None
-    if call is not None:
-        count = len(cast(tuple[Any, ...], call.value)) if call.unpack else 1
-        positional = count - len(call.keywords)
+    if given.batches:
+        count = len(given.batches[0].values) if given.unpack else 1
+        positional = count - len(given.keywords)
     decode = DecodeRun(len(given.sizes), rounds, feedback, given.keywords, positional)
     try:
         with torch.no_grad():

@@ -200,8 +200,8 @@ def run(
 
 
 def _stopped(message: Message) -> bool:
-    """Whether ``message`` (one value) carries a stopped lane's marker."""
-    return not message.present[0] and isinstance(message.others[0], Stopped)
+    """Whether ``message`` carries a stopped lane's marker (one value, not a tensor)."""
+    return message.atomic and not message.present[0] and isinstance(message.others[0], Stopped)
 
 
 class _Watch:
@@ -458,14 +458,13 @@ class _Executor:
                 batch = self.inputs[i]
             else:  # a decode run's next round: made from the lane's last output
                 message = self.receive(MessageKey("feedback", i - decode.lanes, self.last, 0))
-                value = message.value(message.values())
-                if isinstance(value, Stopped):
+                if _stopped(message):
                     self.pass_stopped(j, i)
                     return
-                batch = Batch(value)
+                batch = Batch(message.value(message.values()))
         else:
             message = self.receive(MessageKey("activations", i, j - 1, j))
-            if decode is not None and message.atomic and _stopped(message):
+            if decode is not None and _stopped(message):
                 self.pass_stopped(j, i)
                 return
             values = partition.accept(message.values(), message.requires_grad)
