@@ -1,28 +1,43 @@
 """Where a Hugging Face causal language model keeps its decoder layers: the layout.
 
-A causal LM (``LlamaForCausalLM``) holds a base model (``model.model``, named by its
-``base_model_prefix``) and a head (``lm_head``). The base model's configuration describes
-its split (``base_model_pp_plan``: the embedding, the decoder layers, the final norm, in
-the order its forward calls them); GPT-2's has none and is known here. What runs before the
-decoder layers is every other child of the base model (embeddings, rotary position
-embeddings, dropout); what runs after them is the plan's modules after the layers, then the
-causal LM's own forward with its other children (the head, logit scaling, soft-capping).
+A causal LM (``LlamaForCausalLM``) holds its decoder layers in one ``ModuleList``
+(``model.layers``, ``transformer.h``, ``model.decoder.layers``, ``bert.encoder.layer``):
+the one its configuration's pipeline plan names (``base_model_pp_plan``), or else the one
+of as many layers as its configuration's ``num_hidden_layers`` (inside the model's
+``get_decoder()`` where there are several). The rest is found by running the model once,
+on a probe of two tokens with its layers replaced by ones that hand their hidden states
+on (:func:`find_layout`): which module the causal LM's forward calls that holds the layers
+(the *base*: ``model``, ``model.decoder``), and which modules the base's forward calls on
+the hidden states after the last layer (the *tail*: the final norm, DeepSeek-V4's
+``hc_head``). Everything else runs before the layers (embeddings, position embeddings,
+masks, ALiBi biases), and the causal LM's forward after its base model (the head, logit
+scaling, soft-capping).
 
 It must not know pipelines: it says which modules are where, or refuses a model whose
-layout it cannot find, naming what is missing.
+layout it cannot find, or that a pipeline of its layers would not run as the model runs,
+naming what it saw and what to do.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
-__all__ = ["Layout", "LayoutError", "find_layout"]
+from ._stand_in import stand_ins
 
-# Families without a pipeline plan whose layout is known: the base model's layer list and
-# the modules its forward calls after the layers.
-_KNOWN = {"gpt2": ("h", ("ln_f",))}
+__all__ = ["Layout", "LayoutError", "Probe", "evaluating", "find_layout", "probe_inputs", "probing"]
+
+#: What a refusal suggests: the docs' section on writing a model as a sequence.
+WRITE_IT = (
+    "write the model as an nn.Sequential of its parts and pipeline it with gpipe.GPipe "
+    "(the docs' section 'Models gpipe.transformers does not pipeline')"
+)
 
 
 class LayoutError(ValueError):
@@ -31,40 +46,59 @@ class LayoutError(ValueError):
 
 
 @dataclass(frozen=True)
+class Probe:
+    """What the causal LM gave on the probe (:func:`probe_inputs`) with its layers handing
+    their hidden states on (in eval mode, without gradients), which the pipeline's pieces
+    must give too: the logits' shape, and the logits (None for a model on the meta
+    device, run on fake tensors)."""
+
+    shape: tuple[int, ...]
+    logits: Tensor | None
+
+
+@dataclass(frozen=True)
 class Layout:
-    """Where a causal LM's parts are."""
+    """Where a causal LM's parts are; paths are from the causal LM."""
 
     #: The causal LM.
     model: nn.Module
-    #: The name of its base model (``model``, or ``transformer`` for GPT-2).
-    base_name: str
-    #: The name of the base model's decoder layers (a ``ModuleList``).
-    layers_name: str
-    #: The base model's children its forward calls after the layers, in order (the final norm).
-    tail_names: tuple[str, ...]
+    #: The module its forward calls that holds the layers (``model``, ``transformer``,
+    #: ``model.decoder``).
+    base_path: str
+    #: The decoder layers (a ``ModuleList``: ``model.layers``).
+    layers_path: str
+    #: The modules the base's forward calls on the hidden states after the last layer, in
+    #: their order (``model.norm``).
+    tail_paths: tuple[str, ...]
+    #: Whether the family reads a layer's hidden states as the first item of what it
+    #: returns (``outputs[0]``).
+    pairs: bool = False
+    #: The probe the layout was found with.
+    probe: Probe | None = None
 
     @property
     def base(self) -> nn.Module:
         """The base model."""
-        return self.model.get_submodule(self.base_name)
+        return self.model.get_submodule(self.base_path)
 
     @property
     def layers(self) -> nn.ModuleList:
         """The decoder layers."""
-        layers = self.base.get_submodule(self.layers_name)
+        layers = self.model.get_submodule(self.layers_path)
         assert isinstance(layers, nn.ModuleList)
         return layers
 
-    def pre_names(self) -> tuple[str, ...]:
-        """The base model's children that run before the decoder layers (the embeddings,
-        rotary position embeddings, dropout): every child that is neither the layers nor
-        after them."""
-        after = {self.layers_name, *self.tail_names}
-        return tuple(name for name in self.base._modules if name not in after)
+    def head_children(self) -> tuple[str, ...]:
+        """The causal LM's own children that hold neither the layers nor the base (the
+        head)."""
+        top = self.base_path.partition(".")[0]
+        return tuple(name for name in self.model._modules if name != top)
 
-    def head_names(self) -> tuple[str, ...]:
-        """The causal LM's own children besides its base model (the head)."""
-        return tuple(name for name in self.model._modules if name != self.base_name)
+
+def _suggestion(name: str) -> str:
+    if name.endswith("Model"):
+        return f"such as {name.removesuffix('Model')}ForCausalLM"
+    return "(the class AutoModelForCausalLM builds)"
 
 
 def find_layout(model: object) -> Layout:
@@ -72,9 +106,13 @@ def find_layout(model: object) -> Layout:
 
     Raises:
         TypeError: ``model`` is not a Hugging Face ``PreTrainedModel``.
-        LayoutError: it is an encoder-decoder model, has no base model, or neither a
-            pipeline plan (``base_model_pp_plan``) nor a known layout, or its decoder
-            layers are not a ``ModuleList``; the message names what is missing.
+        LayoutError: it is an encoder-decoder model or has no head; no single
+            ``ModuleList`` of its decoder layers is found; its forward does not run as a
+            sequence of its layers (it calls them other than once each in order, its
+            layers hand the next one more than their hidden states, its base model does
+            more after its last layer than calling modules on the hidden states); or it
+            has a mixture-of-experts auxiliary loss. The message names what was looked
+            for and seen, and what to do.
     """
     from transformers import PreTrainedModel
 
@@ -90,56 +128,282 @@ def find_layout(model: object) -> Layout:
             f"encoder-decoder models are not supported: gpipe.transformers pipelines causal "
             f"language models, one stack of decoder layers (model: {name})"
         )
-    prefix = model.base_model_prefix
-    base = model._modules.get(prefix) if prefix else None
-    if base is None or base is model:
+    if model.get_output_embeddings() is None:  # type: ignore[no-untyped-call]
         raise LayoutError(
-            f"the model holds no base model under its base_model_prefix: pass a causal LM "
-            f"such as {name.removesuffix('Model')}ForCausalLM, whose base model is "
-            f"model.{prefix or 'model'} (model: {name}, base_model_prefix: {prefix!r})"
-        )
-    model_type = getattr(config, "model_type", None)
-    plan = getattr(config, "base_model_pp_plan", None)
-    if plan:
-        keys = list(plan)
-        candidates = [key for key in keys if isinstance(base._modules.get(key), nn.ModuleList)]
-        if len(candidates) != 1:
-            raise LayoutError(
-                f"the pipeline plan of {type(config).__name__} names no single ModuleList of "
-                f"decoder layers in model.{prefix} (plan: {keys})"
-            )
-        layers_name = candidates[0]
-        tail = tuple(keys[keys.index(layers_name) + 1 :])
-    elif model_type in _KNOWN:
-        layers_name, tail = _KNOWN[model_type]
-    else:
-        raise LayoutError(
-            f"{type(config).__name__} has no pipeline plan (base_model_pp_plan), and its "
-            f"model type {model_type!r} is not one whose layout gpipe knows: a causal LM "
-            f"whose configuration has a plan (Llama, Mistral, Qwen2, Gemma and most decoders) "
-            f"or GPT-2 can be pipelined (model: {name})"
-        )
-    layers = base._modules.get(layers_name)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise LayoutError(
-            f"the decoder layers model.{prefix}.{layers_name} are missing or empty (model: "
-            f"{name}, model.{prefix}.{layers_name}: {type(layers).__name__})"
-        )
-    if not tail:
-        raise LayoutError(
-            f"the pipeline plan of {type(config).__name__} names no module after the decoder "
-            f"layers (a final norm), where the first partition's run of model.{prefix}'s "
-            f"forward stops (plan: {list(plan or {})}, model: {name})"
-        )
-    missing = [key for key in tail if base._modules.get(key) is None]
-    if missing:
-        raise LayoutError(
-            f"the modules after the decoder layers are missing from model.{prefix} "
-            f"(missing: {missing}, model: {name})"
+            f"the model has no language-model head (get_output_embeddings() is None): pass "
+            f"a causal LM {_suggestion(name)}, which holds this model and its head "
+            f"(model: {name})"
         )
     if getattr(config, "output_router_logits", False):
         raise LayoutError(
             "a mixture-of-experts auxiliary loss (output_router_logits=True) is not supported "
             f"in a pipeline: set config.output_router_logits = False (model: {name})"
         )
-    return Layout(model, prefix, layers_name, tail)
+    layers_path = _layers_path(model)
+    layers = model.get_submodule(layers_path)
+    assert isinstance(layers, nn.ModuleList)
+    seen: _Seen | None = None
+    failures: list[str] = []
+    for pairs in (False, True):
+        try:
+            seen = _trace(model, layers_path, pairs)
+        except _Unlike as error:
+            failures.append(str(error))
+            continue
+        except Exception as error:
+            failures.append(f"{type(error).__name__}: {error}")
+            continue
+        break
+    if seen is None:
+        if any("values to unpack" in failure for failure in failures):
+            failures.insert(
+                0,
+                "its layers return more than their hidden states, which the "
+                "family's forward hands the next layer (a pair)",
+            )
+        raise LayoutError(
+            f"{name}'s forward does not run as a sequence of its decoder layers "
+            f"{layers_path} ({len(layers)} {type(layers[0]).__name__}): run on a probe of "
+            f"two tokens with each layer handing its hidden states on, {failures[0]}; "
+            f"{WRITE_IT} (model: {name})"
+        )
+    return Layout(model, seen.base, layers_path, seen.tail, seen.pairs, seen.probe)
+
+
+def _layers_path(model: nn.Module) -> str:
+    """The path of the model's decoder layers, or the refusal naming what was looked for."""
+    name = type(model).__name__
+    config: Any = model.config
+    text = config.get_text_config(decoder=True)
+    count = getattr(text, "num_hidden_layers", None)
+    lists = [
+        (path, module)
+        for path, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) > 0
+    ]
+    plan = getattr(text, "base_model_pp_plan", None) or {}
+    planned = [path for path, _ in lists if path.rpartition(".")[2] in plan]
+    if len(planned) == 1:
+        return str(planned[0])
+    found = [path for path, module in lists if len(module) == count]
+    if len(found) > 1:
+        decoder = _decoder_path(model)
+        inside = [path for path in found if decoder is not None and _under(path, decoder)]
+        found = inside or found
+    if len(found) > 1:  # the outermost: a vision tower's layers lie deeper
+        depth = min(path.count(".") for path in found)
+        found = [path for path in found if path.count(".") == depth]
+    if len(found) == 1:
+        return str(found[0])
+    shown = ", ".join(f"{path} ({len(module)})" for path, module in lists) or "none"
+    looked = "several" if len(found) > 1 else "none"
+    raise LayoutError(
+        f"no single ModuleList of {name}'s decoder layers: looked for the one its "
+        f"configuration's pipeline plan (base_model_pp_plan) names, or one of "
+        f"num_hidden_layers ({count}) layers, and found {looked} (ModuleLists: {shown}); "
+        f"{WRITE_IT} (model: {name})"
+    )
+
+
+def _decoder_path(model: nn.Module) -> str | None:
+    try:
+        decoder = model.get_decoder()  # type: ignore[operator]
+    except Exception:
+        return None
+    for path, module in model.named_modules():
+        if module is decoder:
+            return str(path)
+    return None
+
+
+def _under(path: str, prefix: str) -> bool:
+    return not prefix or path == prefix or path.startswith(f"{prefix}.")
+
+
+class _Unlike(Exception):
+    """The probe saw the forward run otherwise than as a sequence of its layers."""
+
+
+@dataclass
+class _Call:
+    path: str
+    args: tuple[Any, ...]
+    parent: str | None  # the path of the module whose forward called it (None: unknown)
+    output: Any = None
+
+
+@dataclass
+class _Seen:
+    base: str
+    tail: tuple[str, ...]
+    pairs: bool
+    probe: Probe
+
+
+class _Passer:
+    """Stands for decoder layer ``index`` in the probe: notes its hidden states and hands
+    them on (as ``(hidden,)`` where the family reads ``outputs[0]``); the last one ends
+    the layers' calls."""
+
+    def __init__(self, layer: nn.Module, index: int, log: list[Any], pairs: bool) -> None:
+        self.layer, self.index, self.log, self.pairs = layer, index, log, pairs
+
+    def __call__(self, hidden: Any, *args: object, **kwargs: object) -> Any:
+        self.log.append(("layer", self.index, hidden))
+        return (hidden,) if self.pairs else hidden
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.layer, name)
+
+
+@contextmanager
+def probing(model: nn.Module) -> Iterator[None]:
+    """Where the probe runs: for a model with tensors on the meta device (built by
+    from_pretrained before its layers are read), on fake tensors, so that the family's
+    checks of its inputs' values are skipped as when it is traced."""
+    if not any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers())):
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        yield
+
+
+def probe_inputs(model: nn.Module) -> dict[str, Tensor]:
+    """The probe's inputs: two samples of two tokens."""
+    try:
+        weight = model.get_input_embeddings().weight  # type: ignore[operator]
+        device = weight.device
+        vocab = weight.shape[0]
+    except Exception:
+        device, vocab = next(model.parameters()).device, 4
+    vocab = max(vocab, 1)
+    # No attention mask: a model on the meta device (from_pretrained's, before its
+    # layers are read) builds masks without reading one.
+    return {"input_ids": torch.tensor([[1, 2], [3, 1]], device=device).clamp(max=vocab - 1)}
+
+
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode and without gradients inside, in its own modes after."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
+def _trace(model: nn.Module, layers_path: str, pairs: bool) -> _Seen:
+    """Run ``model`` on the probe with its layers handing their hidden states on, and
+    note which module holds them and which modules run on the hidden states after them."""
+    layers = model.get_submodule(layers_path)
+    assert isinstance(layers, nn.ModuleList)
+    log: list[Any] = []
+    passers = [_Passer(layer, k, log, pairs) for k, layer in enumerate(layers)]
+    made = stand_ins(model, False, {layers_path: passers})
+    paths = {id(module): path for path, module in made.items()}
+    inside = f"{layers_path}."
+    for path, module in model.named_modules():
+        if not path.startswith(inside) and path != layers_path:
+            paths.setdefault(id(module), path)
+    on_way = {id(module) for path, module in made.items() if path}
+    thread = threading.get_ident()
+    stack: list[_Call] = []
+
+    def before(module: nn.Module, args: tuple[Any, ...]) -> None:
+        if threading.get_ident() != thread:
+            return
+        path = paths.get(id(module))
+        parent = stack[-1].path if stack else None
+        call = _Call(path if path is not None else "?", args, parent)
+        if id(module) in on_way or path is not None:
+            log.append(("call", call))
+        stack.append(call)
+
+    def after(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if threading.get_ident() != thread:
+            return
+        call = stack.pop()
+        call.output = output
+        if id(module) in on_way:
+            log.append(("return", call))
+
+    hooks = [
+        nn.modules.module.register_module_forward_pre_hook(before),
+        nn.modules.module.register_module_forward_hook(after),
+    ]
+    try:
+        with evaluating(model), probing(model):
+            output = made[""].forward(**probe_inputs(model), use_cache=False, return_dict=True)
+            logits = output.logits if hasattr(output, "logits") else output[0]
+            probe = Probe(tuple(logits.shape), None if logits.device.type == "meta" else logits)
+            return _read(log, layers_path, len(layers), pairs, probe)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _read(log: list[Any], layers_path: str, count: int, pairs: bool, probe: Probe) -> _Seen:
+    """The base and tail the probe's log shows, or why the forward is not a sequence."""
+    order = [event[1] for event in log if event[0] == "layer"]
+    if order != list(range(count)):
+        raise _Unlike(
+            f"its layers were called in the order {order[:12]}, not each once in order "
+            f"(0 to {count - 1})"
+        )
+    handed = [event[2] for event in log if event[0] == "layer"]
+    for index in range(1, count):
+        if handed[index] is not handed[index - 1]:
+            raise _Unlike(
+                f"layer {index} was not given the hidden states layer {index - 1} returned "
+                "(its layers hand the next one more than their hidden states, or the "
+                "forward changes them between layers)"
+            )
+    calls = [event[1] for event in log if event[0] == "call"]
+    ways = [c for c in calls if c.path and _under(layers_path, c.path) and c.path != layers_path]
+    if not ways:
+        raise _Unlike(f"no module holding {layers_path} was called by the causal LM's forward")
+    base = ways[0]
+    last = max(k for k, event in enumerate(log) if event[0] == "layer")
+    end = next((k for k, e in enumerate(log) if e[0] == "return" and e[1] is base), len(log))
+    on_way = {c.path for c in ways}
+    tail = [
+        event[1]
+        for event in log[last + 1 : end]
+        if event[0] == "call" and event[1].parent in on_way and event[1].path not in on_way
+    ]
+    hidden = handed[-1]
+    for call in tail:
+        if len(call.args) != 1 or not _same(call.args[0], hidden):
+            raise _Unlike(
+                f"after its last layer, the base model's forward calls {call.path} on other "
+                "than the hidden states the one before it returned"
+            )
+        hidden = call.output
+    result = base.output
+    final = getattr(result, "last_hidden_state", None)
+    if final is None and isinstance(result, (tuple, list)) and result:
+        final = result[0]
+    if not isinstance(final, Tensor) or not _same(final, hidden):
+        names = [call.path for call in tail] or "none"
+        raise _Unlike(
+            f"the hidden states {base.path}'s forward returns are not what its modules after "
+            f"the last layer ({names}) give: it computes more than their calls"
+        )
+    return _Seen(base.path, tuple(call.path for call in tail), pairs, probe)
+
+
+def _same(value: object, hidden: object) -> bool:
+    """Whether ``value`` is ``hidden``, or a view of it of the same shape (a family's
+    ``.view(output_shape)``)."""
+    if value is hidden:
+        return True
+    if not isinstance(value, Tensor) or not isinstance(hidden, Tensor):
+        return False
+    if value.shape != hidden.shape or value.dtype != hidden.dtype:
+        return False
+    return value.device.type == "meta" or bool(torch.equal(value, hidden))

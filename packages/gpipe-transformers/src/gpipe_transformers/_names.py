@@ -23,22 +23,23 @@ def layer_name(index: int) -> str:
 
 
 class ModelNames:
-    """The model's names of the sequence's keys, and back, for the model of ``layout``."""
+    """The model's names of the sequence's keys, and back, for the model of ``layout``:
+    the embeddings' and the head's keys are the model's after their piece's name
+    (``embed.model.embed_tokens.weight``, ``head.lm_head.weight``), a layer's are the
+    layers' path, its index and its own (``layer0.layer.self_attn...``)."""
 
     def __init__(self, layout: Layout) -> None:
-        self.base = layout.base_name
-        self.layers = f"{layout.base_name}.{layout.layers_name}"
-        self.tail = set(layout.tail_names)
-        self.head = set(layout.head_names())
+        self.layers = layout.layers_path
+        self.tail = layout.tail_paths
+        self.head = set(layout.head_children())
+        self.children = set(layout.model._modules)
 
     def rename(self, key: str) -> str | None:
         piece, _, rest = key.partition(".")
         if not rest:
             return None  # a piece itself: the model has no such module
-        if piece == EMBED:
-            return f"{self.base}.{rest}"
-        if piece == HEAD:
-            return f"{self.base}.{rest}" if rest.partition(".")[0] in self.tail else rest
+        if piece in (EMBED, HEAD):
+            return rest
         index = piece.removeprefix(_LAYER)
         inner, _, more = rest.partition(".")
         if piece.startswith(_LAYER) and index.isdigit() and inner == _LAYER:
@@ -51,9 +52,8 @@ class ModelNames:
             if index.isdigit():
                 return ".".join(filter(None, (layer_name(int(index)), _LAYER, more)))
             return None
-        if name.startswith(f"{self.base}."):
-            rest = name[len(self.base) + 1 :]
-            return f"{HEAD if rest.partition('.')[0] in self.tail else EMBED}.{rest}"
-        if name.partition(".")[0] in self.head:
-            return f"{HEAD}.{name}"
-        return None
+        top = name.partition(".")[0]
+        if top not in self.children or top == name:
+            return None
+        after = top in self.head or any(name.startswith(f"{path}.") for path in self.tail)
+        return f"{HEAD if after else EMBED}.{name}"

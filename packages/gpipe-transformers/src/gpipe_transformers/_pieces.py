@@ -3,17 +3,19 @@
 (:class:`Head`), each running the family's own code.
 
 The family's code around its layers is its base model's ``forward`` and its causal LM's
-``forward``. They are called, unchanged, on a *stand-in*: a shallow copy of the model
-(:func:`stand_in`) whose children are the model's own but for a few, replaced for the call:
+``forward``. They are called, unchanged, on *stand-ins*: shallow copies of the model and
+of the modules on the way to its layers (:mod:`._stand_in`), whose children are the
+model's own but for a few, replaced for the call:
 
 - :class:`Embed` calls the base model's forward with each decoder layer replaced by a
   recorder, which notes the arguments the forward gives that layer (the attention mask
   the family built for it, its rotary position embeddings, its position ids) and passes the
-  hidden states on; the first module after the layers stops the call. Its output is the
+  hidden states on; the last layer's recorder stops the call. Its output is the
   first layer's hidden states and every layer's arguments (a :class:`Carry`).
 - :class:`Decoder` calls its decoder layer with the hidden states and the arguments noted
   for it.
-- :class:`Head` calls the modules after the layers (the final norm), then the causal
+- :class:`Head` calls the modules the base model's forward calls on the hidden states
+  after the layers (the final norm: the layout's tail), then the causal
   LM's forward with its base model replaced by one that returns the hidden states: the
   head, logit scaling and soft-capping run as the family wrote them.
 
@@ -33,7 +35,9 @@ from torch import Tensor, nn
 
 from gpipe_core import lane_state
 
-__all__ = ["KEEP", "Carry", "Decoder", "Embed", "Head", "new_cache", "stand_in"]
+from ._stand_in import only, stand_ins, without
+
+__all__ = ["KEEP", "Carry", "Decoder", "Embed", "Head", "new_cache"]
 
 # The carry's keys: the hidden states, the layers' arguments (a value that is not a
 # tensor: their structure) and their tensors, each once, as t0, t1, ...; and the causal
@@ -41,16 +45,6 @@ __all__ = ["KEEP", "Carry", "Decoder", "Embed", "Head", "new_cache", "stand_in"]
 HIDDEN = "hidden_states"
 ARGUMENTS = "layer_arguments"
 KEEP = "logits_to_keep"
-
-
-def stand_in(module: nn.Module, training: bool, **children: object) -> nn.Module:
-    """A shallow copy of ``module`` whose children named in ``children`` are replaced (by
-    any callables), in ``training`` mode; ``module`` is not changed."""
-    copy = object.__new__(type(module))
-    copy.__dict__.update(module.__dict__)
-    copy.__dict__["_modules"] = {**module._modules, **children}
-    copy.__dict__["training"] = training
-    return copy
 
 
 @dataclass(frozen=True)
@@ -178,71 +172,90 @@ def _filled(args: tuple[Any, ...], kwargs: dict[str, Any], cache: object) -> Any
 
 
 class _Stop(Exception):
-    """Ends the base model's forward at the first module after the layers."""
+    """Ends the base model's forward after its last decoder layer."""
 
 
 class _Recorder:
     """Stands for a decoder layer in the base model's forward: notes its arguments and
-    passes the hidden states on; its other attributes are the layer's."""
+    hands the hidden states on (as ``(hidden,)`` where the family reads ``outputs[0]``);
+    the last one ends the forward. Its other attributes are the layer's."""
 
-    __slots__ = ("calls", "first", "layer")
+    __slots__ = ("calls", "first", "last", "layer", "pairs")
 
-    def __init__(self, layer: nn.Module, calls: list[Any], first: list[Tensor]) -> None:
-        self.layer, self.calls, self.first = layer, calls, first
+    def __init__(
+        self, layer: nn.Module, calls: list[Any], first: list[Tensor], last: bool, pairs: bool
+    ) -> None:
+        self.layer, self.calls, self.first, self.last, self.pairs = layer, calls, first, last, pairs
 
-    def __call__(self, hidden: Tensor, *args: object, **kwargs: object) -> Tensor:
+    def __call__(self, hidden: Tensor, *args: object, **kwargs: object) -> Any:
         if not self.first:
             self.first.append(hidden)
         self.calls.append((args, kwargs))
-        return hidden
+        if self.last:
+            raise _Stop
+        return (hidden,) if self.pairs else hidden
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.layer, name)
 
 
-def _stop(*args: object, **kwargs: object) -> None:
-    raise _Stop
+def _relative(paths: tuple[str, ...], name: str) -> list[str]:
+    """The paths under the causal LM's child ``name``, relative to it."""
+    return [path.partition(".")[2] for path in paths if path.partition(".")[0] == name]
 
 
 class Embed(nn.Module):
     """What the base model's forward does before its first decoder layer, as its own code.
 
-    It holds the base model's children that run before the layers (under their own names)
-    and returns a :class:`Carry`, which also takes the causal LM's ``logits_to_keep`` to
-    the head.
+    It holds the causal LM's child that holds the base model, without the decoder layers
+    and the modules after them (under the model's own names), and returns a
+    :class:`Carry`, which also takes the causal LM's ``logits_to_keep`` to the head.
     """
 
-    _base: nn.Module
+    _model: nn.Module
     _layers: list[nn.Module]
-    _layers_name: str
-    _tail: str
+    _base_path: str
+    _layers_path: str
+    _pairs: bool
     _cache_name: str
 
     def __init__(
-        self, base: nn.Module, names: tuple[str, ...], layers_name: str, tail: str
+        self,
+        model: nn.Module,
+        base_path: str,
+        layers_path: str,
+        tail_paths: tuple[str, ...],
+        pairs: bool = False,
     ) -> None:
         super().__init__()
-        for name in names:
-            self.add_module(name, base._modules[name])
-        # The base model and its layers are not this module's children: the pipeline
-        # holds each layer once, in its Decoder. Set through __dict__, so that
-        # nn.Module's __setattr__ does not register the base model as a child.
-        layers = base._modules[layers_name]
+        top = base_path.partition(".")[0]
+        holder = model._modules[top]
+        assert holder is not None
+        self.add_module(top, without(holder, _relative((layers_path, *tail_paths), top)))
+        # The model and its layers are not this module's children: the pipeline holds
+        # each layer once, in its Decoder. Set through __dict__, so that nn.Module's
+        # __setattr__ does not register the model as a child.
+        layers = model.get_submodule(layers_path)
         assert isinstance(layers, nn.ModuleList)
-        self.__dict__["_base"] = base
+        self.__dict__["_model"] = model
         self._layers = list(layers)
-        self._layers_name = layers_name
-        self._tail = tail
-        self._cache_name = cache_argument(base)
+        self._base_path = base_path
+        self._layers_path = layers_path
+        self._pairs = pairs
+        self._cache_name = cache_argument(model.get_submodule(base_path))
 
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, object]:
         keep = kwargs.pop(KEEP, None)  # the causal LM's, for the head
         calls: list[tuple[tuple[object, ...], dict[str, object]]] = []
         first: list[Tensor] = []
-        recorders = [_Recorder(layer, calls, first) for layer in self._layers]
-        base = stand_in(
-            self._base, self.training, **{self._tail: _stop, self._layers_name: recorders}
-        )
+        count = len(self._layers)
+        recorders = [
+            _Recorder(layer, calls, first, k == count - 1, self._pairs)
+            for k, layer in enumerate(self._layers)
+        ]
+        base = stand_ins(self._model, self.training, {self._layers_path: recorders})[
+            self._base_path
+        ]
         # In a lane of a decode run (generation), the base model builds its masks from a
         # cache that knows how many positions each layer holds (see _advance); the
         # layers get their own partition's cache instead.
@@ -253,7 +266,7 @@ class Embed(nn.Module):
         else:
             masks = lane.get("masks")
             if masks is None:
-                masks = lane["masks"] = new_cache(self._base.config)
+                masks = lane["masks"] = new_cache(base.config)
             kwargs[self._cache_name], kwargs["use_cache"] = masks, True
         try:
             base.forward(*args, **kwargs)
@@ -261,25 +274,24 @@ class Embed(nn.Module):
             pass
         else:
             raise RuntimeError(
-                f"{type(self._base).__name__}.forward returned without calling "
-                f"{self._tail!r} after its decoder layers: its layout is not the one its "
-                "pipeline plan describes"
+                f"{type(base).__name__}.forward returned without calling its last decoder "
+                "layer: a pipeline runs each layer once"
             )
-        if len(calls) != len(self._layers) or not first:
+        if len(calls) != count or not first:
             raise RuntimeError(
-                f"{type(self._base).__name__}.forward called {len(calls)} of its "
-                f"{len(self._layers)} decoder layers: a pipeline runs each layer once"
+                f"{type(base).__name__}.forward called {len(calls)} of its {count} decoder "
+                "layers: a pipeline runs each layer once"
             )
         if masks is not None:
             for index, call in enumerate(calls):
                 calls[index], found = _with_slots(call, masks)
                 if not found:
                     raise ValueError(
-                        f"{type(self._base).__name__}.forward gives its decoder layer "
-                        f"{index} no cache, which generation needs: generate with the "
-                        "model itself on one device"
+                        f"{type(base).__name__}.forward gives its decoder layer {index} no "
+                        "cache, which generation needs: generate with the model itself on "
+                        "one device"
                     )
-            _advance(masks, first[0], len(self._layers))
+            _advance(masks, first[0], count)
         carry = Carry.make(first[0], calls)
         if keep is not None:
             carry[KEEP] = keep
@@ -300,19 +312,23 @@ def _advance(masks: Any, hidden: Tensor, layers: int) -> None:
 class Decoder(nn.Module):
     """Decoder layer ``index``, called with the arguments the base model's forward gives it.
 
-    The last decoder layer returns its hidden states alone (with the causal LM's
-    ``logits_to_keep``, where given); the others a :class:`Carry`. In a lane of a decode
-    run, the layer's cache is its lane's: one per lane for the layers of ``config``'s model
-    that this process holds.
+    Where the family reads a layer's hidden states as the first item of what it returns
+    (``pairs``), so does this. The last decoder layer returns its hidden states alone
+    (with the causal LM's ``logits_to_keep``, where given); the others a :class:`Carry`.
+    In a lane of a decode run, the layer's cache is its lane's: one per lane for the
+    layers of ``config``'s model that this process holds.
     """
 
     _config: Any
 
-    def __init__(self, layer: nn.Module, index: int, last: bool, config: Any = None) -> None:
+    def __init__(
+        self, layer: nn.Module, index: int, last: bool, config: Any = None, pairs: bool = False
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.index = index
         self.last = last
+        self.pairs = pairs
         self.__dict__["_config"] = config
 
     def forward(self, carry: dict[str, object]) -> object:
@@ -325,7 +341,8 @@ class Decoder(nn.Module):
             args, kwargs = _filled(args, kwargs, cache)
         hidden = carry[HIDDEN]
         output = self.layer(hidden, *args, **kwargs)
-        if isinstance(output, tuple):  # layers of older families return (hidden, ...)
+        # Older families' layers return (hidden, ...) or [hidden, ...].
+        if self.pairs or isinstance(output, tuple):
             output = output[0]
         if self.last:
             return output if KEEP not in carry else {HIDDEN: output, KEEP: carry[KEEP]}
@@ -351,48 +368,65 @@ class _BaseOutput:
         return None
 
 
-class Head(nn.Module):
-    """What runs after the last decoder layer: the base model's modules after its layers
-    (the final norm), then the causal LM's forward (the head, logit scaling,
-    soft-capping), as the family's own code. It returns the logits.
+class _Returning:
+    """Stands for the base model in the causal LM's forward: a call returns ``output``;
+    its other attributes are the base model's (a family's forward reads its multipliers)."""
 
-    It holds the modules after the layers and the causal LM's own children besides its
-    base model, under their own names.
+    __slots__ = ("base", "output")
+
+    def __init__(self, base: nn.Module, output: _BaseOutput) -> None:
+        self.base, self.output = base, output
+
+    def __call__(self, *args: object, **kwargs: object) -> _BaseOutput:
+        return self.output
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.base, name)
+
+
+class Head(nn.Module):
+    """What runs after the last decoder layer: the modules the base model's forward calls
+    on the hidden states after its layers (the final norm), then the causal LM's forward
+    (the head, logit scaling, soft-capping), as the family's own code. It returns the
+    logits.
+
+    It holds the modules after the layers and the causal LM's own children besides the
+    one holding its base model, under the model's own names.
     """
 
     _model: nn.Module
-    _base_name: str
-    _tail: tuple[str, ...]
+    _base_path: str
+    _tails: list[nn.Module]
 
     def __init__(
         self,
         model: nn.Module,
-        base: nn.Module,
-        base_name: str,
-        tail: tuple[str, ...],
-        head: tuple[str, ...],
+        base_path: str,
+        tail_paths: tuple[str, ...],
+        head_children: tuple[str, ...],
     ) -> None:
         super().__init__()
-        for name in tail:
-            self.add_module(name, base._modules[name])
-        for name in head:
+        top = base_path.partition(".")[0]
+        inner = _relative(tail_paths, top)
+        holder = model._modules[top]
+        if inner and holder is not None:
+            self.add_module(top, only(holder, inner))
+        for name in head_children:
             self.add_module(name, model._modules[name])
         # The model is not this module's child (it holds the pipeline's pieces' modules):
         # set through __dict__, so that nn.Module's __setattr__ does not register it.
         self.__dict__["_model"] = model
-        self._base_name = base_name
-        self._tail = tail
+        self.__dict__["_tails"] = [model.get_submodule(path) for path in tail_paths]
+        self._base_path = base_path
 
     def forward(self, carry: object) -> Tensor:
         hidden = carry[HIDDEN] if isinstance(carry, Mapping) else carry
         keep = carry.get(KEEP) if isinstance(carry, Mapping) else None
         assert isinstance(hidden, Tensor)
-        for name in self._tail:
-            module = self._modules[name]
-            assert module is not None
+        for module in self._tails:
             hidden = module(hidden)
-        output = _BaseOutput(hidden)
-        model = stand_in(self._model, self.training, **{self._base_name: lambda *a, **k: output})
+        base = _Returning(self._model.get_submodule(self._base_path), _BaseOutput(hidden))
+        model = stand_ins(self._model, self.training, {self._base_path: base})[""]
         kept = {} if keep is None else {KEEP: keep}
         result = model.forward(use_cache=False, return_dict=True, **kept)
         logits = result.logits if hasattr(result, "logits") else result[0]

@@ -21,7 +21,15 @@ from torch import Tensor, nn
 from gpipe_core import BatchMean, CheckpointMode, GPipe, Init, Losses, NoChunk
 
 from ._generate import generate
-from ._layout import Layout, find_layout
+from ._layout import (
+    WRITE_IT,
+    Layout,
+    LayoutError,
+    evaluating,
+    find_layout,
+    probe_inputs,
+    probing,
+)
 from ._names import EMBED, HEAD, ModelNames, layer_name
 from ._pieces import (
     KEEP,
@@ -80,15 +88,56 @@ def sequence(model: nn.Module) -> nn.Sequential:
 def _sequence(layout: Layout) -> nn.Sequential:
     count = len(layout.layers)
     pieces: OrderedDict[str, nn.Module] = OrderedDict()
-    pieces[EMBED] = Embed(layout.base, layout.pre_names(), layout.layers_name, layout.tail_names[0])
+    pieces[EMBED] = Embed(
+        layout.model, layout.base_path, layout.layers_path, layout.tail_paths, layout.pairs
+    )
     for index, layer in enumerate(layout.layers):
         pieces[layer_name(index)] = Decoder(
-            layer, index, last=index == count - 1, config=layout.model.config
+            layer, index, last=index == count - 1, config=layout.model.config, pairs=layout.pairs
         )
-    pieces[HEAD] = Head(
-        layout.model, layout.base, layout.base_name, layout.tail_names, layout.head_names()
-    )
-    return nn.Sequential(pieces)
+    pieces[HEAD] = Head(layout.model, layout.base_path, layout.tail_paths, layout.head_children())
+    sequence = nn.Sequential(pieces)
+    _probed(layout, sequence)
+    return sequence
+
+
+def _probed(layout: Layout, sequence: nn.Sequential) -> None:
+    """Refuse a sequence whose embeddings and head do not give the model's logits on the
+    layout's probe (the layers handing their hidden states on): the family's code around
+    its layers does what the pieces cannot (its head reads the inputs, its hidden states
+    carry the batch elsewhere)."""
+    probe = layout.probe
+    if probe is None:
+        return
+    name = type(layout.model).__name__
+    embed, head = sequence[0], sequence[-1]
+    modes = embed.training, head.training
+    try:
+        with evaluating(layout.model), probing(layout.model):
+            embed.training = head.training = False
+            logits = head(embed(**probe_inputs(layout.model)))
+            shape = tuple(logits.shape)
+            same = shape == probe.shape and (
+                probe.logits is None or bool(torch.equal(logits, probe.logits))
+            )
+    except Exception as error:
+        raise LayoutError(
+            f"{name}'s code around its decoder layers does not run in pieces: on the probe "
+            f"of two tokens its embeddings or its head (after {list(layout.tail_paths)}) fail "
+            f"({type(error).__name__}: {error}), as a head that reads the inputs "
+            f"(input_ids) fails, which only the first partition has; {WRITE_IT} "
+            f"(model: {name})"
+        ) from error
+    finally:
+        embed.training, head.training = modes
+    if not same:
+        raise LayoutError(
+            f"{name}'s code around its decoder layers does not run in pieces: on the probe "
+            f"of two tokens its embeddings and head give logits of shape "
+            f"{shape}{'' if shape != probe.shape else ' or values'} that are not the model's "
+            f"({probe.shape}); "
+            f"{WRITE_IT} (model: {name})"
+        )
 
 
 def _even(layers: int, parts: int) -> list[int]:
