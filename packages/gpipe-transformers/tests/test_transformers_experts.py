@@ -197,3 +197,17 @@ def test_a_missing_expert_is_refused_by_its_checkpoint_name(
     assert str(file) in message
     for key in removed:
         assert key in message
+
+
+def test_experts_of_another_shape_than_the_configurations_are_refused(tmp_path: Path) -> None:
+    experts_model("qwen3_moe").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["moe_intermediate_size"] = 16  # the weights' is 8
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    needle = (
+        r"the checkpoint's keys \['model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight'.*"
+        r"do not make the model's \['model\.layers\.0\.mlp\.experts\.down_proj'\] of its "
+        r"shape: the configuration and the weights do not match \(model: \[\(4, 16, 16\)\]"
+    )
+    with pytest.raises(ValueError, match=needle):
+        from_pretrained(tmp_path, balance=[2, 2])

@@ -178,12 +178,14 @@ def persistent(model: nn.Module) -> list[str]:
 
 
 class _Recipe:
-    """How one or more of the model's tensors are made: the ``transform`` of transformers
-    that makes them (a ``WeightConverter``, or a ``WeightRenaming`` of one key) and the
-    checkpoint ``keys`` it converts, each with the source pattern it matched."""
+    """How some of the model's tensors (its ``targets``) are made: the ``transform`` of
+    transformers that makes them (a ``WeightConverter``, or a ``WeightRenaming`` of one
+    key) and the checkpoint ``keys`` it converts, each with the source pattern it
+    matched."""
 
-    def __init__(self, transform: Any, converts: bool) -> None:
+    def __init__(self, transform: Any, targets: list[str], converts: bool) -> None:
         self.transform = transform
+        self.targets = targets
         self.converts = converts
         self.keys: list[tuple[str, str]] = []
 
@@ -235,14 +237,16 @@ class Conversions:
             recipe = self.recipes.get(name)
             if recipe is None:
                 if pattern is None:
-                    recipe = _Recipe(WeightRenaming(key, name), converts=False)
-                    targets = [name]
+                    recipe = _Recipe(WeightRenaming(key, name), [name], converts=False)
                 else:
-                    recipe = _Recipe(copy.deepcopy(by_pattern[pattern]), converts=True)
-                    first = recipe.transform.target_patterns[0]
-                    targets = [name.replace(first, t) for t in recipe.transform.target_patterns]
+                    # A converter makes a tensor of each target pattern (transformers names
+                    # them so when it reports them unexpected).
+                    transform = copy.deepcopy(by_pattern[pattern])
+                    first = transform.target_patterns[0]
+                    targets = [name.replace(first, t) for t in transform.target_patterns]
+                    recipe = _Recipe(transform, targets, converts=True)
                 self.recipes[name] = recipe
-                for target in targets:
+                for target in recipe.targets:
                     self.made.setdefault(target, name)
             recipe.keys.append((key, key if pattern is None else pattern))
         used = [transform for transform in transforms if transform.was_used()]
@@ -292,17 +296,15 @@ class Conversions:
         for first, recipe in self.recipes.items():
             if not recipe.converts:
                 continue  # one key, whose shape is checked when it is read
-            targets = [name for name, maker in self.made.items() if maker == first]
+            targets = recipe.targets
+            failed: Exception | None = None
             try:
                 made = self._convert(first, self.files.meta)
-                wrong = [
-                    n for n in targets if n not in made or made[n].shape != self.expected[n].shape
-                ]
-            except Exception:  # a conversion of keys that do not fit together
-                wrong = targets
+            except (RuntimeError, ValueError, IndexError, KeyError) as error:
+                failed, made = error, {}  # keys that do not fit together (a stack, a cat)
+            wrong = [n for n in targets if n not in made or made[n].shape != self.expected[n].shape]
             if not wrong:
                 continue
-            keys = self.keys(first)
             lacking = [k for k in self.written(targets) if k not in self.files.files]
             if lacking:
                 raise KeyError(
@@ -310,12 +312,13 @@ class Conversions:
                     f"that transformers converts into its {_few(targets)}: save it again, or "
                     f"check that the configuration is the weights' (missing: {_few(lacking)}, "
                     f"file: {self.files.source})"
-                )
+                ) from failed
             raise ValueError(
-                f"the checkpoint's keys {_few(keys)} do not make the model's {_few(wrong)} "
-                f"of its shape: the configuration and the weights do not match (model: "
-                f"{[tuple(self.expected[n].shape) for n in wrong]}, file: {self.files.source})"
-            )
+                f"the checkpoint's keys {_few(self.keys(first))} do not make the model's "
+                f"{_few(wrong)} of its shape: the configuration and the weights do not match "
+                f"(model: {[tuple(self.expected[n].shape) for n in wrong]}, file: "
+                f"{self.files.source})"
+            ) from failed
 
     def written(self, names: Sequence[str]) -> list[str]:
         """The keys transformers' ``save_pretrained`` writes the model's tensors ``names``
@@ -325,14 +328,12 @@ class Conversions:
         state = {name: self.expected[name].to("meta") for name in names}
         try:
             return list(revert_weight_conversion(self.model, state))  # type: ignore[arg-type]
-        except Exception:  # a conversion that cannot be reverted: the model's names
+        except (RuntimeError, ValueError, IndexError, KeyError):  # not revertible: as named
             return list(names)
 
     def _convert(self, first: str, reader: Callable[[str], Tensor]) -> dict[str, Tensor]:
         """The tensors recipe ``first`` makes, of its keys read by ``reader`` (in the
         model's dtype, as transformers reads them, before converting), by their names."""
-        from transformers.core_model_loading import WeightRenaming
-
         recipe = self.recipes[first]
         transform = copy.deepcopy(recipe.transform)
         dtype = self.expected[first].dtype
@@ -342,10 +343,7 @@ class Conversions:
 
         for key, pattern in recipe.keys:
             transform.add_tensor(first, key, pattern, reading(key))
-        if isinstance(transform, WeightRenaming):
-            made = transform.convert(first)
-        else:
-            made = transform.convert(first, model=self.model, config=self.model.config)
+        made = transform.convert(first, model=self.model, config=self.model.config)
         return {n: v[0] if isinstance(v, list) else v for n, v in made.items()}
 
 
