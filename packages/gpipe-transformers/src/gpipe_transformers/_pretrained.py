@@ -22,7 +22,7 @@ import torch.distributed as dist
 from gpipe_core import CheckpointMode
 
 from ._pipeline import CausalLMPipe, pipeline
-from ._weights import CONFIG, Loader, WeightFiles, aliases, persistent, saved_dtype
+from ._weights import CONFIG, Conversions, Loader, WeightFiles, saved_dtype
 
 __all__ = ["from_pretrained", "save_pretrained"]
 
@@ -40,6 +40,7 @@ def from_pretrained(
     timeout: float | datetime.timedelta | object | None = ...,
     dtype: torch.dtype | str | None = "auto",
     attn_implementation: str | None = None,
+    experts_implementation: str | None = None,
 ) -> CausalLMPipe:
     """A pipeline of the causal LM saved in the directory ``path``, each rank building and
     reading only its own layers.
@@ -51,6 +52,12 @@ def from_pretrained(
     from the weights (``model.safetensors``, or the shards of
     ``model.safetensors.index.json``), one key at a time: the other ranks' layers are never
     read nor allocated. Local files only: nothing is downloaded.
+
+    The weights are read in any layout ``AutoModelForCausalLM.from_pretrained`` reads,
+    through transformers' own conversions: a mixture of experts saved as one tensor per
+    expert (``mlp.experts.0.gate_proj.weight``, as transformers saves it) is stacked into
+    the model's fused parameters (``mlp.experts.gate_up_proj``), renamed keys are renamed,
+    each rank reading only the keys its own tensors are made from.
 
     Args:
         path: a directory written by ``model.save_pretrained(path)`` or
@@ -64,6 +71,8 @@ def from_pretrained(
             (or its name, ``"bfloat16"``) builds it in that one. The weights' tensors
             are converted to it.
         attn_implementation: ``"eager"``, ``"sdpa"`` ... (default: the model's).
+        experts_implementation: a mixture of experts' ``"eager"``, ``"grouped_mm"`` ...
+            (default: the model's; torch's grouped matrix product takes no float64).
 
     Returns:
         The pipeline; its :attr:`~CausalLMPipe.causal_lm` is the model, whose other ranks'
@@ -73,7 +82,9 @@ def from_pretrained(
         FileNotFoundError: ``path`` holds no configuration, no safetensors weights, or
             their index names a file that is missing (the message names it).
         KeyError: the weights lack a tensor of the model (the message names the key
-            and the file); a tied copy they do not hold is read from its other name.
+            and the file), or one of the keys transformers converts into one (one expert's,
+            named as transformers writes it); a tied copy they do not hold is read from its
+            other name.
         ValueError, LayoutError: as :func:`pipeline`; a tensor of another shape; a
             ``dtype`` that is none of those.
 
@@ -111,21 +122,17 @@ def from_pretrained(
         options: dict[str, Any] = {"dtype": chosen or saved_dtype(config, files)}
         if attn_implementation is not None:
             options["attn_implementation"] = attn_implementation
+        if experts_implementation is not None:
+            options["experts_implementation"] = experts_implementation
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, **options)  # type: ignore[no-untyped-call]
         model.train()
-        names = aliases(model)
-        missing = [n for n in persistent(model) if files.find(names.get(n, [n])) is None]
-        if missing:
-            raise KeyError(
-                f"the checkpoint lacks tensors of the model {type(model).__name__}: save it "
-                f"again, or check that the configuration is the weights' (missing: "
-                f"{missing[:8]}{' ...' if len(missing) > 8 else ''}, file: {files.source})"
-            )
+        conversions = Conversions(model, files)
+        conversions.check()
         return pipeline(
             model, balance=balance, chunks=chunks, checkpoint=checkpoint, devices=devices,
             group=group, data_group=data_group, placement=placement, timeout=timeout,
-            init=Loader(model, files),
+            init=Loader(model, conversions),
         )  # fmt: skip
     finally:
         files.close()
@@ -148,7 +155,8 @@ def _chosen_dtype(dtype: object) -> torch.dtype | None:
 
 def save_pretrained(pipe: CausalLMPipe, path: str | os.PathLike[str]) -> None:
     """Write ``pipe``'s model to the directory ``path`` as transformers does: the
-    configuration and the tensors under the model's names, which
+    configuration and the tensors in the layout transformers' own ``save_pretrained``
+    writes (the model's names, a mixture of experts as one tensor per expert), which
     ``AutoModelForCausalLM.from_pretrained(path)`` and :func:`from_pretrained` load.
 
     In one process it writes ``config.json`` (with the model's dtype now, as transformers

@@ -319,3 +319,53 @@ def generate_disagrees(rank: int, world: int) -> dict[str, Any]:
         found["error"] = {"type": type(error).__name__, "message": str(error)}
     found["tokens"] = pipe.generate(**prompts(0), max_new_tokens=4, do_sample=False).tolist()
     return found
+
+
+# Mixture-of-experts checkpoints (test_transformers_experts.py).
+
+
+def experts_from_pretrained(
+    rank: int, world: int, *, folder: str, out: str, lr: float = 0.1
+) -> dict[str, Any]:
+    """A pipeline read by ``from_pretrained(folder)`` on the ranks against the model
+    ``AutoModelForCausalLM.from_pretrained(folder)`` loads (eager experts: float64): the
+    largest difference of this rank's tensors from the model's, by the model's names, and
+    those of another dtype; the checkpoint keys it read and the names it holds; the first
+    step's loss and gradients against the model's; then one SGD step of ``lr`` and
+    ``save_pretrained(out)``."""
+    from transformers import AutoModelForCausalLM
+
+    from gpipe_transformers import _weights, from_pretrained
+
+    read: list[str] = []
+    reader = _weights.WeightFiles.read
+
+    def reading(self: Any, key: str) -> torch.Tensor:
+        read.append(key)
+        return reader(self, key)
+
+    _weights.WeightFiles.read = reading  # type: ignore[method-assign]
+    try:
+        pipe = from_pretrained(
+            folder, chunks=2, group=dist.group.WORLD, experts_implementation="eager"
+        )
+    finally:
+        _weights.WeightFiles.read = reader  # type: ignore[method-assign]
+    loaded = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager")
+    loaded.train()
+    theirs = loaded.state_dict()
+    held = {k: v for k, v in pipe.state_dict().items() if not v.is_meta}
+    data = batch(1, size=8)
+    plain, loss, _ = reference(loaded, data)
+    losses = pipe.step(**data, schedule="1f1b")
+    found = {
+        "held": sorted(held),
+        "read": read,
+        "weights": max((v - theirs[k]).abs().max().item() for k, v in held.items()),
+        "dtypes": [k for k, v in held.items() if v.dtype != theirs[k].dtype],
+        "loss": abs(losses.reduced().item() - loss.item()),
+        "grad": _grad_difference(pipe, plain, ""),
+    }
+    torch.optim.SGD(pipe.parameters(), lr=lr).step()
+    pipe.save_pretrained(out)
+    return found
