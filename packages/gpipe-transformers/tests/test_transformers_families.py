@@ -223,3 +223,41 @@ def test_a_balance_of_the_whole_sequence_from_balance_by_time() -> None:
     losses = pipe.step(**data)
     assert abs(losses.reduced().item() - loss.item()) < TOLERANCE
     assert largest_grad_difference(built, plain) < TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "needle"),
+    [
+        (lambda pipe, data: pipe.step(input_ids=data["input_ids"]), TypeError, "step needs labels"),
+        (
+            lambda pipe, data: pipe.step(data),
+            TypeError,
+            r"pass a batch dict as pipe\.step\(\*\*batch\)",
+        ),
+        (lambda pipe, data: pipe(data), TypeError, r"pass a batch dict as pipe\(\*\*batch\)"),
+        (
+            lambda pipe, data: pipe.step(**data, schedule="zbv"),
+            ValueError,
+            'build the pipeline with placement="v"',
+        ),
+        (
+            lambda pipe, data: pipe.step(
+                input_ids=data["input_ids"],
+                target=data["labels"],
+                loss_fn=torch.nn.functional.cross_entropy,
+            ),
+            RuntimeError,
+            r"takes the logits flattened to \(tokens, vocabulary\)",
+        ),
+    ],
+    ids=["no-labels", "step-dict", "forward-dict", "zbv", "loss-shape"],
+)
+def test_a_mistake_gets_an_error_that_says_what_to_do(call, error: type, needle: str) -> None:
+    built = model("llama")
+    before = copy.deepcopy(built.state_dict())
+    pipe = pipeline(built, balance=[2, 2], chunks=2)
+    data = batch(0)
+    with pytest.raises(error, match=needle):
+        call(pipe, data)
+    assert all(torch.equal(v, before[k]) for k, v in built.state_dict().items())
+    assert pipe.step(**data).reduced().isfinite()  # still usable

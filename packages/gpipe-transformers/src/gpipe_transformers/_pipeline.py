@@ -268,6 +268,7 @@ class CausalLMPipe(GPipe):
             ValueError, TypeError: a keyword the pipeline does not honour (the message
                 names it), before anything runs.
         """
+        _no_batch_dict(inputs, "pipe")
         return super().forward(*inputs, **self._checked(keywords, "forward"))
 
     def step(self, *inputs: Any, labels: Tensor | None = None, **keywords: Any) -> Losses:
@@ -289,6 +290,7 @@ class CausalLMPipe(GPipe):
                 names it), or ``num_items_in_batch`` that is not a positive count, before
                 anything runs.
         """
+        _no_batch_dict(inputs, "pipe.step")
         shift_labels = keywords.pop("shift_labels", None)
         items = keywords.pop("num_items_in_batch", None)
         keywords = self._checked(keywords, "step")
@@ -298,6 +300,15 @@ class CausalLMPipe(GPipe):
                     "num_items_in_batch divides the model's loss: pass labels or shift_labels "
                     f"with it (num_items_in_batch: {shown(items)}, labels: None)"
                 )
+            if "target" not in keywords and "loss_fn" not in keywords:
+                raise TypeError(
+                    "step needs labels: pipe.step(input_ids=..., attention_mask=..., "
+                    "labels=...) trains to the model's own loss (or give target= and "
+                    "loss_fn= for another loss) (labels: None)"
+                )
+            loss_fn = keywords.get("loss_fn")
+            if callable(loss_fn) and not isinstance(loss_fn, BatchMean):
+                keywords["loss_fn"] = _ShapedLoss(loss_fn)
             return super().step(*inputs, **keywords)
         for own in ("target", "loss_fn"):
             if own in keywords:
@@ -402,6 +413,37 @@ class CausalLMPipe(GPipe):
                     f"shift_labels and num_items_in_batch ({name}: {shown(value)})"
                 )
         return passed
+
+
+def _no_batch_dict(inputs: tuple[Any, ...], call: str) -> None:
+    """Refuse a batch dict given positionally, which the embeddings would take as ids."""
+    if len(inputs) == 1 and isinstance(inputs[0], Mapping):
+        keys = ", ".join(map(str, inputs[0]))
+        raise TypeError(
+            f"{call}() takes the model's inputs by keyword: pass a batch dict as "
+            f"{call}(**batch) (a dict given positionally, keys: {keys})"
+        )
+
+
+class _ShapedLoss:
+    """A ``loss_fn`` of step() whose failure on the logits says how to shape them."""
+
+    def __init__(self, loss_fn: Any) -> None:
+        self.loss_fn = loss_fn
+
+    def __call__(self, logits: Tensor, target: Any) -> Any:
+        try:
+            return self.loss_fn(logits, target)
+        except (RuntimeError, ValueError) as error:
+            shape = tuple(target.shape) if isinstance(target, Tensor) else type(target).__name__
+            raise type(error)(
+                f"loss_fn failed on the logits of shape {tuple(logits.shape)} and a target "
+                f"of shape {shape} ({error}): a loss over the vocabulary such as "
+                "cross_entropy takes the logits flattened to (tokens, vocabulary) and the "
+                "targets to (tokens,): loss_fn=lambda logits, target: cross_entropy("
+                "logits.flatten(0, -2), target.flatten()); or pass labels= for the model's "
+                "own loss"
+            ) from error
 
 
 def _free_remote(module: nn.Sequential, local: list[nn.Module]) -> None:

@@ -401,8 +401,9 @@ class ZeroBubbleVSchedule(Schedule):
         if partitions != 2 * count or placement != place_partitions("v", partitions, count):
             raise ScheduleError(
                 f"schedule {self.name!r} needs the V placement, two partitions per worker "
-                f"(partitions j and 2 * workers - 1 - j on worker j) (placement: {placement}, "
-                f"partitions: {partitions}, workers: {count})"
+                f"(partitions j and 2 * workers - 1 - j on worker j): build the pipeline with "
+                f'placement="v" (placement: {placement}, partitions: {partitions}, workers: '
+                f"{count})"
             )
         return fill_weights(v_order(microbatches, count), placement, cap=partitions)
 
