@@ -83,8 +83,23 @@ def test_a_family_whose_scaling_were_lost_would_be_seen() -> None:
     # Without a pipeline plan: OPT, Falcon, GPT-Neo; Bloom's ALiBi biases; the decoder
     # inside BART's wrapper; BERT's causal head (layers in bert.encoder.layer); the text
     # model inside Gemma 3's multimodal wrapper; Llama 4's text model; Mamba's state-space
-    # layers.
-    ["opt", "falcon", "gpt_neo", "bloom", "bart", "bert", "gemma3", "llama4_text", "mamba"],
+    # layers; HunYuan-V4's layers, which hand the next one a pair (hidden states, top-k
+    # indices); Gemma 4's head, which reads the inputs' length; DeepSeek-V4's hc_head
+    # between the last layer and the norm.
+    [
+        "opt",
+        "falcon",
+        "gpt_neo",
+        "bloom",
+        "bart",
+        "bert",
+        "gemma3",
+        "llama4_text",
+        "mamba",
+        "hy_v4",
+        "gemma4_text",
+        "deepseek_v4",
+    ],
 )
 def test_a_family_without_a_plan_trains_to_its_own_numbers(model_type: str) -> None:
     from hf_support.sweep import outcome
@@ -107,19 +122,17 @@ def _refusal(model_type: str) -> str:
     return message
 
 
-def test_a_family_whose_layers_hand_on_a_pair_is_refused_by_name() -> None:
-    # HunYuan-V4's layers return (hidden_states, topk_indices), and its forward gives the
-    # indices to the next layer.
-    message = _refusal("hy_v4")
-    assert message.startswith("HYV4ForCausalLM's forward does not run as a sequence")
-    assert "(a pair)" in message
+def test_a_family_whose_base_model_computes_more_after_its_layers_is_refused_by_name() -> None:
+    # CPM-Ant's base model drops its prompt's positions after the layers.
+    message = _refusal("cpmant")
+    assert message.startswith("CpmAntForCausalLM's forward does not run as a sequence")
+    assert "it computes more than their calls" in message
 
 
-def test_a_family_whose_head_reads_the_inputs_is_refused_by_name() -> None:
-    # Gemma 4's causal LM reads input_ids after its base model.
-    message = _refusal("gemma4_text")
-    assert message.startswith("Gemma4ForCausalLM's code around its decoder layers does not run")
-    assert "input_ids" in message
+def test_a_family_that_skips_layers_is_refused_by_name() -> None:
+    # Mllama's cross-attention layers are skipped without images.
+    message = _refusal("mllama")
+    assert "its layers were called in the order [0, 1, 2]" in message
 
 
 def test_a_model_without_one_list_of_layers_is_refused_saying_what_was_looked_for() -> None:

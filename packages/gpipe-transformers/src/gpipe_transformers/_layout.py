@@ -5,7 +5,7 @@ A causal LM (``LlamaForCausalLM``) holds its decoder layers in one ``ModuleList`
 the one its configuration's pipeline plan names (``base_model_pp_plan``), or else the one
 of as many layers as its configuration's ``num_hidden_layers`` (inside the model's
 ``get_decoder()`` where there are several). The rest is found by running the model once,
-on a probe of two tokens with its layers replaced by ones that hand their hidden states
+on a probe of three tokens with its layers replaced by ones that hand their hidden states
 on (:func:`find_layout`): which module the causal LM's forward calls that holds the layers
 (the *base*: ``model``, ``model.decoder``), and which modules the base's forward calls on
 the hidden states after the last layer (the *tail*: the final norm, DeepSeek-V4's
@@ -40,6 +40,15 @@ WRITE_IT = (
 )
 
 
+@dataclass(frozen=True)
+class Handed:
+    """Where a layer's argument is what the layer before it returned at ``position``
+    (``layer``: that layer's index, where known)."""
+
+    position: int
+    layer: int = -1
+
+
 class LayoutError(ValueError):
     """A model whose decoder layers or pipeline plan cannot be found, or that a pipeline
     cannot train to its own numbers."""
@@ -70,11 +79,18 @@ class Layout:
     #: The modules the base's forward calls on the hidden states after the last layer, in
     #: their order (``model.norm``).
     tail_paths: tuple[str, ...]
-    #: Whether the family reads a layer's hidden states as the first item of what it
-    #: returns (``outputs[0]``).
-    pairs: bool = False
+    #: What a layer returns: its hidden states (0), or a tuple (or list) of this many items
+    #: whose first is the hidden states (``hidden_states, topk_indices = layer(...)``).
+    outputs: int = 0
+    #: What a layer hands the next, besides its hidden states: the position of the item it
+    #: returns and the next layer's argument it becomes (a keyword, or a position among
+    #: the arguments after the hidden states).
+    handed: tuple[tuple[int, int | str], ...] = ()
     #: The probe the layout was found with.
     probe: Probe | None = None
+    #: The dtype the base's forward casts the hidden states to before each module of the
+    #: tail (None: none; a family that keeps its final norm in float32).
+    tail_casts: tuple[torch.dtype | None, ...] = ()
 
     @property
     def base(self) -> nn.Module:
@@ -143,31 +159,44 @@ def find_layout(model: object) -> Layout:
     layers = model.get_submodule(layers_path)
     assert isinstance(layers, nn.ModuleList)
     seen: _Seen | None = None
-    failures: list[str] = []
-    for pairs in (False, True):
+    unlike: list[str] = []  # what the probe saw, where a trace ran to its end
+    failures: list[str] = []  # where the family's code failed on the stand-ins
+    for outputs in range(5):  # the hidden states, or a tuple of 1 to 4 items
         try:
-            seen = _trace(model, layers_path, pairs)
+            seen = _trace(model, layers_path, outputs)
         except _Unlike as error:
-            failures.append(str(error))
+            unlike.append(str(error))
             continue
         except Exception as error:
             failures.append(f"{type(error).__name__}: {error}")
             continue
         break
     if seen is None:
-        if any("values to unpack" in failure for failure in failures):
-            failures.insert(
-                0,
-                "its layers return more than their hidden states, which the "
-                "family's forward hands the next layer (a pair)",
+        if unlike:
+            why = unlike[0]
+        elif any("values to unpack" in failure for failure in failures):
+            why = (
+                "its layers return more than their hidden states, and the family's forward "
+                f"uses them otherwise than as the next layer's arguments ({failures[0]})"
             )
+        else:
+            why = failures[0]
         raise LayoutError(
             f"{name}'s forward does not run as a sequence of its decoder layers "
             f"{layers_path} ({len(layers)} {type(layers[0]).__name__}): run on a probe of "
-            f"two tokens with each layer handing its hidden states on, {failures[0]}; "
+            f"three tokens with each layer handing its hidden states on, {why}; "
             f"{WRITE_IT} (model: {name})"
         )
-    return Layout(model, seen.base, layers_path, seen.tail, seen.pairs, seen.probe)
+    return Layout(
+        model,
+        seen.base,
+        layers_path,
+        seen.tail,
+        seen.outputs,
+        seen.handed,
+        seen.probe,
+        seen.casts,
+    )
 
 
 def _layers_path(model: nn.Module) -> str:
@@ -236,21 +265,25 @@ class _Call:
 class _Seen:
     base: str
     tail: tuple[str, ...]
-    pairs: bool
+    casts: tuple[torch.dtype | None, ...]
+    outputs: int
+    handed: tuple[tuple[int, int | str], ...]
     probe: Probe
 
 
 class _Passer:
-    """Stands for decoder layer ``index`` in the probe: notes its hidden states and hands
-    them on (as ``(hidden,)`` where the family reads ``outputs[0]``); the last one ends
-    the layers' calls."""
+    """Stands for decoder layer ``index`` in the probe: notes what it is given and hands
+    its hidden states on, alone or first of ``outputs`` items (the others marked
+    :class:`Handed`, to see where the forward puts them)."""
 
-    def __init__(self, layer: nn.Module, index: int, log: list[Any], pairs: bool) -> None:
-        self.layer, self.index, self.log, self.pairs = layer, index, log, pairs
+    def __init__(self, layer: nn.Module, index: int, log: list[Any], outputs: int) -> None:
+        self.layer, self.index, self.log, self.outputs = layer, index, log, outputs
 
     def __call__(self, hidden: Any, *args: object, **kwargs: object) -> Any:
-        self.log.append(("layer", self.index, hidden))
-        return (hidden,) if self.pairs else hidden
+        self.log.append(("layer", self.index, hidden, args, kwargs))
+        if not self.outputs:
+            return hidden
+        return (hidden, *(Handed(k, self.index) for k in range(1, self.outputs)))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.layer, name)
@@ -271,7 +304,7 @@ def probing(model: nn.Module) -> Iterator[None]:
 
 
 def probe_inputs(model: nn.Module) -> dict[str, Tensor]:
-    """The probe's inputs: two samples of two tokens."""
+    """The probe's inputs: two samples of three tokens."""
     try:
         weight = model.get_input_embeddings().weight  # type: ignore[operator]
         device = weight.device
@@ -281,7 +314,10 @@ def probe_inputs(model: nn.Module) -> dict[str, Tensor]:
     vocab = max(vocab, 1)
     # No attention mask: a model on the meta device (from_pretrained's, before its
     # layers are read) builds masks without reading one.
-    return {"input_ids": torch.tensor([[1, 2], [3, 1]], device=device).clamp(max=vocab - 1)}
+    # Of an odd length, so that a family that pads its inputs to a multiple of a block
+    # (and drops the padding after its layers) is seen doing it.
+    ids = torch.tensor([[1, 2, 3], [3, 1, 2]], device=device)
+    return {"input_ids": ids.clamp(max=vocab - 1)}
 
 
 @contextmanager
@@ -297,13 +333,13 @@ def evaluating(model: nn.Module) -> Iterator[None]:
             module.training = mode
 
 
-def _trace(model: nn.Module, layers_path: str, pairs: bool) -> _Seen:
+def _trace(model: nn.Module, layers_path: str, outputs: int) -> _Seen:
     """Run ``model`` on the probe with its layers handing their hidden states on, and
     note which module holds them and which modules run on the hidden states after them."""
     layers = model.get_submodule(layers_path)
     assert isinstance(layers, nn.ModuleList)
     log: list[Any] = []
-    passers = [_Passer(layer, k, log, pairs) for k, layer in enumerate(layers)]
+    passers = [_Passer(layer, k, log, outputs) for k, layer in enumerate(layers)]
     made = stand_ins(model, False, {layers_path: passers})
     paths = {id(module): path for path, module in made.items()}
     inside = f"{layers_path}."
@@ -341,13 +377,13 @@ def _trace(model: nn.Module, layers_path: str, pairs: bool) -> _Seen:
             output = made[""].forward(**probe_inputs(model), use_cache=False, return_dict=True)
             logits = output.logits if hasattr(output, "logits") else output[0]
             probe = Probe(tuple(logits.shape), None if logits.device.type == "meta" else logits)
-            return _read(log, layers_path, len(layers), pairs, probe)
+            return _read(log, layers_path, len(layers), outputs, probe)
     finally:
         for hook in hooks:
             hook.remove()
 
 
-def _read(log: list[Any], layers_path: str, count: int, pairs: bool, probe: Probe) -> _Seen:
+def _read(log: list[Any], layers_path: str, count: int, outputs: int, probe: Probe) -> _Seen:
     """The base and tail the probe's log shows, or why the forward is not a sequence."""
     order = [event[1] for event in log if event[0] == "layer"]
     if order != list(range(count)):
@@ -363,6 +399,7 @@ def _read(log: list[Any], layers_path: str, count: int, pairs: bool, probe: Prob
                 "(its layers hand the next one more than their hidden states, or the "
                 "forward changes them between layers)"
             )
+    handed_on = _handed(log, count)
     calls = [event[1] for event in log if event[0] == "call"]
     ways = [c for c in calls if c.path and _under(layers_path, c.path) and c.path != layers_path]
     if not ways:
@@ -377,13 +414,19 @@ def _read(log: list[Any], layers_path: str, count: int, pairs: bool, probe: Prob
         if event[0] == "call" and event[1].parent in on_way and event[1].path not in on_way
     ]
     hidden = handed[-1]
+    casts: list[torch.dtype | None] = []
+    chain = []
     for call in tail:
-        if len(call.args) != 1 or not _same(call.args[0], hidden):
-            raise _Unlike(
-                f"after its last layer, the base model's forward calls {call.path} on other "
-                "than the hidden states the one before it returned"
-            )
+        given = call.args[0] if len(call.args) == 1 else None
+        cast = given.dtype if isinstance(given, Tensor) and given.dtype != hidden.dtype else None
+        if given is None or not _same(given, hidden if cast is None else hidden.to(cast)):
+            # Not on the hidden states (a pooler of the first position): what it gives
+            # must not reach them, which the check of what the forward returns sees.
+            continue
+        chain.append(call)
+        casts.append(cast)
         hidden = call.output
+    tail = chain
     result = base.output
     final = getattr(result, "last_hidden_state", None)
     if final is None and isinstance(result, (tuple, list)) and result:
@@ -394,7 +437,34 @@ def _read(log: list[Any], layers_path: str, count: int, pairs: bool, probe: Prob
             f"the hidden states {base.path}'s forward returns are not what its modules after "
             f"the last layer ({names}) give: it computes more than their calls"
         )
-    return _Seen(base.path, tuple(call.path for call in tail), pairs, probe)
+    paths = tuple(call.path for call in tail)
+    return _Seen(base.path, paths, tuple(casts), outputs, handed_on, probe)
+
+
+def _handed(log: list[Any], count: int) -> tuple[tuple[int, int | str], ...]:
+    """Where each layer's arguments hold what the layer before it returned besides its
+    hidden states: the same for every layer, or the refusal."""
+    given = [(event[3], event[4]) for event in log if event[0] == "layer"]
+    found: set[tuple[int, int | str]] = set()
+    for index, (args, kwargs) in enumerate(given):
+        seen: set[tuple[int, int | str]] = set()
+        places: list[tuple[int | str, object]] = [*enumerate(args), *kwargs.items()]
+        for where, value in places:
+            if isinstance(value, Handed):
+                if value.layer != index - 1:
+                    raise _Unlike(
+                        f"layer {index} was given what layer {value.layer} returned, not "
+                        f"only what the layer before it did"
+                    )
+                seen.add((value.position, where))
+        if index == 1:
+            found = seen
+        elif index > 1 and seen != found:
+            raise _Unlike(
+                f"layer {index} was given other items of what the layer before returned "
+                f"than layer 1 ({sorted(map(str, seen))}, not {sorted(map(str, found))})"
+            )
+    return tuple(sorted(found, key=str))
 
 
 def _same(value: object, hidden: object) -> bool:

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from gpipe_core import lane_state
 
+from ._layout import Handed
 from ._stand_in import only, stand_ins, without
 
 __all__ = ["KEEP", "Carry", "Decoder", "Embed", "Head", "new_cache"]
@@ -177,15 +178,17 @@ class _Stop(Exception):
 
 class _Recorder:
     """Stands for a decoder layer in the base model's forward: notes its arguments and
-    hands the hidden states on (as ``(hidden,)`` where the family reads ``outputs[0]``);
-    the last one ends the forward. Its other attributes are the layer's."""
+    hands the hidden states on, alone or first of ``outputs`` items (the others
+    :class:`~._layout.Handed`, which the next layer's noted arguments then hold); the last
+    one ends the forward. Its other attributes are the layer's."""
 
-    __slots__ = ("calls", "first", "last", "layer", "pairs")
+    __slots__ = ("calls", "first", "last", "layer", "outputs")
 
     def __init__(
-        self, layer: nn.Module, calls: list[Any], first: list[Tensor], last: bool, pairs: bool
+        self, layer: nn.Module, calls: list[Any], first: list[Tensor], last: bool, outputs: int
     ) -> None:
-        self.layer, self.calls, self.first, self.last, self.pairs = layer, calls, first, last, pairs
+        self.layer, self.calls, self.first, self.last = layer, calls, first, last
+        self.outputs = outputs
 
     def __call__(self, hidden: Tensor, *args: object, **kwargs: object) -> Any:
         if not self.first:
@@ -193,7 +196,9 @@ class _Recorder:
         self.calls.append((args, kwargs))
         if self.last:
             raise _Stop
-        return (hidden,) if self.pairs else hidden
+        if not self.outputs:
+            return hidden
+        return (hidden, *(Handed(k) for k in range(1, self.outputs)))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.layer, name)
@@ -216,7 +221,7 @@ class Embed(nn.Module):
     _layers: list[nn.Module]
     _base_path: str
     _layers_path: str
-    _pairs: bool
+    _outputs: int
     _cache_name: str
 
     def __init__(
@@ -225,7 +230,7 @@ class Embed(nn.Module):
         base_path: str,
         layers_path: str,
         tail_paths: tuple[str, ...],
-        pairs: bool = False,
+        outputs: int = 0,
     ) -> None:
         super().__init__()
         top = base_path.partition(".")[0]
@@ -241,7 +246,7 @@ class Embed(nn.Module):
         self._layers = list(layers)
         self._base_path = base_path
         self._layers_path = layers_path
-        self._pairs = pairs
+        self._outputs = outputs
         self._cache_name = cache_argument(model.get_submodule(base_path))
 
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, object]:
@@ -250,7 +255,7 @@ class Embed(nn.Module):
         first: list[Tensor] = []
         count = len(self._layers)
         recorders = [
-            _Recorder(layer, calls, first, k == count - 1, self._pairs)
+            _Recorder(layer, calls, first, k == count - 1, self._outputs)
             for k, layer in enumerate(self._layers)
         ]
         base = stand_ins(self._model, self.training, {self._layers_path: recorders})[
@@ -312,9 +317,11 @@ def _advance(masks: Any, hidden: Tensor, layers: int) -> None:
 class Decoder(nn.Module):
     """Decoder layer ``index``, called with the arguments the base model's forward gives it.
 
-    Where the family reads a layer's hidden states as the first item of what it returns
-    (``pairs``), so does this. The last decoder layer returns its hidden states alone
-    (with the causal LM's ``logits_to_keep``, where given); the others a :class:`Carry`.
+    Where the family's layers return a tuple (``outputs`` items, the hidden states first),
+    so does this one, and the items ``handed`` to the next layer pass in the carry (as
+    ``handed<position>``) to the arguments noted as :class:`~._layout.Handed`. The last
+    decoder layer returns its hidden states alone (with the causal LM's
+    ``logits_to_keep``, where given); the others a :class:`Carry`.
     In a lane of a decode run, the layer's cache is its lane's: one per lane for the
     layers of ``config``'s model that this process holds.
     """
@@ -322,13 +329,20 @@ class Decoder(nn.Module):
     _config: Any
 
     def __init__(
-        self, layer: nn.Module, index: int, last: bool, config: Any = None, pairs: bool = False
+        self,
+        layer: nn.Module,
+        index: int,
+        last: bool,
+        config: Any = None,
+        outputs: int = 0,
+        handed: tuple[tuple[int, int | str], ...] = (),
     ) -> None:
         super().__init__()
         self.layer = layer
         self.index = index
         self.last = last
-        self.pairs = pairs
+        self.outputs = outputs
+        self.handed = handed
         self.__dict__["_config"] = config
 
     def forward(self, carry: dict[str, object]) -> object:
@@ -339,17 +353,30 @@ class Decoder(nn.Module):
             if cache is None:
                 cache = lane["cache"] = new_cache(self._config)
             args, kwargs = _filled(args, kwargs, cache)
+        if self.index and self.handed:
+            args = tuple(_from(carry, value) for value in args)
+            kwargs = {name: _from(carry, value) for name, value in kwargs.items()}
         hidden = carry[HIDDEN]
         output = self.layer(hidden, *args, **kwargs)
+        items: Any = output
         # Older families' layers return (hidden, ...) or [hidden, ...].
-        if self.pairs or isinstance(output, tuple):
+        if self.outputs or isinstance(output, tuple):
             output = output[0]
         if self.last:
             return output if KEEP not in carry else {HIDDEN: output, KEEP: carry[KEEP]}
-        return {**carry, HIDDEN: output}
+        handed = {f"{_HANDED}{position}": items[position] for position, _ in self.handed}
+        return {**carry, HIDDEN: output, **handed}
 
     def extra_repr(self) -> str:
         return f"index={self.index}"
+
+
+_HANDED = "handed"
+
+
+def _from(carry: Mapping[str, object], value: object) -> object:
+    """``value``, or what the layer before handed on where it is a :class:`Handed`."""
+    return carry[f"{_HANDED}{value.position}"] if isinstance(value, Handed) else value
 
 
 class _BaseOutput:
@@ -397,6 +424,7 @@ class Head(nn.Module):
     _model: nn.Module
     _base_path: str
     _tails: list[nn.Module]
+    _casts: list[torch.dtype | None]
 
     def __init__(
         self,
@@ -404,6 +432,7 @@ class Head(nn.Module):
         base_path: str,
         tail_paths: tuple[str, ...],
         head_children: tuple[str, ...],
+        tail_casts: tuple[torch.dtype | None, ...] = (),
     ) -> None:
         super().__init__()
         top = base_path.partition(".")[0]
@@ -417,17 +446,24 @@ class Head(nn.Module):
         # set through __dict__, so that nn.Module's __setattr__ does not register it.
         self.__dict__["_model"] = model
         self.__dict__["_tails"] = [model.get_submodule(path) for path in tail_paths]
+        self.__dict__["_casts"] = list(tail_casts) or [None] * len(tail_paths)
         self._base_path = base_path
+        #: Whether the causal LM's forward is given ``input_ids`` of the hidden states'
+        #: batch and length, on the meta device, for a family that reads their shape
+        #: after its base model (Gemma 4's); set by the pipeline's probe.
+        self.ids_shape = False
 
     def forward(self, carry: object) -> Tensor:
         hidden = carry[HIDDEN] if isinstance(carry, Mapping) else carry
         keep = carry.get(KEEP) if isinstance(carry, Mapping) else None
         assert isinstance(hidden, Tensor)
-        for module in self._tails:
-            hidden = module(hidden)
+        for module, cast in zip(self._tails, self._casts, strict=True):
+            hidden = module(hidden if cast is None else hidden.to(cast))
         base = _Returning(self._model.get_submodule(self._base_path), _BaseOutput(hidden))
         model = stand_ins(self._model, self.training, {self._base_path: base})[""]
-        kept = {} if keep is None else {KEEP: keep}
+        kept: dict[str, object] = {} if keep is None else {KEEP: keep}
+        if self.ids_shape:
+            kept["input_ids"] = torch.empty(hidden.shape[:2], dtype=torch.long, device="meta")
         result = model.forward(use_cache=False, return_dict=True, **kept)
         logits = result.logits if hasattr(result, "logits") else result[0]
         assert isinstance(logits, Tensor)

@@ -89,13 +89,24 @@ def _sequence(layout: Layout) -> nn.Sequential:
     count = len(layout.layers)
     pieces: OrderedDict[str, nn.Module] = OrderedDict()
     pieces[EMBED] = Embed(
-        layout.model, layout.base_path, layout.layers_path, layout.tail_paths, layout.pairs
+        layout.model, layout.base_path, layout.layers_path, layout.tail_paths, layout.outputs
     )
     for index, layer in enumerate(layout.layers):
         pieces[layer_name(index)] = Decoder(
-            layer, index, last=index == count - 1, config=layout.model.config, pairs=layout.pairs
+            layer,
+            index,
+            last=index == count - 1,
+            config=layout.model.config,
+            outputs=layout.outputs,
+            handed=layout.handed,
         )
-    pieces[HEAD] = Head(layout.model, layout.base_path, layout.tail_paths, layout.head_children())
+    pieces[HEAD] = Head(
+        layout.model,
+        layout.base_path,
+        layout.tail_paths,
+        layout.head_children(),
+        layout.tail_casts,
+    )
     sequence = nn.Sequential(pieces)
     _probed(layout, sequence)
     return sequence
@@ -111,11 +122,18 @@ def _probed(layout: Layout, sequence: nn.Sequential) -> None:
         return
     name = type(layout.model).__name__
     embed, head = sequence[0], sequence[-1]
+    assert isinstance(head, Head)
     modes = embed.training, head.training
     try:
         with evaluating(layout.model), probing(layout.model):
             embed.training = head.training = False
-            logits = head(embed(**probe_inputs(layout.model)))
+            carry = embed(**probe_inputs(layout.model))
+            try:
+                logits = head(carry)
+            except Exception:
+                # A head that reads the inputs' shape (Gemma 4's): given ids of that shape.
+                head.ids_shape = True
+                logits = head(carry)
             shape = tuple(logits.shape)
             same = shape == probe.shape and (
                 probe.logits is None or bool(torch.equal(logits, probe.logits))
@@ -123,17 +141,16 @@ def _probed(layout: Layout, sequence: nn.Sequential) -> None:
     except Exception as error:
         raise LayoutError(
             f"{name}'s code around its decoder layers does not run in pieces: on the probe "
-            f"of two tokens its embeddings or its head (after {list(layout.tail_paths)}) fail "
-            f"({type(error).__name__}: {error}), as a head that reads the inputs "
-            f"(input_ids) fails, which only the first partition has; {WRITE_IT} "
-            f"(model: {name})"
+            f"of three tokens its embeddings or its head (after {list(layout.tail_paths)}) fail "
+            f"({type(error).__name__}: {error}), as a head that reads the inputs' values "
+            f"fails, which only the first partition has; {WRITE_IT} (model: {name})"
         ) from error
     finally:
         embed.training, head.training = modes
     if not same:
         raise LayoutError(
             f"{name}'s code around its decoder layers does not run in pieces: on the probe "
-            f"of two tokens its embeddings and head give logits of shape "
+            f"of three tokens its embeddings and head give logits of shape "
             f"{shape}{'' if shape != probe.shape else ' or values'} that are not the model's "
             f"({probe.shape}); "
             f"{WRITE_IT} (model: {name})"

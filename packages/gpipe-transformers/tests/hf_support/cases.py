@@ -111,14 +111,9 @@ def _grad_difference(pipe: Any, plain: Any, family: str) -> float:
     return largest
 
 
-def from_pretrained_exact(rank: int, world: int, *, folder: str, family: str) -> dict[str, Any]:
-    """A pipeline read by ``from_pretrained(folder)`` on the ranks against the model
-    ``AutoModelForCausalLM.from_pretrained(folder)`` loads: this rank's materialised
-    parameters against the model's total, the first step's loss and gradients, and the
-    largest difference of the buffers this rank holds (rotary ``inv_freq``, embedding
-    scales), and the checkpoint keys it read."""
-    from transformers import AutoModelForCausalLM
-
+def _read_by_ranks(folder: str, **options: Any) -> tuple[Any, list[str]]:
+    """``from_pretrained(folder)`` at two micro-batches over the ranks, and the checkpoint
+    keys this rank read."""
     from gpipe_transformers import _weights, from_pretrained
 
     read: list[str] = []
@@ -130,9 +125,21 @@ def from_pretrained_exact(rank: int, world: int, *, folder: str, family: str) ->
 
     _weights.WeightFiles.read = reading  # type: ignore[method-assign]
     try:
-        pipe = from_pretrained(folder, chunks=2, group=dist.group.WORLD)
+        pipe = from_pretrained(folder, chunks=2, group=dist.group.WORLD, **options)
     finally:
         _weights.WeightFiles.read = reader  # type: ignore[method-assign]
+    return pipe, read
+
+
+def from_pretrained_exact(rank: int, world: int, *, folder: str, family: str) -> dict[str, Any]:
+    """A pipeline read by ``from_pretrained(folder)`` on the ranks against the model
+    ``AutoModelForCausalLM.from_pretrained(folder)`` loads: this rank's materialised
+    parameters against the model's total, the first step's loss and gradients, and the
+    largest difference of the buffers this rank holds (rotary ``inv_freq``, embedding
+    scales), and the checkpoint keys it read."""
+    from transformers import AutoModelForCausalLM
+
+    pipe, read = _read_by_ranks(folder)
     loaded = AutoModelForCausalLM.from_pretrained(folder)
     loaded.train()
     data = batch(1, size=8)
@@ -335,22 +342,7 @@ def experts_from_pretrained(
     ``save_pretrained(out)``."""
     from transformers import AutoModelForCausalLM
 
-    from gpipe_transformers import _weights, from_pretrained
-
-    read: list[str] = []
-    reader = _weights.WeightFiles.read
-
-    def reading(self: Any, key: str) -> torch.Tensor:
-        read.append(key)
-        return reader(self, key)
-
-    _weights.WeightFiles.read = reading  # type: ignore[method-assign]
-    try:
-        pipe = from_pretrained(
-            folder, chunks=2, group=dist.group.WORLD, experts_implementation="eager"
-        )
-    finally:
-        _weights.WeightFiles.read = reader  # type: ignore[method-assign]
+    pipe, read = _read_by_ranks(folder, experts_implementation="eager")
     loaded = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager")
     loaded.train()
     theirs = loaded.state_dict()
