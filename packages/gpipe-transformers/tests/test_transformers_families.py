@@ -274,3 +274,17 @@ def test_a_mistake_gets_an_error_that_says_what_to_do(call, error: type, needle:
         call(pipe, data)
     assert all(torch.equal(v, before[k]) for k, v in built.state_dict().items())
     assert pipe.step(**data).reduced().isfinite()  # still usable
+
+
+def test_a_model_on_the_meta_device_points_to_from_pretrained_by_the_models_names() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hf_support.models import config
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config("llama"))
+    with pytest.raises(ValueError, match=r"on the meta device") as info:
+        pipeline(meta, balance=[2, 2])
+    message = str(info.value)
+    assert "gpipe.transformers.from_pretrained" in message
+    assert "model.embed_tokens.weight" in message and "layer0" not in message

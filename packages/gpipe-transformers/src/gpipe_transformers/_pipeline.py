@@ -593,6 +593,8 @@ def pipeline(
     """
     layout = find_layout(model)
     name = type(model).__name__
+    if init is None:
+        _no_meta(model, name)
     parts = _partition_count(devices, group, placement)
     counts = _sequence_balance(balance, len(layout.layers), parts, name)
     options: dict[str, Any] = {
@@ -604,6 +606,21 @@ def pipeline(
     if init is not None:
         options["init"] = _init_keys(init, layout)
     return CausalLMPipe(layout, _sequence(layout), counts, **options)
+
+
+def _no_meta(model: nn.Module, name: str) -> None:
+    """Refuse a model whose tensors are on the meta device without ``init``: it holds no
+    weights to train."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    meta = [key for key, tensor in tensors if tensor.is_meta]
+    if meta:
+        raise ValueError(
+            f"the model's tensors are on the meta device, without values to train ({len(meta)} "
+            f"of {len(tensors)}: {', '.join(meta[:4])}{' ...' if len(meta) > 4 else ''}): "
+            "load a saved model with gpipe.transformers.from_pretrained(path, ...), which "
+            "reads each rank's own layers, or give pipeline(..., init=...) what sets them "
+            f"(model: {name})"
+        )
 
 
 def _init_keys(init: Init, layout: Layout) -> Init:
