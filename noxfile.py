@@ -607,7 +607,9 @@ def build(session: nox.Session) -> None:
             if got != want:
                 session.error(f"{readme.relative_to(ROOT)}: {command!r} installs {got}, not {want}")
 
-    # The README's commands exactly as written, in the fresh venv, from the checkout's root.
+    # The README's commands exactly as written, in the fresh venv, from the checkout's root:
+    # the stack (gpipe's closure), without its transformers extra.
+    stack = closure(by_name["gpipe"])
     for command in (install, install_plot):
         session.run("sh", "-c", activate + command, external=True)
     session.run(python, "-m", "pip", "check", external=True)
@@ -617,9 +619,13 @@ def build(session: nox.Session) -> None:
         "import gpipe, matplotlib\n"
         "print(gpipe.__version__, gpipe.__file__)\n"
         f"assert gpipe.__version__ == {packages[-1].version!r}, gpipe.__version__\n"
-        "expected = " + repr({p.name: p.version for p in packages}) + "\n"
+        "expected = " + repr({p.name: p.version for p in stack}) + "\n"
         "got = {n: m.version(n) for n in expected}\n"
         "assert got == expected, f'installed {got}, built {expected}'\n"
+        "import importlib.util\n"
+        "extra = [n for n in ('gpipe-transformers', 'transformers') if importlib.util.find_spec("
+        "n.replace('-', '_'))]\n"
+        "assert not extra, f'the stack installs its transformers extra too: {extra}'\n"
         f"venv = os.path.realpath({str(venv_dir)!r})\n"
         "assert os.path.realpath(gpipe.__file__).startswith(venv + os.sep), gpipe.__file__\n"
     )
@@ -744,7 +750,8 @@ def check_command(
 def _readme_install_commands(readme: Path, expected: int | None = 2) -> list[str]:
     """The ``pip install`` lines of the code blocks in ``readme``'s "## Install" section.
 
-    For the top-level README: the plain command, then the one with the ``plot`` extra.
+    For the top-level README: the plain command, then the one with the ``plot`` extra (the
+    one with the ``transformers`` extra is checked with the other documented commands).
     """
     text = readme.read_text(encoding="utf-8")
     match = re.search(r"^## Install\n(.*?)(?=^## )", text, re.MULTILINE | re.DOTALL)
@@ -755,7 +762,7 @@ def _readme_install_commands(readme: Path, expected: int | None = 2) -> list[str
         if not commands:
             raise ValueError(f"{readme}: no 'pip install' command under '## Install'")
         return commands
-    plain = [c for c in commands if "[plot]" not in c]
+    plain = [c for c in commands if "[plot]" not in c and "[transformers]" not in c]
     plot = [c for c in commands if "[plot]" in c]
     if len(plain) != 1 or len(plot) != 1:
         raise ValueError(

@@ -57,7 +57,8 @@ def test_plot_without_matplotlib_exits_2_before_training(
         main(["demo", *TINY, "--plot", str(plot)])
     assert info.value.code == 2
     captured = capsys.readouterr()
-    assert 'pip install dist/*.whl "gpipe[plot]"' in captured.err
+    assert "pip install dist/gpipe-*.whl dist/gpipe_core-*.whl" in captured.err
+    assert 'dist/gpipe_microbatch-*.whl "gpipe[plot]"' in captured.err
     assert f"--plot: {plot})" in captured.err
     assert captured.out == ""
     assert not plot.exists()

@@ -217,7 +217,9 @@ def _check_demo(args: argparse.Namespace, launched: tuple[int, int] | None) -> N
     if args.plot is not None and not _has_matplotlib():
         error(
             f"--plot needs matplotlib: pip install matplotlib (or, from a checkout with the "
-            'wheels built into dist/: pip install dist/*.whl "gpipe[plot]"; '
+            "wheels built into dist/: pip install dist/gpipe-*.whl dist/gpipe_core-*.whl "
+            "dist/gpipe_skip-*.whl dist/gpipe_bn-*.whl dist/gpipe_balance-*.whl "
+            f'dist/gpipe_checkpoint-*.whl dist/gpipe_microbatch-*.whl "gpipe[plot]"; '
             f"--plot: {args.plot})"
         )
 

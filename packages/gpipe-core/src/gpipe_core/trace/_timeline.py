@@ -216,7 +216,9 @@ _COLORS = {
 
 _PLOT_HINT = (
     "timeline.plot needs matplotlib: pip install matplotlib (or, from a checkout with the "
-    'wheels built into dist/: pip install dist/*.whl "gpipe[plot]")'
+    "wheels built into dist/: pip install dist/gpipe-*.whl dist/gpipe_core-*.whl "
+    "dist/gpipe_skip-*.whl dist/gpipe_bn-*.whl dist/gpipe_balance-*.whl "
+    'dist/gpipe_checkpoint-*.whl dist/gpipe_microbatch-*.whl "gpipe[plot]")'
 )
 
 
