@@ -288,3 +288,9 @@ def test_a_model_on_the_meta_device_points_to_from_pretrained_by_the_models_name
     message = str(info.value)
     assert "gpipe.transformers.from_pretrained" in message
     assert "model.embed_tokens.weight" in message and "layer0" not in message
+
+
+def test_a_family_whose_hidden_states_carry_the_batch_elsewhere_is_refused_by_name() -> None:
+    # Gemma 3n stacks its streams in front of the batch: (streams, batch, length, width).
+    message = _refusal("gemma3n_text")
+    assert "do not carry the probe's 2 samples in their first dimension" in message

@@ -249,6 +249,9 @@ def _under(path: str, prefix: str) -> bool:
     return not prefix or path == prefix or path.startswith(f"{prefix}.")
 
 
+_PROBE_BATCH = 2
+
+
 class _Unlike(Exception):
     """The probe saw the forward run otherwise than as a sequence of its layers."""
 
@@ -317,6 +320,7 @@ def probe_inputs(model: nn.Module) -> dict[str, Tensor]:
     # Of an odd length, so that a family that pads its inputs to a multiple of a block
     # (and drops the padding after its layers) is seen doing it.
     ids = torch.tensor([[1, 2, 3], [3, 1, 2]], device=device)
+    assert ids.shape[0] == _PROBE_BATCH
     return {"input_ids": ids.clamp(max=vocab - 1)}
 
 
@@ -392,6 +396,14 @@ def _read(log: list[Any], layers_path: str, count: int, outputs: int, probe: Pro
             f"(0 to {count - 1})"
         )
     handed = [event[2] for event in log if event[0] == "layer"]
+    first = handed[0]
+    if not isinstance(first, Tensor) or first.dim() < 2 or first.shape[0] != _PROBE_BATCH:
+        shape = tuple(first.shape) if isinstance(first, Tensor) else type(first).__name__
+        raise _Unlike(
+            f"its first layer was given hidden states of shape {shape}, which do not carry "
+            f"the probe's {_PROBE_BATCH} samples in their first dimension (a pipeline splits "
+            "the batch there)"
+        )
     for index in range(1, count):
         if handed[index] is not handed[index - 1]:
             raise _Unlike(
