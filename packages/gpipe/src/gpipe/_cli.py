@@ -13,6 +13,9 @@ from .__about__ import __version__
 
 __all__ = ["build_parser", "main"]
 
+# The README's install with the plot extra, as it gives it (the build session checks it).
+_PLOT_INSTALL = 'pip install dist/gpipe-*.whl dist/gpipe_core-*.whl dist/gpipe_skip-*.whl dist/gpipe_bn-*.whl dist/gpipe_balance-*.whl dist/gpipe_checkpoint-*.whl dist/gpipe_microbatch-*.whl "gpipe[plot]"'  # noqa: E501
+
 #: The layers of the demo's network (``gpipe._demo.LAYERS``, without importing torch).
 LAYERS = 10
 #: The options that only the demo across processes takes.
@@ -217,10 +220,7 @@ def _check_demo(args: argparse.Namespace, launched: tuple[int, int] | None) -> N
     if args.plot is not None and not _has_matplotlib():
         error(
             f"--plot needs matplotlib: pip install matplotlib (or, from a checkout with the "
-            "wheels built into dist/: pip install dist/gpipe-*.whl dist/gpipe_core-*.whl "
-            "dist/gpipe_skip-*.whl dist/gpipe_bn-*.whl dist/gpipe_balance-*.whl "
-            f'dist/gpipe_checkpoint-*.whl dist/gpipe_microbatch-*.whl "gpipe[plot]"; '
-            f"--plot: {args.plot})"
+            f"wheels built into dist/: {_PLOT_INSTALL}; --plot: {args.plot})"
         )
 
 

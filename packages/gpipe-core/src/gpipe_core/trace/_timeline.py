@@ -214,11 +214,11 @@ _COLORS = {
     Phase.LOSS: "#c44e52",
 }
 
+# The README's install with the plot extra, as it gives it (the build session checks it).
+_PLOT_INSTALL = 'pip install dist/gpipe-*.whl dist/gpipe_core-*.whl dist/gpipe_skip-*.whl dist/gpipe_bn-*.whl dist/gpipe_balance-*.whl dist/gpipe_checkpoint-*.whl dist/gpipe_microbatch-*.whl "gpipe[plot]"'  # noqa: E501
 _PLOT_HINT = (
     "timeline.plot needs matplotlib: pip install matplotlib (or, from a checkout with the "
-    "wheels built into dist/: pip install dist/gpipe-*.whl dist/gpipe_core-*.whl "
-    "dist/gpipe_skip-*.whl dist/gpipe_bn-*.whl dist/gpipe_balance-*.whl "
-    'dist/gpipe_checkpoint-*.whl dist/gpipe_microbatch-*.whl "gpipe[plot]")'
+    f"wheels built into dist/: {_PLOT_INSTALL})"
 )
 
 
