@@ -10,48 +10,21 @@ import copy
 import json
 import re
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from gpipe_transformers import from_pretrained
-from hf_support.models import any_config, batch, largest_grad_difference, reference
+from hf_support.models import EXPERTS, batch, experts_model, largest_grad_difference, reference
 from hf_support.ranks import run
 
 pytestmark = pytest.mark.timeout(120) if hasattr(pytest.mark, "timeout") else []
 
 TOLERANCE = 1e-10
 
-#: Each family's tiny mixture of experts: 4 experts, 2 per token; DeepSeek-V3's first
-#: layer dense (``first_k_dense_replace=1``), with a shared expert.
-EXPERTS: dict[str, dict[str, Any]] = {
-    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
-    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8},
-    "deepseek_v3": {
-        "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
-        "moe_intermediate_size": 8, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-        "q_lora_rank": 8, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 8,
-        "v_head_dim": 4, "num_key_value_heads": 2,
-    },
-}  # fmt: skip
-
 #: A layer's index in a key, ``model.layers.1.mlp...``.
 LAYER = re.compile(r"\.layers\.(\d+)\.")
-
-
-def experts_model(family: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny ``family`` mixture of experts of 4 layers in float64, its weights drawn from
-    ``seed`` (eager experts: torch's grouped matrix product takes no float64)."""
-    import transformers
-
-    torch.manual_seed(seed)
-    built = transformers.AutoModelForCausalLM.from_config(
-        any_config(family, **EXPERTS[family]), dtype=torch.float64, experts_implementation="eager"
-    )
-    built.train()
-    return built
 
 
 def _loaded(folder: Path) -> torch.nn.Module:

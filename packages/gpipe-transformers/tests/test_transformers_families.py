@@ -169,10 +169,22 @@ def test_not_a_hugging_face_model_is_refused() -> None:
         pipeline(torch.nn.Linear(2, 2))
 
 
-def test_a_mixture_of_experts_auxiliary_loss_is_refused() -> None:
-    built = _built("qwen2_moe", output_router_logits=True, num_experts=2, num_experts_per_tok=1)
-    with pytest.raises(LayoutError, match=r"output_router_logits=True"):
-        pipeline(built)
+def test_a_mixture_of_experts_trains_to_its_router_loss() -> None:
+    # Qwen2-MoE (shared experts beside the routed ones) with its router loss: the model's
+    # loss and gradients (transformers sums the router statistics in float32).
+    from hf_support.models import largest_grad_difference, router_reference
+
+    built = _built(
+        "qwen2_moe", output_router_logits=True, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=8, shared_expert_intermediate_size=8, router_aux_loss_coef=0.5,
+        experts_implementation="eager",
+    )  # fmt: skip
+    built.train()
+    data = batch(4, size=8)
+    plain, loss, _ = router_reference(built, data)
+    losses = pipeline(built, balance=[1, 3], chunks=4).step(**data)
+    assert abs(losses.reduced().item() - loss.item()) <= 1e-6
+    assert largest_grad_difference(built, plain) <= 1e-6
 
 
 @pytest.mark.parametrize(

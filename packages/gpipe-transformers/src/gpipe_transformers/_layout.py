@@ -150,11 +150,6 @@ def find_layout(model: object) -> Layout:
             f"a causal LM {_suggestion(name)}, which holds this model and its head "
             f"(model: {name})"
         )
-    if getattr(config, "output_router_logits", False):
-        raise LayoutError(
-            "a mixture-of-experts auxiliary loss (output_router_logits=True) is not supported "
-            f"in a pipeline: set config.output_router_logits = False (model: {name})"
-        )
     layers_path = _layers_path(model)
     layers = model.get_submodule(layers_path)
     assert isinstance(layers, nn.ModuleList)
@@ -324,6 +319,15 @@ def probe_inputs(model: nn.Module) -> dict[str, Tensor]:
     return {"input_ids": ids.clamp(max=vocab - 1)}
 
 
+def no_router_logits(model: nn.Module) -> dict[str, bool]:
+    """What a call of the family's own code around its layers is given so that it collects
+    no router logits where the config asks for them (the stand-ins record none: the
+    pipeline computes the router loss itself, see :mod:`._router`)."""
+    return (
+        {"output_router_logits": False} if getattr(model.config, "output_router_logits", 0) else {}
+    )
+
+
 @contextmanager
 def evaluating(model: nn.Module) -> Iterator[None]:
     """``model`` in eval mode and without gradients inside, in its own modes after."""
@@ -378,7 +382,9 @@ def _trace(model: nn.Module, layers_path: str, outputs: int) -> _Seen:
     ]
     try:
         with evaluating(model), probing(model):
-            output = made[""].forward(**probe_inputs(model), use_cache=False, return_dict=True)
+            output = made[""].forward(
+                **probe_inputs(model), use_cache=False, return_dict=True, **no_router_logits(model)
+            )
             logits = output.logits if hasattr(output, "logits") else output[0]
             probe = Probe(tuple(logits.shape), None if logits.device.type == "meta" else logits)
             return _read(log, layers_path, len(layers), outputs, probe)

@@ -35,7 +35,8 @@ from torch import Tensor, nn
 
 from gpipe_core import lane_state
 
-from ._layout import Handed
+from ._layout import Handed, no_router_logits
+from ._router import CHUNKS, MASK, Tally
 from ._stand_in import only, stand_ins, without
 
 __all__ = ["KEEP", "Carry", "Decoder", "Embed", "Head", "new_cache"]
@@ -248,6 +249,8 @@ class Embed(nn.Module):
         self._layers_path = layers_path
         self._outputs = outputs
         self._cache_name = cache_argument(model.get_submodule(base_path))
+        #: In a step that trains to the router loss as well, its tally (see _router).
+        self.tally: Tally | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, object]:
         keep = kwargs.pop(KEEP, None)  # the causal LM's, for the head
@@ -274,7 +277,7 @@ class Embed(nn.Module):
                 masks = lane["masks"] = new_cache(base.config)
             kwargs[self._cache_name], kwargs["use_cache"] = masks, True
         try:
-            base.forward(*args, **kwargs)
+            base.forward(*args, **kwargs, **no_router_logits(base))
         except _Stop:
             pass
         else:
@@ -300,6 +303,15 @@ class Embed(nn.Module):
         carry = Carry.make(first[0], calls)
         if keep is not None:
             carry[KEEP] = keep
+        tally = self.tally
+        if tally is not None and tally.active:
+            # The tokens the router loss counts, and how many micro-batches there are.
+            mask = kwargs.get("attention_mask")
+            hidden = first[0]
+            carry[MASK] = (
+                hidden.new_ones(hidden.shape[:2], dtype=torch.long) if mask is None else mask
+            )
+            carry[CHUNKS] = torch.tensor(tally.chunks)
         return carry
 
 
@@ -344,6 +356,8 @@ class Decoder(nn.Module):
         self.outputs = outputs
         self.handed = handed
         self.__dict__["_config"] = config
+        #: In a step that trains to the router loss as well, its tally (see _router).
+        self.tally: Tally | None = None
 
     def forward(self, carry: dict[str, object]) -> object:
         args, kwargs = Carry.arguments(carry, self.index)
@@ -357,11 +371,18 @@ class Decoder(nn.Module):
             args = tuple(_from(carry, value) for value in args)
             kwargs = {name: _from(carry, value) for name, value in kwargs.items()}
         hidden = carry[HIDDEN]
-        output = self.layer(hidden, *args, **kwargs)
+        tally = self.tally
+        if tally is None or not tally.active:
+            output = self.layer(hidden, *args, **kwargs)
+        else:
+            with tally.collecting(self.layer, self.index) as logits:
+                output = self.layer(hidden, *args, **kwargs)
         items: Any = output
         # Older families' layers return (hidden, ...) or [hidden, ...].
         if self.outputs or isinstance(output, tuple):
             output = output[0]
+        if tally is not None and tally.active:
+            output = tally.add(output, logits, carry[MASK], carry[CHUNKS])
         if self.last:
             return output if KEEP not in carry else {HIDDEN: output, KEEP: carry[KEEP]}
         handed = {f"{_HANDED}{position}": items[position] for position, _ in self.handed}
@@ -464,6 +485,7 @@ class Head(nn.Module):
         kept: dict[str, object] = {} if keep is None else {KEEP: keep}
         if self.ids_shape:
             kept["input_ids"] = torch.empty(hidden.shape[:2], dtype=torch.long, device="meta")
+        kept.update(no_router_logits(model))
         result = model.forward(use_cache=False, return_dict=True, **kept)
         logits = result.logits if hasattr(result, "logits") else result[0]
         assert isinstance(logits, Tensor)

@@ -20,9 +20,18 @@ from torch import Tensor, nn
 from gpipe_core import BatchMean, CheckpointMode, GPipe, Init, Losses, NoChunk
 
 from ._generate import generate
-from ._layout import Layout, find_layout
+from ._layout import Layout, LayoutError, find_layout
 from ._names import EMBED, HEAD, ModelNames, layer_name
-from ._pieces import KEEP, causal_lm_count, causal_lm_total, shifted_count, shifted_total
+from ._pieces import (
+    KEEP,
+    Decoder,
+    Embed,
+    causal_lm_count,
+    causal_lm_total,
+    shifted_count,
+    shifted_total,
+)
+from ._router import Router, Tally, asked_tally, chunk_count, find_router, routed_step
 from ._sequence import _sequence, sequence
 from ._shown import shown
 from ._weights import save_weights
@@ -37,8 +46,8 @@ _PACKED = (
 _REFUSED = {
     "output_attentions": "a pipeline returns the logits only",
     "output_hidden_states": "a pipeline returns the logits only",
-    "output_router_logits": "a pipeline returns the logits only, and trains to the language "
-    "model loss without a mixture-of-experts auxiliary loss",
+    "output_router_logits": "a pipeline's forward returns the logits only; step() takes it, "
+    "and trains to the labels loss plus the router loss",
     "past_key_values": "a pipeline's forward keeps no cache: generate with pipe.generate()",
     "cache": "a pipeline's forward keeps no cache: generate with pipe.generate()",
     "return_dict": "a pipeline returns the logits only",
@@ -117,6 +126,9 @@ class CausalLMPipe(GPipe):
     _data_group: dist.ProcessGroup | None
     """The pipeline's replicas (its ``data_group``), of which the first writes in
     :meth:`save_pretrained`."""
+    _tally: Tally | LayoutError | None
+    """The router loss's tally of a mixture-of-experts model (see :mod:`._router`), or why
+    its router loss cannot be computed; None for a model without routers."""
 
     def __init__(
         self, layout: Layout, module: nn.Sequential, balance: list[int], **options: Any
@@ -126,6 +138,11 @@ class CausalLMPipe(GPipe):
         # which a module takes before its constructor.
         self._layout = layout
         self._names = ModelNames(layout)
+        # Checked on the whole model, before the partitions free what is not theirs.
+        model = layout.model
+        router = find_router(model, layout.layers_path, type(model).__name__)
+        if isinstance(router, LayoutError) and getattr(model.config, "output_router_logits", False):
+            raise router
         super().__init__(module, balance, **options)
         self._honoured = _honoured(layout)
         self._group = options.get("group")
@@ -134,6 +151,16 @@ class CausalLMPipe(GPipe):
         #: The model's loss: the next-token cross entropy, averaged over the non-ignored
         #: labels of the whole mini-batch.
         self.loss = BatchMean(causal_lm_total, causal_lm_count)
+        self._tally = router if not isinstance(router, Router) else None
+        if isinstance(router, Router):
+            # The router loss's tally, which the pieces count in.
+            self._tally = tally = Tally(
+                router, layout.layers_path, self._group, self._data_group, self._config.timeout
+            )
+            for partition in self._partition_list():
+                for piece in partition:
+                    if isinstance(piece, (Embed, Decoder)):
+                        piece.tally = tally
 
     @property
     def causal_lm(self) -> nn.Module:
@@ -202,10 +229,17 @@ class CausalLMPipe(GPipe):
                 anything runs.
         """
         _no_batch_dict(inputs, "pipe.step")
+        tally = asked_tally(self._tally, keywords, self._layout.model)
         shift_labels = keywords.pop("shift_labels", None)
         items = keywords.pop("num_items_in_batch", None)
         keywords = self._checked(keywords, "step")
         if labels is None and shift_labels is None:
+            if tally is not None:
+                raise TypeError(
+                    "the router loss (output_router_logits=True) is added to the model's "
+                    "labels loss: pass labels=, or output_router_logits=False to train to "
+                    "target= and loss_fn= alone (labels: None)"
+                )
             if items is not None:
                 raise TypeError(
                     "num_items_in_batch divides the model's loss: pass labels or shift_labels "
@@ -236,7 +270,22 @@ class CausalLMPipe(GPipe):
             share = torch.full((size,), count / size, dtype=torch.float64, device=target.device)
             target = (target, share)
             loss = _OVER_SHIFTED if shift_labels is not None else _OVER_ITEMS
-        return super().step(*inputs, target=target, loss_fn=loss, **keywords)
+        if tally is None:
+            return super().step(*inputs, target=target, loss_fn=loss, **keywords)
+        local = sum(isinstance(p, Decoder) for part in self._partition_list() for p in part)
+        ids = keywords.get(
+            "input_ids", keywords.get("inputs_embeds", inputs[0] if inputs else None)
+        )
+        losses = routed_step(
+            tally,
+            lambda: super(CausalLMPipe, self).step(
+                *inputs, target=target, loss_fn=loss, **keywords
+            ),
+            local,
+            chunk_count(ids, self.chunks),
+        )
+        assert losses is not None or not self._placement.is_local(-1)
+        return losses  # type: ignore[return-value]
 
     def generate(self, inputs: Tensor | None = None, **options: Any) -> Tensor:
         """Generate through the pipeline what ``model.generate(inputs, **options)`` gives:

@@ -361,3 +361,43 @@ def experts_from_pretrained(
     torch.optim.SGD(pipe.parameters(), lr=lr).step()
     pipe.save_pretrained(out)
     return found
+
+
+# The router loss of mixtures of experts (test_transformers_router.py).
+
+
+def router_exact(
+    rank: int, world: int, *, family: str, chunks: tuple[int, ...] = (2, 4), replicas: bool = False
+) -> dict[int, tuple[float | None, float | None, float]]:
+    """A mixture of experts that trains to its router loss too (``output_router_logits``
+    in its config, coefficient 0.5), pipelined over the ranks (``replicas``: a whole
+    pipeline on each rank, stepping on its half of the batch): for each of ``chunks``, the
+    differences of the step's loss and ``aux_loss`` and of this rank's gradients from the
+    model's on the whole batch (with ``replicas``, the loss is the replica's labels loss
+    plus the whole batch's router loss)."""
+    from hf_support.models import experts_model, reference_loss, router_reference
+
+    built = experts_model(family, router_aux_loss_coef=0.5, output_router_logits=True)
+    data = batch(1, size=8)
+    plain, loss, aux = router_reference(built, data)
+    if replicas:
+        pipe = pipeline(built, balance=[2, 2], chunks=2, data_group=dist.group.WORLD)
+        data = {key: value[rank * 4 : rank * 4 + 4] for key, value in data.items()}
+        with torch.no_grad():
+            logits = plain(
+                input_ids=data["input_ids"], attention_mask=data["attention_mask"]
+            ).logits
+        loss = reference_loss(logits, data["labels"]) + 0.5 * aux
+    else:
+        pipe = pipeline(built, chunks=2, group=dist.group.WORLD)
+    found: dict[int, tuple[float | None, float | None, float]] = {}
+    for count in chunks:
+        pipe.chunks = count
+        pipe.zero_grad(set_to_none=True)
+        losses = pipe.step(**data)
+        found[count] = (
+            None if losses is None else abs(losses.reduced().item() - loss.item()),
+            None if losses is None else abs(losses.aux_loss.item() - aux.item()),
+            largest_grad_difference(built, plain),
+        )
+    return found

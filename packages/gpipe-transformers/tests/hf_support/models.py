@@ -59,6 +59,36 @@ def any_config(model_type: str, *, layers: int = 4, **extra: Any) -> Any:
     return transformers.AutoConfig.for_model(model_type, **small)
 
 
+#: Each family's tiny mixture of experts: 4 experts, 2 per token; DeepSeek-V3's first
+#: layer dense (``first_k_dense_replace=1``), with a shared expert.
+EXPERTS: dict[str, dict[str, Any]] = {
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8},
+    "deepseek_v3": {
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+        "moe_intermediate_size": 8, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+        "q_lora_rank": 8, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 8,
+        "v_head_dim": 4, "num_key_value_heads": 2,
+    },
+}  # fmt: skip
+
+
+def experts_model(family: str, seed: int = 0, **extra: Any) -> nn.Module:
+    """A tiny ``family`` mixture of experts of 4 layers in float64, its weights drawn from
+    ``seed`` (eager experts: torch's grouped matrix product takes no float64), with the
+    configuration's ``extra`` fields."""
+    import transformers
+
+    torch.manual_seed(seed)
+    built = transformers.AutoModelForCausalLM.from_config(
+        any_config(family, **EXPERTS[family], **extra),
+        dtype=torch.float64,
+        experts_implementation="eager",
+    )
+    built.train()
+    return built
+
+
 def model(
     family: str, seed: int = 0, *, dtype: torch.dtype = torch.float64, **options: Any
 ) -> nn.Module:
@@ -104,6 +134,23 @@ def reference(built: nn.Module, data: dict[str, Tensor]) -> tuple[nn.Module, Ten
     loss = reference_loss(logits, data["labels"])
     loss.backward()
     return plain, loss.detach(), logits.detach()
+
+
+def router_reference(built: nn.Module, data: dict[str, Tensor]) -> tuple[nn.Module, Tensor, Tensor]:
+    """A copy of ``built`` after one backward of its loss with the router loss
+    (``output_router_logits=True``) on ``data``: the float64 labels loss plus the model's
+    coefficient times its own ``aux_loss`` (whose statistics transformers computes in
+    float32). The copy, the loss and the ``aux_loss``."""
+    plain = copy.deepcopy(built)
+    out = plain(
+        input_ids=data["input_ids"],
+        attention_mask=data["attention_mask"],
+        output_router_logits=True,
+    )
+    coefficient = getattr(plain, "router_aux_loss_coef", None) or plain.config.router_aux_loss_coef
+    loss = reference_loss(out.logits, data["labels"]) + coefficient * out.aux_loss.double()
+    loss.backward()
+    return plain, loss.detach(), out.aux_loss.detach().double()
 
 
 #: Families whose norms compute in float32 even in a float64 model (``x.float()``).
