@@ -475,14 +475,16 @@ class RouterLosses(Losses):
 
     def __init__(self, losses: Losses, aux_loss: Tensor, coefficient: float) -> None:
         super().__init__(list(losses), losses.sizes, losses.reduction, losses.counts)
-        #: The mini-batch's load-balancing loss, over every layer and rank.
-        self.aux_loss = aux_loss
+        like = losses[0] if len(losses) else aux_loss
+        #: The mini-batch's load-balancing loss, over every layer and rank (in the
+        #: losses' dtype, on their device).
+        self.aux_loss = aux_loss.to(like.device, like.dtype)
         #: What the router loss is multiplied by in the model's loss.
         self.coefficient = coefficient
 
     def reduced(self) -> Tensor:
         labels = super().reduced()
-        return labels + self.coefficient * self.aux_loss.to(labels.device, labels.dtype)
+        return labels + self.coefficient * self.aux_loss
 
 
 def chunk_count(batch: object, chunks: int) -> int:
