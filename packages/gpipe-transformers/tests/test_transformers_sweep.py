@@ -22,9 +22,9 @@ REASONS = {
     "not a sequence of its layers": r"\w+'s forward does not run as a sequence of its decoder",
     "not in pieces": r"\w+'s code around its decoder layers does not run in pieces",
 }
-#: The families exact with transformers 5.24 were 169 of 196 when this test was written;
-#: a floor, so that a newer transformers' families count too.
-EXACT_AT_LEAST = 165
+#: The families exact with transformers 5.24 were 171 of 196 when this test was last
+#: changed; a floor, so that a newer transformers' families count too.
+EXACT_AT_LEAST = 170
 
 
 @pytest.mark.timeout(300)

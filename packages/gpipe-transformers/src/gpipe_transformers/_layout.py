@@ -210,6 +210,9 @@ def _layers_path(model: nn.Module) -> str:
     if len(planned) == 1:
         return str(planned[0])
     found = [path for path, module in lists if len(module) == count]
+    if len(found) > 1:  # layers hold modules: a list of embeddings or heads does not
+        composite = [path for path, module in lists if path in found and _composite(module)]
+        found = composite or found
     if len(found) > 1:
         decoder = _decoder_path(model)
         inside = [path for path in found if decoder is not None and _under(path, decoder)]
@@ -227,6 +230,11 @@ def _layers_path(model: nn.Module) -> str:
         f"num_hidden_layers ({count}) layers, and found {looked} (ModuleLists: {shown}); "
         f"{WRITE_IT} (model: {name})"
     )
+
+
+def _composite(layers: nn.ModuleList) -> bool:
+    """Whether every item of ``layers`` holds modules of its own."""
+    return all(next(layer.children(), None) is not None for layer in layers)
 
 
 def _decoder_path(model: nn.Module) -> str | None:

@@ -31,7 +31,7 @@ EXACT = 1e-10
 # The rules of the shrinker, first match wins: a pattern over an integer field's name and
 # the value it gets. A field is shrunk only when larger than its new value.
 _RULES: tuple[tuple[str, int], ...] = (
-    (r"(^|_)vocab_size($|_per_layer_input$)", VOCAB),
+    (r"((^|_)vocab_size($|_per_layer_input$)|_group_vocab$)", VOCAB),
     (
         r"^(num_hidden_layers|n_layers?|num_layers|(en|de)coder_layers|num_(en|de)coder_layers)$",
         LAYERS,
@@ -51,10 +51,12 @@ _RULES: tuple[tuple[str, int], ...] = (
     (r"(intermediate_size.*|ffn_dim|ffn_hidden_size|^dff|dim_ff|n_inner|d_inner)$", 32),
     (r"(feed_forward_size|intermediate_size_mlp|dense_intermediate_size)$", 32),
     (r"^(hidden_size|d_model|n_embd|n_embed|embed_dim|embedding_size|dim|emb_dim)$", 16),
+    (r"^hidden_size_global$", 16),
     (r"^(word_embed_proj_dim|lru_width|backbone_hidden_size)$", 16),
     (r"^(embedding_dim|input_embedding_size|output_embedding_size)$", 16),
     (r"^(num_experts|num_local_experts|n_routed_experts|moe_num_experts)$", 4),
     (r"^(num_experts_per_tok|num_experts_per_token|moe_topk|moe_k|top_k)$", 2),
+    (r"^(n_shared_experts|num_shared_experts)$", 1),
     (r"^(n_group|topk_group|num_expert_group|n_groups|mamba_n_groups|mamba_ngroups)$", 1),
     (r"^num_kv_shared_layers$", 2),
     (r"(^|_)expand$", 1),
@@ -79,7 +81,9 @@ def _is_int(value: object) -> bool:
 
 
 # Sizes a family's default may leave unset (None) and its model still read.
-_UNSET = re.compile(r"^(head_dim|num_key_value_heads|num_experts_per_tok)$")
+_UNSET = re.compile(
+    r"^(head_dim|num_key_value_heads|num_experts_per_tok|n_routed_experts|n_shared_experts)$"
+)
 # Layer counts are set, not only shrunk: an encoder-decoder family's decoder keeps a cache
 # of as many layers as its encoder has.
 _COUNTS = re.compile(r"^((en|de)coder_layers|num_(en|de)coder_layers)$")
@@ -128,11 +132,25 @@ def _shrunk(values: dict[str, Any]) -> dict[str, Any]:
             changed[name] = _small(name, value)
         elif value is None and _UNSET.search(name):
             changed[name] = _small(name, 1 << 30)  # a size the family reads, left unset
+    _keep_grouping(values, changed)
     for offset, name in enumerate(_SPECIAL):
         value = values.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value >= IDS:
             changed[name] = offset
     return changed
+
+
+def _keep_grouping(values: dict[str, Any], changed: dict[str, Any]) -> None:
+    """Key-value heads in the default's proportion to the attention heads (at least one):
+    a family that doubles them on some layers (MiMo's sliding ones) keeps no more of them
+    than attention heads."""
+    heads, groups = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    if not (_is_int(heads) and _is_int(groups) and "num_key_value_heads" in changed):
+        return
+    shrunk = changed.get("num_attention_heads", heads)
+    changed["num_key_value_heads"] = min(
+        changed["num_key_value_heads"], max(1, shrunk * groups // heads)
+    )
 
 
 def tiny_config(model_type: str) -> Any:
@@ -141,9 +159,26 @@ def tiny_config(model_type: str) -> Any:
 
     default = transformers.AutoConfig.for_model(model_type)
     # The causal heads of encoder families (BERT's, BART's decoder) decode only as decoders.
-    return transformers.AutoConfig.for_model(
+    made = transformers.AutoConfig.for_model(
         model_type, **{"is_decoder": True, **_shrunk(default.to_dict())}
     )
+    # A causal LM of a composite family takes its own part of the configuration
+    # (Musicgen's decoder), shrunk the same way.
+    own = getattr(_causal_class(model_type), "config_class", None)
+    if own is not None and not isinstance(made, own):
+        parts = [value for value in vars(made).values() if isinstance(value, own)]
+        if len(parts) == 1:
+            values = parts[0].to_dict()
+            return own(**{**values, "is_decoder": True, **_shrunk(values)})
+    return made
+
+
+def _causal_class(model_type: str) -> Any:
+    """The causal LM class ``AutoModelForCausalLM`` builds for ``model_type``."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]]
 
 
 # Float64, and experts computed one by one (transformers' grouped matmul takes no float64).
@@ -153,18 +188,17 @@ _FLOAT64: dict[str, Any] = {"dtype": torch.float64, "experts_implementation": "e
 def build(model_type: str, seed: int = 0) -> nn.Module:
     """The tiny ``model_type`` causal LM (``AutoModelForCausalLM``'s) in float64 (sdpa, or
     eager where the family has no sdpa), in training mode without dropout."""
-    from transformers import AutoModelForCausalLM
-
     config = tiny_config(model_type)
+    causal = _causal_class(model_type)
     for name, value in list(vars(config).items()):
         if ("dropout" in name or name.endswith("_pdrop")) and isinstance(value, float):
             setattr(config, name, 0.0)
     torch.manual_seed(seed)
     try:
-        built = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", **_FLOAT64)
+        built = causal._from_config(config, attn_implementation="sdpa", **_FLOAT64)
     except (ValueError, ImportError):
         torch.manual_seed(seed)
-        built = AutoModelForCausalLM.from_config(config, attn_implementation="eager", **_FLOAT64)
+        built = causal._from_config(config, attn_implementation="eager", **_FLOAT64)
     built.train()
     return built
 
