@@ -19,6 +19,13 @@ backward pass in the calling thread, as it does on the CPU (``autograd bound``: 
 micro-batches' single-thread forward passes shared by the workers, then their backward
 passes one after the other at default threading).
 
+The same table is then measured **as a user runs a training script**: each way (``plain``,
+``fwd+bwd``, ``step`` per schedule, and the bounds' single-thread and micro-batched
+phases) in a fresh process of its own that builds nothing else, three rounds interleaved
+(each way goes first in turn); the targets are checked on both tables. In one process the
+other ways' thread pools and the one-thread runner's thread share the cores with the way
+timed; in its own process a way has them alone.
+
 Then, with one intra-op thread (``torch.set_num_threads(1)``, or ``--threads``),
 one training step (forward, loss and backward of the whole batch) is timed these ways,
 interleaved round by round (each way goes first in turn) so that the machine's load affects
@@ -71,11 +78,15 @@ ratios within one run are meaningful.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import os
+import statistics
+import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -394,6 +405,135 @@ def default_threading(sizes: Sizes, quick: bool, rounds: int) -> list[Check]:
 
 
 # --------------------------------------------------------------------------------------------
+# Default threading, each way in a process of its own (as a user runs a training script)
+# --------------------------------------------------------------------------------------------
+
+#: The ways of the per-process table: the default-threading ways, and the plain model with
+#: one intra-op thread (the bound's single-thread time), each alone in a fresh process.
+PROCESS_WAYS = (*DEFAULT_WAYS, "1-thread", "1-thread mb fwd", "plain mb bwd")
+#: How many times a process times its way (median); the rounds start new processes.
+PROCESS_REPEATS = 5
+
+
+def one_way(case_name: str, way: str, repeats: int, quick: bool) -> float:
+    """The median seconds of ``way`` on the default-threading case ``case_name``, in this
+    process alone (``--one-way``): nothing else built, no other thread pool started."""
+    if way.startswith("1-thread"):
+        torch.set_num_threads(1)
+    case = {c.name: c for c in default_cases(Sizes.of(quick))}[case_name]
+    runners: dict[str, Runner | str]
+    if way in ("plain", "1-thread"):
+        runners = {way: plain_runner(case)}
+    elif way in ("1-thread mb fwd", "plain mb bwd"):
+        phases = plain_microbatched_phases_runners(case)
+        runners = {way: phases["plain mb fwd" if way == "1-thread mb fwd" else way]}
+    else:
+        runners = gpipe_runners(case)
+    time = measure({way: runners[way]}, repeats)[way]
+    if not isinstance(time, float):
+        raise RuntimeError(f"{way} on {case_name}: {time}")
+    return time
+
+
+def per_process(sizes: Sizes, quick: bool, rounds: int) -> list[Check]:
+    """The default-threading table with each way in a fresh process of its own, rounds
+    interleaved (each way goes first in turn), and its targets."""
+    cases = [case.name for case in default_cases(sizes)]
+    print(
+        f"Default threading, each way in a process of its own (torch's default threads, "
+        f"{os.cpu_count()} cores): {rounds} rounds of a fresh process per way, each the "
+        f"median of {PROCESS_REPEATS} steps; the round's medians' median"
+    )
+    times: dict[str, dict[str, list[float]]] = {c: {w: [] for w in PROCESS_WAYS} for c in cases}
+    failures: dict[tuple[str, str], str] = {}
+    script = str(Path(__file__).resolve())
+    for k in range(rounds):
+        for case_name in cases:
+            order = list(
+                PROCESS_WAYS[k % len(PROCESS_WAYS) :] + PROCESS_WAYS[: k % len(PROCESS_WAYS)]
+            )
+            for way in order:
+                if (case_name, way) in failures:
+                    continue
+                command = [sys.executable, script, "--one-way", case_name, way]
+                command += ["--repeats", str(PROCESS_REPEATS), *(["--quick"] if quick else [])]
+                env = {key: v for key, v in os.environ.items() if key != "OMP_NUM_THREADS"}
+                done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+                if done.returncode:
+                    lines = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                    failures[case_name, way] = f"failed: {lines}"
+                    continue
+                times[case_name][way].append(float(done.stdout.split()[-1]))
+        print(f"  per-process round {k + 1} of {rounds}", file=sys.stderr, flush=True)
+    rows, checks = [], []
+    n_m = {case.name: (len(case.balance), case.chunks) for case in default_cases(sizes)}
+    for case_name in cases:
+        median = {
+            w: statistics.median(t)
+            for w, t in times[case_name].items()
+            if t and (case_name, w) not in failures
+        }
+        if "plain" not in median or "1-thread" not in median:
+            rows.append([case_name, *(["-"] * 7)])
+            continue
+        n, m = n_m[case_name]
+        plain = median["plain"]
+        bound = median["1-thread"] * (m + n - 1) / (n * m) / plain
+        limit = 1.05 * max(bound, 1.0)
+        ratios = {w: median[w] / plain if w in median else None for w in DEFAULT_WAYS[1:]}
+        autograd = None
+        if "1-thread mb fwd" in median and "plain mb bwd" in median:
+            forward = median["1-thread mb fwd"] * (m + n - 1) / (n * m)
+            autograd = (forward + median["plain mb bwd"]) / plain
+        rows.append(
+            [
+                case_name, ms(plain), ms(median["1-thread"]), f"{bound:.2f}",
+                f"{autograd:.2f}" if autograd is not None else "-",
+                *(f"{r:.2f}" if r is not None else "-" for r in ratios.values()),
+            ]
+        )  # fmt: skip
+        if autograd is not None:
+            checks.append(
+                (
+                    f"default threads, one process per way, {case_name}: fwd+bwd / plain <= "
+                    f"1.05 x its autograd bound {autograd:.2f} = {1.05 * autograd:.2f}",
+                    ratios["fwd+bwd"],
+                    1.05 * autograd,
+                )
+            )
+        for way in ("step gpipe", "step 1f1b"):
+            checks.append(
+                (
+                    f"default threads, one process per way, {case_name}: {way} / plain <= 1.05 "
+                    f"x max(bound {bound:.2f}, 1) = {limit:.2f}",
+                    ratios[way],
+                    limit,
+                )
+            )
+    print("Step time relative to plain, each way in a process of its own (lower is better)")
+    print_table(
+        [
+            "case",
+            "plain ms",
+            "1-thread ms",
+            "bound",
+            "autograd bound",
+            "fwd+bwd",
+            "step gpipe",
+            "step 1f1b",
+        ],
+        rows,
+    )
+    for (case_name, way), reason in failures.items():
+        print(f"  {case_name}, {way}: {reason}")
+    print(
+        "  the same bound and ways as the in-process table above, each timed in a fresh "
+        "process with nothing else built in it\n"
+    )
+    return checks
+
+
+# --------------------------------------------------------------------------------------------
 # Activation memory
 # --------------------------------------------------------------------------------------------
 
@@ -455,10 +595,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="only the default-threading table and its targets",
     )
+    parser.add_argument("--one-way", nargs=2, metavar=("CASE", "WAY"), help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=PROCESS_REPEATS, help=argparse.SUPPRESS)
     args, rounds, sizes, _ = parse_bench(parser, argv)
     quick = args.quick
+    if args.one_way:  # one way of the per-process table, in this process alone
+        print(one_way(*args.one_way, args.repeats, quick))
+        return
     # Before anything sets the intra-op threads.
     default_checks = default_threading(sizes, quick, rounds)
+    default_checks += per_process(sizes, quick, 3)
     if args.default_threading_only:
         print_targets(default_checks)
         return
