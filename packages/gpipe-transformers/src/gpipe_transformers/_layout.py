@@ -21,7 +21,7 @@ naming what it saw and what to do.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -277,16 +277,26 @@ class _Seen:
     probe: Probe
 
 
-class _Passer:
-    """Stands for decoder layer ``index`` in the probe: notes what it is given and hands
-    its hidden states on, alone or first of ``outputs`` items (the others marked
-    :class:`Handed`, to see where the forward puts them)."""
+class Passer:
+    """Stands for decoder layer ``index`` in a run of the family's code: gives ``note``
+    what it is called with (``note(index, hidden, args, kwargs)``, which may end the run by
+    raising) and hands its hidden states on, alone or first of ``outputs`` items (the others
+    marked :class:`Handed`, to see where the forward puts them). Its other attributes are
+    the layer's."""
 
-    def __init__(self, layer: nn.Module, index: int, log: list[Any], outputs: int) -> None:
-        self.layer, self.index, self.log, self.outputs = layer, index, log, outputs
+    __slots__ = ("index", "layer", "note", "outputs")
+
+    def __init__(
+        self,
+        layer: nn.Module,
+        index: int,
+        outputs: int,
+        note: Callable[[int, Any, tuple[object, ...], dict[str, object]], None],
+    ) -> None:
+        self.layer, self.index, self.outputs, self.note = layer, index, outputs, note
 
     def __call__(self, hidden: Any, *args: object, **kwargs: object) -> Any:
-        self.log.append(("layer", self.index, hidden, args, kwargs))
+        self.note(self.index, hidden, args, kwargs)
         if not self.outputs:
             return hidden
         return (hidden, *(Handed(k, self.index) for k in range(1, self.outputs)))
@@ -355,7 +365,11 @@ def _trace(model: nn.Module, layers_path: str, outputs: int) -> _Seen:
     layers = model.get_submodule(layers_path)
     assert isinstance(layers, nn.ModuleList)
     log: list[Any] = []
-    passers = [_Passer(layer, k, log, outputs) for k, layer in enumerate(layers)]
+
+    def note(index: int, hidden: Any, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+        log.append(("layer", index, hidden, args, kwargs))
+
+    passers = [Passer(layer, k, outputs, note) for k, layer in enumerate(layers)]
     made = stand_ins(model, False, {layers_path: passers})
     paths = {id(module): path for path, module in made.items()}
     inside = f"{layers_path}."

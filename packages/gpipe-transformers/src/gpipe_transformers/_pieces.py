@@ -8,10 +8,10 @@ of the modules on the way to its layers (:mod:`._stand_in`), whose children are 
 model's own but for a few, replaced for the call:
 
 - :class:`Embed` calls the base model's forward with each decoder layer replaced by a
-  recorder, which notes the arguments the forward gives that layer (the attention mask
-  the family built for it, its rotary position embeddings, its position ids) and passes the
-  hidden states on; the last layer's recorder stops the call. Its output is the
-  first layer's hidden states and every layer's arguments (a :class:`Carry`).
+  :class:`~._layout.Passer`, which notes the arguments the forward gives that layer (the
+  attention mask the family built for it, its rotary position embeddings, its position ids)
+  and passes the hidden states on; the last layer's stops the call. Its output is the first
+  layer's hidden states and every layer's arguments (a :class:`Carry`).
 - :class:`Decoder` calls its decoder layer with the hidden states and the arguments noted
   for it.
 - :class:`Head` calls the modules the base model's forward calls on the hidden states
@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from gpipe_core import lane_state
 
-from ._layout import Handed, no_router_logits
+from ._layout import Handed, Passer, no_router_logits
 from ._router import CHUNKS, MASK, Tally
 from ._stand_in import only, stand_ins, without
 
@@ -177,34 +177,6 @@ class _Stop(Exception):
     """Ends the base model's forward after its last decoder layer."""
 
 
-class _Recorder:
-    """Stands for a decoder layer in the base model's forward: notes its arguments and
-    hands the hidden states on, alone or first of ``outputs`` items (the others
-    :class:`~._layout.Handed`, which the next layer's noted arguments then hold); the last
-    one ends the forward. Its other attributes are the layer's."""
-
-    __slots__ = ("calls", "first", "last", "layer", "outputs")
-
-    def __init__(
-        self, layer: nn.Module, calls: list[Any], first: list[Tensor], last: bool, outputs: int
-    ) -> None:
-        self.layer, self.calls, self.first, self.last = layer, calls, first, last
-        self.outputs = outputs
-
-    def __call__(self, hidden: Tensor, *args: object, **kwargs: object) -> Any:
-        if not self.first:
-            self.first.append(hidden)
-        self.calls.append((args, kwargs))
-        if self.last:
-            raise _Stop
-        if not self.outputs:
-            return hidden
-        return (hidden, *(Handed(k) for k in range(1, self.outputs)))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.layer, name)
-
-
 def _relative(paths: tuple[str, ...], name: str) -> list[str]:
     """The paths under the causal LM's child ``name``, relative to it."""
     return [path.partition(".")[2] for path in paths if path.partition(".")[0] == name]
@@ -257,13 +229,20 @@ class Embed(nn.Module):
         calls: list[tuple[tuple[object, ...], dict[str, object]]] = []
         first: list[Tensor] = []
         count = len(self._layers)
-        recorders = [
-            _Recorder(layer, calls, first, k == count - 1, self._outputs)
-            for k, layer in enumerate(self._layers)
-        ]
-        base = stand_ins(self._model, self.training, {self._layers_path: recorders})[
-            self._base_path
-        ]
+
+        def note(
+            index: int, hidden: Tensor, args: tuple[object, ...], kwargs: dict[str, object]
+        ) -> None:
+            # The arguments of each layer, the first layer's hidden states; the last layer
+            # ends the forward.
+            if not first:
+                first.append(hidden)
+            calls.append((args, kwargs))
+            if index == count - 1:
+                raise _Stop
+
+        passers = [Passer(layer, k, self._outputs, note) for k, layer in enumerate(self._layers)]
+        base = stand_ins(self._model, self.training, {self._layers_path: passers})[self._base_path]
         # In a lane of a decode run (generation), the base model builds its masks from a
         # cache that knows how many positions each layer holds (see _advance); the
         # layers get their own partition's cache instead.
