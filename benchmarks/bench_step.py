@@ -202,6 +202,32 @@ class _FromDict(torch.nn.Module):
         return self.layer(batch["x"])
 
 
+def unwatched_runners(case: Case) -> dict[str, Runner | str]:
+    """``step`` with each schedule without the one-turn watcher (a run in one turn never
+    handed over to the workers: ``Turns.hand_over_after = None``, what tests of layers that
+    never wait for another's set), to time what the watcher costs (A/B in the same rounds)."""
+    from gpipe_core.run._turns import Turns
+
+    made = gpipe_runners(case)
+    runners: dict[str, Runner | str] = {}
+    for schedule in SCHEDULES:
+        watched = made[f"step {schedule}"]
+        if isinstance(watched, str):
+            runners[f"step {schedule} unwatched (never)"] = watched
+            continue
+
+        def unwatched(watched: Runner = watched) -> float:
+            patience = Turns.hand_over_after
+            Turns.hand_over_after = None
+            try:
+                return watched()
+            finally:
+                Turns.hand_over_after = patience
+
+        runners[f"step {schedule} unwatched (never)"] = unwatched
+    return runners
+
+
 def dict_input_runners(case: Case) -> dict[str, Runner | str]:
     """``step 1f1b`` with the same model fed ``{"x": input}``: the cost of a mapping batch
     (split, carried and gathered with its keys), beside the tensor's ``step 1f1b``."""
@@ -690,6 +716,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 runners["plain mb cut"] = plain_cut_runner(tiny)
                 runners.update(loss_form_runners(tiny))
                 runners.update(dict_input_runners(tiny))
+                runners.update(unwatched_runners(replace(tiny, checkpoint="never")))
             for mode in ("never", "except_last"):
                 case = replace(tiny, checkpoint=mode)
                 built = group if mode == "never" else [w for w in group if w in CHECKPOINTING]
@@ -736,13 +763,20 @@ def main(argv: Sequence[str] | None = None) -> None:
             ("step 1f1b BatchMean (never)", "a BatchMean loss (the mini-batch counted first)",
              "the plain mean"),
             ("step 1f1b dict input (never)", "a dict input ({'x': input})", "a tensor input"),
+            *(
+                (f"step {schedule} unwatched (never)",
+                 f"without the one-turn watcher (step {schedule})", "it")
+                for schedule in SCHEDULES
+            ),
         ):  # fmt: skip
             value = overhead.get(way)
-            if isinstance(base, float) and isinstance(value, float):
-                steps = [plains[0] + per_task * tasks / 1e6 for per_task in (base, value)]
+            reference = overhead.get(way.replace(" unwatched", "")) if "unwatched" in way else base
+            if isinstance(reference, float) and isinstance(value, float):
+                steps = [plains[0] + per_task * tasks / 1e6 for per_task in (reference, value)]
                 against_base[way] = steps[1] / steps[0]
+                schedule = "" if "unwatched" in way else ", step 1f1b"
                 print(
-                    f"  {what}, step 1f1b: {value:.0f} us per task over plain, {base:.0f} us "
+                    f"  {what}{schedule}: {value:.0f} us per task over plain, {reference:.0f} us "
                     f"with {against}; step time ratio {against_base[way]:.3f}"
                 )
         print()
