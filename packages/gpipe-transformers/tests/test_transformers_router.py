@@ -161,3 +161,10 @@ def test_router_loss_from_pretrained(family: str, tmp_path: object) -> None:
     losses = pipe.step(**data)
     assert abs(losses.reduced().item() - loss.item()) <= TOLERANCE
     assert largest_grad_difference(pipe, plain) <= TOLERANCE
+
+
+def test_a_failed_step_across_ranks_leaves_the_router_loss_exact() -> None:
+    # The last rank's loss fails; every rank's step fails, and the next step is exact.
+    for found in run("router_recovers", world=2):
+        assert "error" in found, found
+        assert found["loss"] <= TOLERANCE and found["grad"] <= TOLERANCE, found

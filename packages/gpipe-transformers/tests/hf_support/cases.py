@@ -401,3 +401,27 @@ def router_exact(
             largest_grad_difference(built, plain),
         )
     return found
+
+
+def router_recovers(rank: int, world: int) -> dict[str, Any]:
+    """A step with the router loss that fails on the last rank (labels one position short,
+    which its loss cannot take), then one that runs: every rank's error, and the second
+    step's differences from the model's loss and gradients (the ranks' sums of router
+    statistics stay paired after the failure)."""
+    from hf_support.models import experts_model, router_reference
+
+    built = experts_model("mixtral", router_aux_loss_coef=0.5, output_router_logits=True)
+    data = batch(5, size=8)
+    plain, loss, _ = router_reference(built, data)
+    pipe = pipeline(built, chunks=4, group=dist.group.WORLD, timeout=60)
+    found: dict[str, Any] = {}
+    short = {**data, "labels": data["labels"][:, :-1]} if rank == world - 1 else data
+    try:
+        pipe.step(**short)
+    except Exception as error:
+        found["error"] = type(error).__name__
+    pipe.zero_grad(set_to_none=True)
+    losses = pipe.step(**data)
+    found["loss"] = abs(losses.reduced().item() - loss.item())
+    found["grad"] = largest_grad_difference(built, plain)
+    return found
