@@ -51,7 +51,10 @@ _RULES: tuple[tuple[str, int], ...] = (
     (r"(intermediate_size.*|ffn_dim|ffn_hidden_size|^dff|dim_ff|n_inner|d_inner)$", 32),
     (r"(feed_forward_size|intermediate_size_mlp|dense_intermediate_size)$", 32),
     (r"^(hidden_size|d_model|n_embd|n_embed|embed_dim|embedding_size|dim|emb_dim)$", 16),
-    (r"^hidden_size_global$", 16),
+    (
+        r"^(hidden_size_global|adapter_(in|out)_dim|adapter_(input|output)_size|downsample_hidden_size)$",
+        16,
+    ),
     (r"^(word_embed_proj_dim|lru_width|backbone_hidden_size)$", 16),
     (r"^(embedding_dim|input_embedding_size|output_embedding_size)$", 16),
     (r"^(num_experts|num_local_experts|n_routed_experts|moe_num_experts)$", 4),
@@ -100,6 +103,45 @@ def _kinds(values: list[Any]) -> list[Any]:
     return [order[index % len(order)] for index in range(LAYERS)]
 
 
+def _per_layer_dict(value: object) -> bool:
+    """Whether ``value`` is a dict of one entry of settings per layer, by index."""
+    return (
+        isinstance(value, dict)
+        and bool(value)
+        and all(isinstance(k, int) or (isinstance(k, str) and k.isdigit()) for k in value)
+        and all(isinstance(v, dict) for v in value.values())
+    )
+
+
+def _kept_layers(values: dict[str, Any], layers: int) -> list[int]:
+    """The layers kept where settings are given per layer (overrides by index): the first
+    of each kind (what every per-layer list and dict says of it together), then the first
+    others, in order."""
+    lists = [v for v in values.values() if isinstance(v, list) and len(v) == layers]
+    dicts = [{int(k): v for k, v in d.items()} for d in values.values() if _per_layer_dict(d)]
+    kinds: dict[str, int] = {}
+    for index in range(layers):
+        kind = repr([*(v[index] for v in lists), *(d.get(index) for d in dicts)])
+        kinds.setdefault(kind, index)
+    kept = sorted(kinds.values())[:LAYERS]
+    rest = [index for index in range(layers) if index not in kept]
+    return sorted(kept + rest[: LAYERS - len(kept)])
+
+
+def _summed_dims(default: dict[str, Any], new: dict[str, Any]) -> dict[str, int]:
+    """A head dimension that is the sum of the query-key parts in ``default`` (MLA's
+    ``qk_nope_head_dim + qk_rope_head_dim``), the sum of their shrunk values in ``new``."""
+    dims = [k for k, v in default.items() if k.endswith("head_dim") and _is_int(v)]
+    parts = [k for k in dims if k.startswith("qk_")]
+    sums: dict[str, int] = {}
+    for total in (k for k in dims if k not in parts):
+        for a in parts:
+            for b in parts:
+                if len({total, a, b}) == 3 and a < b and default[total] == default[a] + default[b]:
+                    sums[total] = new[a] + new[b]
+    return {k: v for k, v in sums.items() if v != new[k]}
+
+
 def _layer_count(values: dict[str, Any]) -> int | None:
     for name in ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"):
         if _is_int(values.get(name)):
@@ -113,7 +155,32 @@ def _shrunk(values: dict[str, Any]) -> dict[str, Any]:
     layers kept (sub-configurations shrunk the same way)."""
     changed: dict[str, Any] = {}
     layers = _layer_count(values)
+    per_layer = [name for name, value in values.items() if _per_layer_dict(value)]
+    if per_layer and layers is not None and layers > LAYERS:
+        kept = _kept_layers(values, layers)
+        for name, value in values.items():
+            if isinstance(value, list) and len(value) == layers:
+                changed[name] = [
+                    _small(name, value[k]) if _is_int(value[k]) else value[k] for k in kept
+                ]
+        top = {**values, **{k: _small(k, v) for k, v in values.items() if _is_int(v)}}
+        for name in per_layer:
+            value = values[name]
+            width = max(len(str(k)) for k in value)
+            by_index = {int(k): v for k, v in value.items()}
+            renumbered = {}
+            for new, old in enumerate(kept):
+                if old in by_index:
+                    override = {**by_index[old], **_shrunk(by_index[old])}
+                    merged_default = {**values, **by_index[old]}
+                    merged_new = {**top, **override}
+                    override.update(_summed_dims(merged_default, merged_new))
+                    key = str(new).zfill(width) if isinstance(next(iter(value)), str) else new
+                    renumbered[key] = override
+            changed[name] = renumbered
     for name, value in values.items():
+        if name in changed:
+            continue
         if (
             isinstance(value, dict)
             and value
