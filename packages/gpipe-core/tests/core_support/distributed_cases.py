@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from core_support import meta_models
+from core_support.mesh_cases import case_mesh_error, case_mesh_steps  # noqa: F401 (cases)
 from core_support.models import (
     DictToOutput,
     FromMapping,

@@ -42,7 +42,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from functools import partial
 from types import TracebackType
@@ -60,6 +60,7 @@ from ..schedule._action import Action, Phase
 from ..schedule._simulate import simulate
 from ..transport._transport import Cancelled, Message, MessageKey, Transport, outgoing
 from ._description import RunDescription
+from ._gradient_sync import GradientSync
 from ._lanes import DecodeRun, Stopped
 from ._order import serial_order
 from ._partition_run import PartitionRun
@@ -138,6 +139,7 @@ def run(
     partitions: Sequence[PartitionRun | None],
     transport: Transport,
     pool: WorkerPool,
+    syncs: Mapping[int, GradientSync] | None = None,
 ) -> list[Batch | None]:
     """Run each worker's actions of the run (``description``) and return the last
     partition's output per micro-batch (with its graph) where autograd drives the backward
@@ -152,6 +154,7 @@ def run(
             process, whose actions that process runs.
         transport: carries messages between them.
         pool: the worker threads, one per worker of this process.
+        syncs: the gradient sync of each sharded partition of this process (by index).
     """
     actions, inputs, threaded = description.actions, description.batches, description.threaded
     workers, state = description.workers, description.state
@@ -172,7 +175,7 @@ def run(
     share = ThreadShare(intra_op_threads, torch.get_num_threads()) if threaded else NO_SHARE
     where = list(range(len(partitions))) if workers is None else list(workers)
     executor = _Executor(
-        partitions, transport, turns, inputs, outputs, failure, share, where, decode
+        partitions, transport, turns, inputs, outputs, failure, share, where, decode, syncs or {}
     )  # fmt: skip
     local = sorted({where[j] for j, partition in enumerate(partitions) if partition is not None})
     try:
@@ -281,8 +284,11 @@ class _Executor:
         share: ThreadShare = NO_SHARE,
         workers: Sequence[int] | None = None,
         decode: DecodeRun | None = None,
+        syncs: Mapping[int, GradientSync] | None = None,
     ) -> None:
         self.partitions = partitions
+        #: FSDP's gradient reduction of each sharded partition (see _gradient_sync).
+        self.syncs = syncs or {}
         #: What a decode run adds (None: a forward or a step).
         self.decode = decode
         self.lanes = None if decode is None else decode.lanes
@@ -539,6 +545,9 @@ class _Executor:
         with self.computing(j, Phase.INPUT_GRADIENT if split else Phase.BACKWARD):
             if split:
                 input_grads, popped = partition.backward_input(i, grads, skip_grads)
+            elif j in self.syncs:
+                with self.syncs[j].backward(i):
+                    input_grads, popped = partition.backward(i, grads, skip_grads)
             else:
                 input_grads, popped = partition.backward(i, grads, skip_grads)
         if j != 0:

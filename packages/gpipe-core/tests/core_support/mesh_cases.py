@@ -1,0 +1,184 @@
+"""What the ranks of the mesh tests run (``GPipe(..., mesh=mesh)``), imported by
+``distributed_cases.py`` into its cases.
+
+The mesh is ``(pp, dp)`` over four ranks, ``pp`` outermost as torchtitan lays it out: rank
+``r`` runs the partitions of pipeline rank ``r // dp`` and passes data-parallel share
+``r % dp`` of each mini-batch. The meshes (their process groups) are made once per rank
+process and shape, and reused by every case.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from gpipe_core import GPipe
+
+#: The meshes made in this rank's process, by shape and names.
+MESHES: dict[tuple[tuple[int, ...], tuple[str, ...]], DeviceMesh] = {}
+
+
+def mesh_of(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """The mesh of ``shape`` and ``names`` over every rank, made once per process."""
+    key = (tuple(shape), tuple(names))
+    if key not in MESHES:
+        MESHES[key] = init_device_mesh("cpu", key[0], mesh_dim_names=key[1])
+    return MESHES[key]
+
+
+def full(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A tensor whole: a DTensor gathered (collective over its mesh), a tensor cloned."""
+    if tensor is None:
+        return None
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor().detach().clone()
+    return tensor.detach().clone()
+
+
+def share(rank: int, shape: tuple[int, ...], batch: int) -> slice:
+    """The samples of a mini-batch of ``batch`` that ``rank`` passes: its data-parallel
+    share (the ranks of one pipeline rank ``rank // dp``, ``dp = shape[1:]``'s product)."""
+    dp = 1
+    for size in shape[1:]:
+        dp *= size
+    part = batch // dp
+    index = rank % dp
+    return slice(index * part, (index + 1) * part)
+
+
+def case_mesh_steps(
+    rank: int,
+    *,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    layers: tuple[str, ...],
+    balance: list[int],
+    seed: int,
+    batch: int,
+    chunks: int,
+    checkpoint: str = "except_last",
+    schedule: str = "gpipe",
+    placement: str | None = None,
+    steps: int = 3,
+    reshard_after_forward: bool | None = None,
+    clip: float | None = None,
+    count: bool = False,
+) -> dict[str, Any]:
+    """``steps`` steps of AdamW on the pipeline over the mesh, each rank on its share of
+    each mini-batch: per step its losses, the full gradients (gathered) and, after the
+    optimizer's step, the full parameters, under the plain names; with ``clip``, the norm
+    ``clip_grad_norm_`` returned before the optimizer's step; with ``count``, the
+    reduce-scatters and all-gathers each step made."""
+    from __main__ import build, data  # the rank script's own models and data
+
+    mesh = mesh_of(shape, names)
+    pipe = GPipe(
+        build(layers, seed), balance, chunks=chunks, checkpoint=checkpoint,  # type: ignore[arg-type]
+        placement=placement, mesh=mesh, timeout=60, reshard_after_forward=reshard_after_forward,
+    )  # fmt: skip
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.05)
+    part = share(rank, shape, batch)
+    counts: dict[str, int] = {"reduce_scatter": 0, "all_gather": 0}
+    real = {
+        "reduce_scatter": dist.reduce_scatter_single,
+        "all_gather": dist.all_gather_single,
+    }
+
+    def counted(kind: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[kind] += 1
+            return real[kind](*args, **kwargs)
+
+        return call
+
+    results = []
+    for k in range(steps):
+        x, y = data(seed + k, batch)
+        if count:
+            dist.reduce_scatter_single = counted("reduce_scatter")  # type: ignore[assignment]
+            dist.all_gather_single = counted("all_gather")  # type: ignore[assignment]
+        try:
+            losses = pipe.step(x[part], y[part], nn.MSELoss(), schedule=schedule)
+        finally:
+            dist.reduce_scatter_single = real["reduce_scatter"]  # type: ignore[assignment]
+            dist.all_gather_single = real["all_gather"]  # type: ignore[assignment]
+        step: dict[str, Any] = {
+            "losses": [loss.item() for loss in losses],
+            "grads": {name: full(p.grad) for name, p in pipe.named_parameters()},
+            "counts": dict(counts),
+            "sharded": {
+                name: list(p.to_local().shape) if isinstance(p, DTensor) else None
+                for name, p in pipe.named_parameters()
+            },
+        }
+        counts.update(reduce_scatter=0, all_gather=0)
+        if clip is not None:
+            step["norm"] = pipe.clip_grad_norm_(clip).item()
+            step["clipped"] = {name: full(p.grad) for name, p in pipe.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        step["values"] = {name: full(p) for name, p in pipe.named_parameters()}
+        results.append(step)
+    return {"steps": results, "pp_rank": pipe.partition_ranks.index(pipe.partition_ranks[0])}
+
+
+def case_mesh_error(rank: int, *, how: str) -> dict[str, Any]:
+    """The error (type and message) of a pipeline built on a mesh gpipe refuses, and
+    whether the module was left as it was."""
+    from __main__ import build
+
+    model = build(("linear", "tanh", "linear", "linear"), 1)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    kwargs: dict[str, Any] = {}
+    balance = [2, 2]
+    if how == "no_pp":
+        mesh = mesh_of((4,), ("dp_shard",))
+    elif how == "unknown":
+        mesh = mesh_of((2, 2), ("pp", "fsdp"))
+    elif how == "tp":
+        mesh = mesh_of((2, 2), ("pp", "tp"))
+    elif how == "pp_size":
+        mesh = mesh_of((2, 2), ("pp", "dp_shard"))
+        balance = [1, 1, 1, 1]
+    elif how == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        mesh = mesh_of((2, 2), ("pp", "dp_shard"))
+        model[2] = FullyShardedDataParallel(model[2], process_group=mesh["dp_shard"].get_group())
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    elif how == "fully_shard":
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = mesh_of((2, 2), ("pp", "dp_shard"))
+        fully_shard(model[2], mesh=mesh["dp_shard"])
+        before = {name: full(p) for name, p in model.named_parameters()}
+    elif how == "group":
+        mesh = mesh_of((2, 2), ("pp", "dp_shard"))
+        kwargs["group"] = dist.group.WORLD
+    elif how == "data_group":
+        mesh = mesh_of((2, 2), ("pp", "dp_shard"))
+        kwargs["data_group"] = dist.group.WORLD
+    elif how == "tied":
+        mesh = mesh_of((2, 2), ("pp", "dp_shard"))
+        model[3].weight = model[0].weight
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    elif how == "reshard_without_shard":
+        mesh = mesh_of((2, 2), ("pp", "dp_replicate"))
+        kwargs["reshard_after_forward"] = False
+    else:
+        raise ValueError(how)
+    try:
+        GPipe(model, balance, chunks=2, mesh=mesh, timeout=60, **kwargs)
+    except Exception as error:
+        after = {name: full(p) for name, p in model.named_parameters()}
+        unchanged = before.keys() == after.keys() and all(
+            torch.equal(full(before[name]), after[name])  # type: ignore[arg-type]
+            for name in before
+        )
+        return {"type": type(error).__name__, "message": str(error), "unchanged": unchanged}
+    return {"type": None, "message": "", "unchanged": True}

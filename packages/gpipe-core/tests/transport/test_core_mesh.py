@@ -1,0 +1,132 @@
+"""GPipe on a device mesh (``mesh=``): the pipeline over ``"pp"``, replicas over
+``"dp_replicate"``, each partition sharded with FSDP2 over ``"dp_shard"``.
+
+Four ranks (``cluster4``, started once for the module, its meshes made once per rank):
+``pp2 x dp_shard2`` on every schedule that does not split the backward pass, with a skip
+between the ranks' partitions, in every checkpoint mode the cases name; ``pp2 x
+dp_replicate2``; ``pp1 x dp_replicate2 x dp_shard2`` (HSDP, two partitions on the one
+pipeline rank). Each runs three steps of AdamW and is compared with the plain model trained
+on the whole mini-batch: losses, gathered gradients and parameters after each step, in
+float64. Then FSDP's collectives per step, ``clip_grad_norm_`` over sharded gradients, and
+the meshes and modules that are refused, with the module left as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+#: Partitions [3, 3]: linear, stash, tanh | linear, pop, linear: a skip from rank to rank.
+SKIP = ("linear", "stash", "tanh", "linear", "pop", "linear")
+#: Partitions [2, 2, 2, 2]: linear, stash | tanh, linear | pop, linear | tanh, linear: a
+#: skip from partition 0 to 2 (one rank with "loop").
+SKIP4 = ("linear", "stash", "tanh", "linear", "pop", "linear", "tanh", "linear")
+SHARD = ((2, 2), ("pp", "dp_shard"))
+REPLICATE = ((2, 2), ("pp", "dp_replicate"))
+HSDP = ((1, 2, 2), ("pp", "dp_replicate", "dp_shard"))
+LR = 0.05
+
+
+@pytest.fixture(scope="module")
+def cluster4(new_cluster_module: Callable[[int], Any]) -> Any:
+    return new_cluster_module(4)
+
+
+def plain_steps(
+    cases: ModuleType, spec: dict[str, Any], shape: tuple[int, ...]
+) -> list[dict[str, Any]]:
+    """The plain model's steps: each data-parallel share's micro-batch losses, and the
+    gradients of the whole mini-batch's mean loss and the parameters after AdamW's step."""
+    model = cases.build(spec["layers"], spec["seed"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    dp = 1
+    for size in shape[1:]:
+        dp *= size
+    steps = []
+    for k in range(spec.get("steps", 3)):
+        x, y = cases.data(spec["seed"] + k, spec["batch"])
+        part = spec["batch"] // dp
+        with torch.no_grad():
+            losses = [
+                [
+                    nn.MSELoss()(model(xi), yi).item()
+                    for xi, yi in zip(
+                        x[d * part : (d + 1) * part].chunk(spec["chunks"]),
+                        y[d * part : (d + 1) * part].chunk(spec["chunks"]),
+                        strict=True,
+                    )
+                ]
+                for d in range(dp)
+            ]
+        nn.MSELoss()(model(x), y).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        values = {name: p.detach().clone() for name, p in model.named_parameters()}
+        steps.append({"losses": losses, "grads": grads, "values": values})
+    return steps
+
+
+def check_mesh_steps(
+    cases: ModuleType, results: list[dict[str, Any]], spec: dict[str, Any], shape: tuple[int, ...]
+) -> None:
+    """Every rank's losses (its share's), and the gradients and parameters of its
+    partitions (whole), equal the plain model's at every step; every parameter is on some
+    rank."""
+    dp = len(results) // shape[0]
+    for k, want in enumerate(plain_steps(cases, spec, shape)):
+        seen: set[str] = set()
+        for rank, result in enumerate(results):
+            got = result["steps"][k]
+            torch.testing.assert_close(got["losses"], want["losses"][rank % dp], msg=f"rank {rank}")
+            for name, grad in got["grads"].items():
+                torch.testing.assert_close(grad, want["grads"][name], msg=f"{name}, step {k}")
+                torch.testing.assert_close(
+                    got["values"][name], want["values"][name], msg=f"{name} after step {k}"
+                )
+                seen.add(name)
+        assert seen == want["grads"].keys()
+
+
+SCHEDULES = [
+    # (schedule, placement, balance, layers, checkpoint)
+    ("gpipe", None, [3, 3], SKIP, "except_last"),
+    ("gpipe", None, [3, 3], SKIP, "always"),
+    ("gpipe", None, [3, 3], SKIP, "never"),
+    ("1f1b", None, [3, 3], SKIP, "except_last"),
+    ("1f1b", None, [3, 3], SKIP, "always"),
+    ("interleaved-1f1b", "loop", [2, 2, 2, 2], SKIP4, "except_last"),
+    ("gpipe", "v", [2, 2, 2, 2], SKIP4, "never"),
+    ("1f1b", "v", [2, 2, 2, 2], SKIP4, "always"),
+]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "placement", "balance", "layers", "checkpoint"),
+    SCHEDULES,
+    ids=[f"{s}-{p}-{c}" for s, p, _, _, c in SCHEDULES],
+)
+def test_pp2_dp_shard2_matches_plain_over_three_optimizer_steps(
+    cluster4: Any,
+    cases: ModuleType,
+    schedule: str,
+    placement: str | None,
+    balance: list[int],
+    layers: tuple[str, ...],
+    checkpoint: str,
+) -> None:
+    shape, names = SHARD
+    spec = {"layers": layers, "seed": 3, "batch": 8, "chunks": 2}
+    results = cluster4.results(
+        "mesh_steps", shape=shape, names=names, balance=balance, schedule=schedule,
+        placement=placement, checkpoint=checkpoint, **spec,
+    )  # fmt: skip
+    for result in results:  # each rank holds half of each parameter
+        for name, local in result["steps"][0]["sharded"].items():
+            assert local is not None and local[0] == 2, (name, local)
+    check_mesh_steps(cases, results, spec, shape)
