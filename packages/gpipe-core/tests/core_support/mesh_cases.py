@@ -72,8 +72,8 @@ def case_mesh_steps(
     """``steps`` steps of AdamW on the pipeline over the mesh, each rank on its share of
     each mini-batch: per step its losses, the full gradients (gathered) and, after the
     optimizer's step, the full parameters, under the plain names; with ``clip``, the norm
-    ``clip_grad_norm_`` returned before the optimizer's step; with ``count``, the
-    reduce-scatters and all-gathers each step made."""
+    ``clip_grad_norm_`` returned and the gradients it left, before the optimizer's step;
+    with ``count``, the reduce-scatters, all-gathers and all-reduces each step made."""
     from __main__ import build, data  # the rank script's own models and data
 
     mesh = mesh_of(shape, names)
@@ -83,11 +83,9 @@ def case_mesh_steps(
     )  # fmt: skip
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.05)
     part = share(rank, shape, batch)
-    counts: dict[str, int] = {"reduce_scatter": 0, "all_gather": 0}
-    real = {
-        "reduce_scatter": dist.reduce_scatter_single,
-        "all_gather": dist.all_gather_single,
-    }
+    kinds = ("reduce_scatter_single", "all_gather_single", "all_reduce")
+    counts = dict.fromkeys(kinds, 0)
+    real = {kind: getattr(dist, kind) for kind in kinds}
 
     def counted(kind: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -100,13 +98,13 @@ def case_mesh_steps(
     for k in range(steps):
         x, y = data(seed + k, batch)
         if count:
-            dist.reduce_scatter_single = counted("reduce_scatter")  # type: ignore[assignment]
-            dist.all_gather_single = counted("all_gather")  # type: ignore[assignment]
+            for kind in kinds:
+                setattr(dist, kind, counted(kind))
         try:
             losses = pipe.step(x[part], y[part], nn.MSELoss(), schedule=schedule)
         finally:
-            dist.reduce_scatter_single = real["reduce_scatter"]  # type: ignore[assignment]
-            dist.all_gather_single = real["all_gather"]  # type: ignore[assignment]
+            for kind in kinds:
+                setattr(dist, kind, real[kind])
         step: dict[str, Any] = {
             "losses": [loss.item() for loss in losses],
             "grads": {name: full(p.grad) for name, p in pipe.named_parameters()},
@@ -116,7 +114,7 @@ def case_mesh_steps(
                 for name, p in pipe.named_parameters()
             },
         }
-        counts.update(reduce_scatter=0, all_gather=0)
+        counts.update(dict.fromkeys(kinds, 0))
         if clip is not None:
             step["norm"] = pipe.clip_grad_norm_(clip).item()
             step["clipped"] = {name: full(p.grad) for name, p in pipe.named_parameters()}
@@ -149,7 +147,12 @@ def case_mesh_error(rank: int, *, how: str) -> dict[str, Any]:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         mesh = mesh_of((2, 2), ("pp", "dp_shard"))
-        model[2] = FullyShardedDataParallel(model[2], process_group=mesh["dp_shard"].get_group())
+        # FSDP1 needs an accelerator to be built: a wrapper made without its __init__,
+        # holding the layer as FSDP1 does, is one all the same.
+        wrapper = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+        nn.Module.__init__(wrapper)
+        wrapper._modules["_fsdp_wrapped_module"] = model[2]
+        model[2] = wrapper
         before = {name: p.detach().clone() for name, p in model.named_parameters()}
     elif how == "fully_shard":
         from torch.distributed.fsdp import fully_shard

@@ -130,3 +130,140 @@ def test_pp2_dp_shard2_matches_plain_over_three_optimizer_steps(
         for name, local in result["steps"][0]["sharded"].items():
             assert local is not None and local[0] == 2, (name, local)
     check_mesh_steps(cases, results, spec, shape)
+
+
+def test_pp2_dp_replicate2_averages_as_data_group_does(cluster4: Any, cases: ModuleType) -> None:
+    """The replicas' gradients averaged by gpipe after each step, one all_reduce per step
+    and dtype, on whole (unsharded) parameters."""
+    shape, names = REPLICATE
+    spec = {"layers": SKIP, "seed": 4, "batch": 8, "chunks": 2}
+    results = cluster4.results(
+        "mesh_steps", shape=shape, names=names, balance=[3, 3], schedule="1f1b", count=True,
+        **spec,
+    )  # fmt: skip
+    for result in results:
+        for step in result["steps"]:
+            assert step["counts"] == {
+                "reduce_scatter_single": 0, "all_gather_single": 0, "all_reduce": 1,
+            }, step["counts"]  # fmt: skip
+            assert all(local is None for local in step["sharded"].values())
+    check_mesh_steps(cases, results, spec, shape)
+
+
+def test_hsdp_with_two_partitions_on_the_one_pipeline_rank(
+    cluster4: Any, cases: ModuleType
+) -> None:
+    """pp1 x dp_replicate2 x dp_shard2: both partitions on one rank (placement "loop"),
+    each sharded over dp_shard and all-reduced over dp_replicate by FSDP: once per step
+    each."""
+    shape, names = HSDP
+    spec = {"layers": SKIP, "seed": 5, "batch": 8, "chunks": 2}
+    results = cluster4.results(
+        "mesh_steps", shape=shape, names=names, balance=[3, 3], placement="loop", count=True,
+        checkpoint="always", **spec,
+    )  # fmt: skip
+    for result in results:
+        for step in result["steps"]:
+            counts = step["counts"]
+            assert counts["reduce_scatter_single"] == 2, counts  # one per partition
+            assert counts["all_reduce"] == 2, counts
+    check_mesh_steps(cases, results, spec, shape)
+
+
+@pytest.mark.parametrize(
+    ("reshard_after_forward", "gathers"),
+    # chunks=2, checkpoint="except_last": with resharding, each micro-batch's forward and
+    # backward pass gathers (a recomputation shares its backward pass's); without, the
+    # first forward pass gathers for the whole step.
+    [(None, 4), (True, 4), (False, 1)],
+)
+def test_gradients_are_reduce_scattered_once_per_step_per_partition(
+    cluster4: Any, cases: ModuleType, reshard_after_forward: bool | None, gathers: int
+) -> None:
+    shape, names = SHARD
+    spec = {"layers": SKIP, "seed": 6, "batch": 8, "chunks": 2}
+    results = cluster4.results(
+        "mesh_steps", shape=shape, names=names, balance=[3, 3], count=True,
+        reshard_after_forward=reshard_after_forward, **spec,
+    )  # fmt: skip
+    for result in results:
+        for step in result["steps"]:
+            assert step["counts"] == {
+                "reduce_scatter_single": 1, "all_gather_single": gathers, "all_reduce": 0,
+            }, step["counts"]  # fmt: skip
+    check_mesh_steps(cases, results, spec, shape)
+
+
+def test_two_sharded_partitions_per_rank_reduce_scatter_once_each(
+    cluster4: Any, cases: ModuleType
+) -> None:
+    shape, names = SHARD
+    spec = {"layers": SKIP4, "seed": 7, "batch": 8, "chunks": 4, "steps": 1}
+    results = cluster4.results(
+        "mesh_steps", shape=shape, names=names, balance=[2, 2, 2, 2], placement="loop",
+        schedule="interleaved-1f1b", count=True, **spec,
+    )  # fmt: skip
+    for result in results:
+        assert result["steps"][0]["counts"]["reduce_scatter_single"] == 2, result["steps"][0]
+
+
+def test_clip_grad_norm_over_sharded_gradients_is_the_plain_models(
+    cluster4: Any, cases: ModuleType
+) -> None:
+    shape, names = SHARD
+    spec = {"layers": SKIP, "seed": 8, "batch": 8, "chunks": 2, "steps": 1}
+    results = cluster4.results(
+        "mesh_steps", shape=shape, names=names, balance=[3, 3], clip=0.05, **spec
+    )
+    model = cases.build(SKIP, 8)
+    x, y = cases.data(8, 8)
+    nn.MSELoss()(model(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    for result in results:
+        step = result["steps"][0]
+        torch.testing.assert_close(step["norm"], norm.item())
+        for name, grad in step["clipped"].items():
+            torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_a_split_backward_on_sharded_partitions_is_refused(
+    cluster4: Any, cases: ModuleType, schedule: str
+) -> None:
+    shape, names = SHARD
+    replies = cluster4.run(
+        "mesh_steps", shape=shape, names=names, layers=SKIP4, balance=[2, 2, 2, 2],
+        placement="loop" if schedule == "zb-h1" else "v", schedule=schedule, seed=1,
+        batch=8, chunks=4, steps=1,
+    )  # fmt: skip
+    for status, message, _ in replies:
+        assert status == "error", message
+        assert "splits the backward pass into input and weight gradients" in message, message
+        assert "'dp_shard'" in message and "'1f1b'" in message, message
+    # The ranks are ready for the next case.
+    spec = {"layers": SKIP, "seed": 2, "batch": 8, "chunks": 2, "steps": 1}
+    results = cluster4.results("mesh_steps", shape=shape, names=names, balance=[3, 3], **spec)
+    check_mesh_steps(cases, results, spec, shape)
+
+
+ERRORS = {
+    "no_pp": ("ValueError", "mesh must have a 'pp' dimension"),
+    "unknown": ("ValueError", "mesh has dimension 'fsdp', which gpipe does not know"),
+    "tp": ("ValueError", "mesh has dimension 'tp', and tensor parallelism ('tp') is not"),
+    "pp_size": ("ValueError", "mesh['pp'] must have one rank per worker of the partitions"),
+    "fsdp1": ("TypeError", "module '2' is wrapped in FSDP1's FullyShardedDataParallel"),
+    "fully_shard": ("TypeError", "module '2' is fully_shard-ed already"),
+    "group": ("ValueError", "mesh replaces group and data_group: pass either mesh or group"),
+    "data_group": ("ValueError", "pass either mesh or data_group"),
+    "tied": ("ValueError", "(shared: ['0.weight'])"),
+    "reshard_without_shard": ("ValueError", "reshard_after_forward applies to partitions"),
+}
+
+
+@pytest.mark.parametrize("how", list(ERRORS))
+def test_what_a_mesh_cannot_run_is_refused_before_anything_changes(cluster4: Any, how: str) -> None:
+    kind, words = ERRORS[how]
+    for rank, result in enumerate(cluster4.results("mesh_error", how=how)):
+        assert result["type"] == kind, (rank, result)
+        assert words in result["message"], (rank, result["message"])
+        assert result["unchanged"], (rank, how)
