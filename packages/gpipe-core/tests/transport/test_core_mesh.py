@@ -103,6 +103,9 @@ SCHEDULES = [
     ("interleaved-1f1b", "loop", [2, 2, 2, 2], SKIP4, "except_last"),
     ("gpipe", "v", [2, 2, 2, 2], SKIP4, "never"),
     ("1f1b", "v", [2, 2, 2, 2], SKIP4, "always"),
+    ("zb-h1", "loop", [2, 2, 2, 2], SKIP4, "except_last"),
+    ("zbv", "v", [2, 2, 2, 2], SKIP4, "always"),
+    ("zbv", "v", [2, 2, 2, 2], SKIP4, "never"),
 ]
 
 
@@ -194,19 +197,6 @@ def test_gradients_are_reduce_scattered_once_per_step_per_partition(
     check_mesh_steps(cases, results, spec, shape)
 
 
-def test_two_sharded_partitions_per_rank_reduce_scatter_once_each(
-    cluster4: Any, cases: ModuleType
-) -> None:
-    shape, names = SHARD
-    spec = {"layers": SKIP4, "seed": 7, "batch": 8, "chunks": 4, "steps": 1}
-    results = cluster4.results(
-        "mesh_steps", shape=shape, names=names, balance=[2, 2, 2, 2], placement="loop",
-        schedule="interleaved-1f1b", count=True, **spec,
-    )  # fmt: skip
-    for result in results:
-        assert result["steps"][0]["counts"]["reduce_scatter_single"] == 2, result["steps"][0]
-
-
 def test_clip_grad_norm_over_sharded_gradients_is_the_plain_models(
     cluster4: Any, cases: ModuleType
 ) -> None:
@@ -226,24 +216,25 @@ def test_clip_grad_norm_over_sharded_gradients_is_the_plain_models(
             torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, msg=name)
 
 
-@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
-def test_a_split_backward_on_sharded_partitions_is_refused(
-    cluster4: Any, cases: ModuleType, schedule: str
+@pytest.mark.parametrize(
+    ("schedule", "placement"), [("interleaved-1f1b", "loop"), ("zb-h1", "loop"), ("zbv", "v")]
+)
+def test_two_sharded_partitions_per_rank_reduce_scatter_once_each(
+    cluster4: Any, schedule: str, placement: str
 ) -> None:
+    """Two partitions per rank, four micro-batches: one reduce-scatter per partition per
+    step; a split backward (``I`` and ``W``) keeps each partition's parameters gathered
+    from its first forward pass to its reduction (one all-gather each)."""
     shape, names = SHARD
-    replies = cluster4.run(
-        "mesh_steps", shape=shape, names=names, layers=SKIP4, balance=[2, 2, 2, 2],
-        placement="loop" if schedule == "zb-h1" else "v", schedule=schedule, seed=1,
-        batch=8, chunks=4, steps=1,
+    results = cluster4.results(
+        "mesh_steps", shape=shape, names=names, layers=SKIP4, balance=[2, 2, 2, 2], seed=7,
+        batch=8, chunks=4, steps=1, placement=placement, schedule=schedule, count=True,
     )  # fmt: skip
-    for status, message, _ in replies:
-        assert status == "error", message
-        assert "splits the backward pass into input and weight gradients" in message, message
-        assert "'dp_shard'" in message and "'1f1b'" in message, message
-    # The ranks are ready for the next case.
-    spec = {"layers": SKIP, "seed": 2, "batch": 8, "chunks": 2, "steps": 1}
-    results = cluster4.results("mesh_steps", shape=shape, names=names, balance=[3, 3], **spec)
-    check_mesh_steps(cases, results, spec, shape)
+    for result in results:
+        counts = result["steps"][0]["counts"]
+        assert counts["reduce_scatter_single"] == 2, counts
+        if schedule != "interleaved-1f1b":
+            assert counts["all_gather_single"] == 2, counts
 
 
 ERRORS = {

@@ -1,19 +1,25 @@
 """FSDP2's gradient reduction once per step: a partition sharded with
 :func:`torch.distributed.fsdp.fully_shard` (``GPipe(..., mesh=mesh)`` with ``"dp_shard"``)
-reduce-scatters its gradients in the backward pass of its last micro-batch of a step only.
+reduce-scatters its gradients once per step, after its last micro-batch's backward pass.
 
 FSDP reduces a unit's gradients at the end of every backward pass through it. A step runs
-one backward pass per micro-batch, so before each, :class:`GradientSync` tells the unit
-whether it is the step's last for the partition: before the others, FSDP keeps the
-unsharded gradients and adds the next micro-batch's to them, without any collective; before
-the last, it reduce-scatters their sum (over ``"dp_shard"``, and all-reduces over
-``"dp_replicate"`` with HSDP) once, and waits for it. Between micro-batches the gathered
-parameters are freed after each backward pass when they are freed after each forward pass
-(``reshard_after_forward=True``), else kept until the last.
+one backward pass per micro-batch, so around each, :class:`GradientSync` tells the unit
+whether it is the step's last for the partition: in the others, FSDP keeps the unsharded
+gradients and adds the next micro-batch's to them, without any collective; in the last, it
+reduce-scatters their sum (over ``"dp_shard"``, and all-reduces over ``"dp_replicate"``
+with HSDP) once, and waits for it. Between micro-batches the gathered parameters are freed
+after each backward pass when they are freed after each forward pass
+(``reshard_after_forward=True``), else kept until the last; a checkpointed micro-batch's
+recomputation keeps what it gathers for the backward pass that follows.
 
-A backward pass split in two (the zero-bubble schedules' input and weight gradients) would
-let FSDP reduce at the end of the input gradient, before the weight gradient exists: such a
-schedule on a sharded partition is refused.
+A backward pass split in two (the zero-bubble schedules' input and weight gradients, ``I``
+and ``W``) runs FSDP's backward hooks in the input gradient, before the weight gradient
+exists, and the weight gradient runs outside FSDP's hooks. Then every ``I`` and ``W`` runs
+without reduction, the partition's parameters stay gathered for the whole step (a weight
+gradient may read them), and after its last ``W`` the partition reduces what its weight
+gradients accumulated, through FSDP's own post-backward (:meth:`GradientSync.reduce`): the
+one place that reaches into FSDP's private state, as ``torch.distributed.pipelining``'s
+stage does for the same reason.
 
 This module knows nothing of meshes or transports: it reads a partition's action lists and
 sets FSDP's flags on it.
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 from torch import nn
 
@@ -30,33 +37,30 @@ from ..schedule._action import Action, Phase
 
 __all__ = ["GradientSync"]
 
+_BACKWARD_KINDS = (Phase.BACKWARD, Phase.INPUT_GRADIENT, Phase.WEIGHT_GRADIENT)
+
 
 class GradientSync:
     """When partition ``index`` (``module``, sharded with ``fully_shard``) reduces its
-    gradients in a run of ``actions`` (each worker's list).
+    gradients in a run of ``actions`` (each worker's list)."""
 
-    Raises:
-        ValueError: the actions split the partition's backward pass (``I`` and ``W``).
-    """
-
-    def __init__(self, index: int, module: nn.Module, actions: Sequence[Sequence[Action]]) -> None:
+    def __init__(self, index: int, module: Any, actions: Sequence[Sequence[Action]]) -> None:
+        #: The partition, an ``FSDPModule``.
         self.module = module
-        #: The micro-batch of the partition's last backward pass in the run (None: none).
-        self.last: int | None = None
+        #: The kind and micro-batch of the partition's last backward task in the run.
+        self.last: tuple[Phase, int] | None = None
+        #: Whether the run splits the partition's backward passes (``I`` and ``W``).
+        self.split = False
         for row in actions:
             for action in row:
-                if action.partition != index:
-                    continue
-                if action.kind in (Phase.INPUT_GRADIENT, Phase.WEIGHT_GRADIENT):
-                    raise ValueError(
-                        "a schedule that splits the backward pass into input and weight "
-                        f"gradients cannot run partition {index}, which is sharded over the "
-                        f"mesh's 'dp_shard' (action: {action}): FSDP would reduce its "
-                        "gradients before the weight gradients exist; use 'gpipe', '1f1b' or "
-                        "'interleaved-1f1b'"
-                    )
-                if action.kind is Phase.BACKWARD:
-                    self.last = action.microbatch
+                if action.partition == index and action.kind in _BACKWARD_KINDS:
+                    self.last = (action.kind, action.microbatch)
+                    self.split = self.split or action.kind is not Phase.BACKWARD
+        #: Whether the pipeline frees the gathered parameters after each forward pass (see
+        #: :func:`~gpipe_core._mesh.shard_partitions`).
+        self.reshards = bool(vars(module).get("_gpipe_reshard_after_forward", True))
+        # Split: gathered from the first forward pass to the reduction.
+        module.set_reshard_after_forward(self.reshards and not self.split)
 
     @staticmethod
     def of(
@@ -70,28 +74,34 @@ class GradientSync:
         return GradientSync(index, module, actions)
 
     @contextmanager
-    def backward(self, i: int) -> Iterator[None]:
-        """Around micro-batch ``i``'s backward pass: reduce in it only if it is the last.
-        A checkpointed micro-batch's recomputation keeps the parameters it gathers for the
-        backward pass that follows (one gathering for both)."""
-        from torch.distributed.fsdp import FSDPModule
-
+    def backward(self, i: int, kind: Phase) -> Iterator[None]:
+        """Around micro-batch ``i``'s backward task of ``kind`` (``B``, ``I`` or ``W``): the
+        gradients reduced in it, or after it (split), only if it is the run's last."""
         module = self.module
-        assert isinstance(module, FSDPModule)
-        last = i == self.last
-        reshards = _reshards_after_forward(module)
-        module.set_requires_gradient_sync(last)
-        module.set_is_last_backward(last)
+        last = (kind, i) == self.last
+        reduces = last and not self.split
+        module.set_requires_gradient_sync(reduces)
+        module.set_is_last_backward(reduces)
         # Freed after every backward pass where they are after every forward pass.
-        module.set_reshard_after_backward(last or reshards)
-        module.set_reshard_after_forward(False)
+        module.set_reshard_after_backward(reduces or (self.reshards and not self.split))
+        module.set_reshard_after_forward(False)  # a recomputation keeps them for its backward
         try:
             yield
         finally:
-            module.set_reshard_after_forward(reshards)
+            module.set_reshard_after_forward(self.reshards and not self.split)
+        if last and self.split:
+            self.reduce()
 
-
-def _reshards_after_forward(module: nn.Module) -> bool:
-    """Whether ``module`` (a ``fully_shard`` unit) frees its gathered parameters after the
-    forward pass, as the pipeline set it (:func:`~gpipe_core._mesh.shard_partitions`)."""
-    return bool(getattr(module, "_gpipe_reshard_after_forward", True))
+    def reduce(self) -> None:
+        """Reduce-scatter what the weight gradients accumulated, then free the gathered
+        parameters, through FSDP's post-backward and its end-of-backward callback (which
+        waits for the reduction), as a backward pass through FSDP's hooks would end."""
+        module = self.module
+        module.set_requires_gradient_sync(True)
+        module.set_is_last_backward(True)
+        module.set_reshard_after_backward(True)
+        state = module._get_fsdp_state()
+        for group in state._fsdp_param_groups:
+            group.post_backward()
+        state._root_post_backward_final_callback()
+        module.set_reshard_after_forward(self.reshards)

@@ -439,7 +439,7 @@ class _Executor:
             if action.kind is Phase.FORWARD:
                 self.forward(j, action.microbatch)
             elif action.kind is Phase.WEIGHT_GRADIENT:
-                with self.computing(j, Phase.WEIGHT_GRADIENT):
+                with self.computing(j, action.kind), self.synced(j, action.microbatch, action.kind):
                     self.partition(j).backward_weight(action.microbatch)
             else:
                 self.backward(j, action.microbatch, split=action.kind is Phase.INPUT_GRADIENT)
@@ -450,6 +450,12 @@ class _Executor:
             where = f"(in {action.kind} of micro-batch {action.microbatch} on partition {j})"
             add_note(error, where)
             raise
+
+    def synced(self, j: int, i: int, kind: Phase) -> AbstractContextManager[object]:
+        """Around partition ``j``'s backward task of ``kind`` on micro-batch ``i``: FSDP's
+        gradient reduction where the partition is sharded (see ``_gradient_sync``)."""
+        sync = self.syncs.get(j)
+        return nullcontext() if sync is None else sync.backward(i, kind)
 
     def computing(self, j: int, kind: str) -> _Computing:
         """Around partition ``j``'s computation of an action of ``kind`` (its messages
@@ -542,12 +548,10 @@ class _Executor:
         for target, keys in partition.stashes.items():
             message = self.receive(MessageKey("skip-gradients", i, target, j))
             skip_grads.update(zip(keys, cast(list[Tensor | None], message.values()), strict=True))
-        with self.computing(j, Phase.INPUT_GRADIENT if split else Phase.BACKWARD):
+        kind = Phase.INPUT_GRADIENT if split else Phase.BACKWARD
+        with self.computing(j, kind), self.synced(j, i, kind):
             if split:
                 input_grads, popped = partition.backward_input(i, grads, skip_grads)
-            elif j in self.syncs:
-                with self.syncs[j].backward(i):
-                    input_grads, popped = partition.backward(i, grads, skip_grads)
             else:
                 input_grads, popped = partition.backward(i, grads, skip_grads)
         if j != 0:
