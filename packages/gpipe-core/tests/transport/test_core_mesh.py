@@ -258,3 +258,31 @@ def test_what_a_mesh_cannot_run_is_refused_before_anything_changes(cluster4: Any
         assert result["type"] == kind, (rank, result)
         assert words in result["message"], (rank, result["message"])
         assert result["unchanged"], (rank, how)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "placement"), [(SHARD, None), (HSDP, "loop")], ids=["pp2-dp_shard2", "hsdp"]
+)
+def test_batch_mean_counts_over_every_data_parallel_rank(
+    cluster4: Any, cases: ModuleType, mesh: Any, placement: str | None
+) -> None:
+    """Each data-parallel rank keeps its own count of targets of its 8 (ignored ones
+    -100): each micro-batch is divided by the count of every rank's together, and the
+    gradients are the plain model's on the whole mini-batch."""
+    shape, _ = mesh
+    dp = 4 // shape[0]
+    results = cluster4.results(
+        "batch_mean", schedule="1f1b", placement=placement, seed=5, mesh=mesh
+    )
+    model = cases.classifier(5)
+    x, y = cases.ignored_targets(5, 8 * dp)
+    nn.CrossEntropyLoss()(model(x), y).backward()
+    grads: dict[str, torch.Tensor] = {}
+    for result in results:
+        for name, grad in result["grads"].items():
+            if name in grads:  # another data-parallel rank's: the same whole gradient
+                torch.testing.assert_close(grad, grads[name], msg=name)
+            grads[name] = grad
+    assert grads.keys() == dict(model.named_parameters()).keys()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
