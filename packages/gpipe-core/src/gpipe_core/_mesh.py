@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._sequential import FirstLayerCall
+
 __all__ = [
     "MESH_DIMENSIONS",
     "MeshGroups",
@@ -254,6 +256,9 @@ def shard_partitions(partitions: Sequence[nn.Module], groups: MeshGroups) -> Non
     for partition in partitions:
         if not any(True for _ in partition.parameters()):
             continue
+        if type(partition) is nn.Sequential:
+            # Called as one module also with several inputs, so that FSDP's hooks run.
+            partition.__class__ = FirstLayerCall
         sharded = fully_shard(partition, mesh=groups.shard_mesh)
         assert isinstance(sharded, FSDPModule)
         # A root unit keeps its parameters gathered after forward unless told: the

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from gpipe_core import GPipe
+from gpipe_core import GPipe, NoChunk
 
 #: The meshes made in this rank's process, by shape and names.
 MESHES: dict[tuple[tuple[int, ...], tuple[str, ...]], DeviceMesh] = {}
@@ -68,12 +68,15 @@ def case_mesh_steps(
     reshard_after_forward: bool | None = None,
     clip: float | None = None,
     count: bool = False,
+    keywords: bool = False,
 ) -> dict[str, Any]:
     """``steps`` steps of AdamW on the pipeline over the mesh, each rank on its share of
     each mini-batch: per step its losses, the full gradients (gathered) and, after the
     optimizer's step, the full parameters, under the plain names; with ``clip``, the norm
     ``clip_grad_norm_`` returned and the gradients it left, before the optimizer's step;
-    with ``count``, the reduce-scatters, all-gathers and all-reduces each step made."""
+    with ``count``, the reduce-scatters, all-gathers and all-reduces each step made. With
+    ``keywords``, the input goes by keyword to a first layer ``"todict"`` (``x=``, a
+    ``NoChunk`` mask of ones and a scale of 1: the plain model's numbers)."""
     from __main__ import build, data  # the rank script's own models and data
 
     mesh = mesh_of(shape, names)
@@ -101,7 +104,14 @@ def case_mesh_steps(
             for kind in kinds:
                 setattr(dist, kind, counted(kind))
         try:
-            losses = pipe.step(x[part], y[part], nn.MSELoss(), schedule=schedule)
+            if keywords:
+                ones = NoChunk(torch.ones(x.shape[1], dtype=x.dtype))
+                losses = pipe.step(
+                    x=x[part], mask=ones, scale=1.0, target=y[part], loss_fn=nn.MSELoss(),
+                    schedule=schedule,
+                )  # fmt: skip
+            else:
+                losses = pipe.step(x[part], y[part], nn.MSELoss(), schedule=schedule)
         finally:
             for kind in kinds:
                 setattr(dist, kind, real[kind])

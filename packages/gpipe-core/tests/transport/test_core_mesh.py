@@ -286,3 +286,15 @@ def test_batch_mean_counts_over_every_data_parallel_rank(
     assert grads.keys() == dict(model.named_parameters()).keys()
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+def test_keyword_inputs_reach_a_sharded_first_partition(cluster4: Any, cases: ModuleType) -> None:
+    """A first layer called with keyword inputs: the sharded partition is called as one
+    module (FSDP's hooks gather its parameters), with the plain model's numbers."""
+    shape, names = SHARD
+    spec = {"layers": ("todict", "frommap", "tanh", "linear"), "seed": 9, "batch": 8,
+            "chunks": 2, "steps": 2}  # fmt: skip
+    results = cluster4.results(
+        "mesh_steps", shape=shape, names=names, balance=[2, 2], keywords=True, **spec
+    )
+    check_mesh_steps(cases, results, spec, shape)
