@@ -103,8 +103,8 @@ def build(
     mesh = checked.mesh
     if mesh is not None:
         check_mesh_layout(
-            mesh, placement.workers, placement_spec, [s.key for s in shared],
-            placement.local_devices(),
+            mesh, placement.workers, placement_spec, [(s.key, s.partitions) for s in shared],
+            placement.ranks, placement.local_devices(),
         )  # fmt: skip
     if construction is not None:
         fields = (

@@ -213,13 +213,17 @@ def check_mesh_layout(
     groups: MeshGroups,
     workers: Sequence[int],
     placement: object,
-    shared: Sequence[str],
+    shared: Sequence[tuple[str, Sequence[int]]],
+    ranks: Sequence[int],
     devices: Sequence[torch.device],
 ) -> None:
     """Refuse a mesh whose ``"pp"`` size is not the number of the partitions' workers (one
-    worker per rank: every data-parallel rank issues its collectives in one order), tied
-    tensors of several partitions (``shared``, by key) when the partitions are sharded, or
-    a mesh of another device type than this rank's partitions (``devices``)."""
+    worker per rank: every data-parallel rank issues its collectives in one order), a
+    tensor tied between sharded partitions of one rank (``shared``: each tied tensor's key
+    and the partitions that use it; ``ranks``: each partition's rank), whose two FSDP units
+    would each shard it apart, or a mesh of another device type than this rank's
+    partitions (``devices``). A tensor tied between partitions of different ranks is
+    kept equal as without a mesh, shard by shard (see :mod:`gpipe_core._shared`)."""
     count = max(workers, default=-1) + 1
     if count != groups.pp_size:
         raise ValueError(
@@ -228,12 +232,15 @@ def check_mesh_layout(
             f"{placement!r}); give balance {groups.pp_size} partitions, or several per rank "
             "with placement='loop' or 'v'"
         )
-    if groups.shard_mesh is not None and shared:
-        raise ValueError(
-            "a tensor shared by several partitions (tied weights) cannot be sharded over "
-            f"mesh['dp_shard'] yet (shared: {list(shared)}); untie it, keep its uses in one "
-            "partition, or use 'dp_replicate' instead of 'dp_shard'"
-        )
+    for key, partitions in shared if groups.shard_mesh is not None else ():
+        on = [ranks[j] for j in sorted(set(partitions))]
+        if len(on) > len(set(on)):
+            raise ValueError(
+                "a tensor tied between partitions of one rank cannot be sharded over "
+                f"mesh['dp_shard'] (tied: {key!r}, its partitions: {sorted(set(partitions))}, "
+                f"their ranks: {on}, placement: {placement!r}); keep its uses in one "
+                "partition, on different ranks, or use 'dp_replicate' instead of 'dp_shard'"
+            )
     types = sorted({device.type for device in devices})
     if any(kind != groups.device_type for kind in types):
         raise ValueError(

@@ -335,6 +335,7 @@ class SharedReplicas:
         with torch.no_grad():
             for found in self.sets:
                 for key, tensor in found.tensors.items():
+                    tensor = _local(tensor)
                     owner = self._from_owner(found, key, tensor, exchange)
                     if owner is not tensor:
                         tensor.copy_(owner)
@@ -375,7 +376,7 @@ class SharedReplicas:
         none): the step sums only what it adds, so that gradients accumulated over several
         steps are summed once."""
         return {
-            id(p): None if p.grad is None else p.grad.detach().clone()
+            id(p): None if p.grad is None else _local(p.grad).detach().clone()
             for found in self.sets
             for p in self._parameters(found)
         }
@@ -401,7 +402,7 @@ class SharedReplicas:
                 added = []
                 for p in same:
                     earlier = before.get(id(p))
-                    grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                    grad = _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))
                     added.append((grad if earlier is None else grad - earlier).reshape(-1))
                 # Then, for each parameter, 1 where this rank has a gradient: the sum
                 # counts the ranks that have one.
@@ -416,17 +417,18 @@ class SharedReplicas:
                 counts = flat[-len(same) :].tolist()
                 offset = 0
                 for p, count in zip(same, counts, strict=True):
-                    summed = flat[offset : offset + p.numel()].view_as(p)
-                    offset += p.numel()
+                    shard = _local(p)
+                    summed = flat[offset : offset + shard.numel()].view_as(shard)
+                    offset += shard.numel()
                     if count == 0:
                         continue  # no rank has a gradient: none was computed
                     earlier = before.get(id(p))
                     if earlier is not None:
                         summed = earlier + summed
                     if p.grad is None:
-                        p.grad = summed.clone()
+                        p.grad = _like(p, summed.clone())
                     else:
-                        p.grad.copy_(summed)
+                        _local(p.grad).copy_(summed)
 
     def drift(self, exchange: Exchange) -> dict[str, float]:
         """The largest absolute difference between each replica this process holds and the
@@ -436,8 +438,32 @@ class SharedReplicas:
         for found in self.sets:
             others = [r for r in found.ranks if r != self.rank]
             for key, tensor in found.tensors.items():
+                tensor = _local(tensor)
                 owner = self._from_owner(found, key, tensor, exchange)
                 difference = (tensor.detach() - owner).abs().max().reshape(1).double().cpu()
                 theirs = exchange([difference], others, others, f"the drift of {key}")
                 drifts[key] = max([float(difference), *(float(t[0]) for t in theirs.values())])
         return drifts
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: a sharded one's shard (a DTensor's local tensor, on a
+    mesh's ``"dp_shard"``), else the tensor itself. The replicas of a sharded parameter on
+    the pipeline's ranks of one shard coordinate hold the same shard of it, so their shards
+    are what they exchange and sum."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(parameter: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """``shard`` as a gradient of ``parameter``: a DTensor of the parameter's mesh and
+    placements where the parameter is one, else ``shard`` itself."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(parameter, DTensor):
+        return shard
+    return DTensor.from_local(
+        shard, parameter.device_mesh, parameter.placements, run_check=False,
+        shape=parameter.shape, stride=parameter.stride(),
+    )  # fmt: skip

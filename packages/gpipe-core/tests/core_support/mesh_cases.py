@@ -51,6 +51,15 @@ def share(rank: int, shape: tuple[int, ...], batch: int) -> slice:
     return slice(index * part, (index + 1) * part)
 
 
+def tied_model(model: nn.Sequential, tie: tuple[int, int] | None) -> nn.Sequential:
+    """``model`` with layer ``b``'s weight tied to layer ``a``'s (``tie = (a, b)``; None:
+    as it is)."""
+    if tie is not None:
+        a, b = tie
+        model[b].weight = model[a].weight
+    return model
+
+
 def case_mesh_steps(
     rank: int,
     *,
@@ -69,6 +78,7 @@ def case_mesh_steps(
     clip: float | None = None,
     count: bool = False,
     keywords: bool = False,
+    tie: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """``steps`` steps of AdamW on the pipeline over the mesh, each rank on its share of
     each mini-batch: per step its losses, the full gradients (gathered) and, after the
@@ -76,12 +86,13 @@ def case_mesh_steps(
     ``clip_grad_norm_`` returned and the gradients it left, before the optimizer's step;
     with ``count``, the reduce-scatters, all-gathers and all-reduces each step made. With
     ``keywords``, the input goes by keyword to a first layer ``"todict"`` (``x=``, a
-    ``NoChunk`` mask of ones and a scale of 1: the plain model's numbers)."""
+    ``NoChunk`` mask of ones and a scale of 1: the plain model's numbers). With ``tie``
+    ``(a, b)``, layer ``b``'s weight is layer ``a``'s (see :func:`tied_model`)."""
     from __main__ import build, data  # the rank script's own models and data
 
     mesh = mesh_of(shape, names)
     pipe = GPipe(
-        build(layers, seed), balance, chunks=chunks, checkpoint=checkpoint,  # type: ignore[arg-type]
+        tied_model(build(layers, seed), tie), balance, chunks=chunks, checkpoint=checkpoint,  # type: ignore[arg-type]
         placement=placement, mesh=mesh, timeout=60, reshard_after_forward=reshard_after_forward,
     )  # fmt: skip
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.05)
@@ -132,7 +143,7 @@ def case_mesh_steps(
         optimizer.zero_grad()
         step["values"] = {name: full(p) for name, p in pipe.named_parameters()}
         results.append(step)
-    return {"steps": results, "pp_rank": pipe.partition_ranks.index(pipe.partition_ranks[0])}
+    return {"steps": results, "drift": pipe.shared_drift()}
 
 
 def case_mesh_error(rank: int, *, how: str) -> dict[str, Any]:
@@ -176,8 +187,9 @@ def case_mesh_error(rank: int, *, how: str) -> dict[str, Any]:
     elif how == "data_group":
         mesh = mesh_of((2, 2), ("pp", "dp_shard"))
         kwargs["data_group"] = dist.group.WORLD
-    elif how == "tied":
+    elif how == "tied":  # partitions 0 and 3 on rank 0
         mesh = mesh_of((2, 2), ("pp", "dp_shard"))
+        balance, kwargs["placement"] = [1, 1, 1, 1], "v"
         model[3].weight = model[0].weight
         before = {name: p.detach().clone() for name, p in model.named_parameters()}
     elif how == "reshard_without_shard":

@@ -42,7 +42,9 @@ def plain_steps(
 ) -> list[dict[str, Any]]:
     """The plain model's steps: each data-parallel share's micro-batch losses, and the
     gradients of the whole mini-batch's mean loss and the parameters after AdamW's step."""
-    model = cases.build(spec["layers"], spec["seed"])
+    from core_support.mesh_cases import tied_model
+
+    model = tied_model(cases.build(spec["layers"], spec["seed"]), spec.get("tie"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     dp = 1
     for size in shape[1:]:
@@ -246,7 +248,7 @@ ERRORS = {
     "fully_shard": ("TypeError", "module '2' is fully_shard-ed already"),
     "group": ("ValueError", "mesh replaces group and data_group: pass either mesh or group"),
     "data_group": ("ValueError", "pass either mesh or data_group"),
-    "tied": ("ValueError", "(shared: ['0.weight'])"),
+    "tied": ("ValueError", "a tensor tied between partitions of one rank cannot be sharded"),
     "reshard_without_shard": ("ValueError", "reshard_after_forward applies to partitions"),
 }
 
@@ -298,3 +300,19 @@ def test_keyword_inputs_reach_a_sharded_first_partition(cluster4: Any, cases: Mo
         "mesh_steps", shape=shape, names=names, balance=[2, 2], keywords=True, **spec
     )
     check_mesh_steps(cases, results, spec, shape)
+
+
+@pytest.mark.parametrize("mesh", [SHARD, REPLICATE], ids=["dp_shard", "dp_replicate"])
+def test_a_weight_tied_across_ranks_stays_tied_over_three_steps(
+    cluster4: Any, cases: ModuleType, mesh: Any
+) -> None:
+    """Layer 5's weight is layer 0's, across the pipeline's ranks: each rank's replica
+    (sharded alike on the ranks of one shard coordinate) gets the summed gradient, and
+    AdamW keeps the replicas the plain model's one weight."""
+    shape, names = mesh
+    spec = {"layers": SKIP, "seed": 10, "batch": 8, "chunks": 2, "tie": (0, 5)}
+    results = cluster4.results(
+        "mesh_steps", shape=shape, names=names, balance=[3, 3], schedule="1f1b", **spec
+    )
+    check_mesh_steps(cases, results, spec, shape)
+    assert all(result["drift"] == {"0.weight": 0.0} for result in results), results[0]["drift"]
