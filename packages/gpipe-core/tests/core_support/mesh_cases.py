@@ -79,6 +79,8 @@ def case_mesh_steps(
     count: bool = False,
     keywords: bool = False,
     tie: tuple[int, int] | None = None,
+    fail_first: bool = False,
+    infer: bool = False,
 ) -> dict[str, Any]:
     """``steps`` steps of AdamW on the pipeline over the mesh, each rank on its share of
     each mini-batch: per step its losses, the full gradients (gathered) and, after the
@@ -87,7 +89,11 @@ def case_mesh_steps(
     with ``count``, the reduce-scatters, all-gathers and all-reduces each step made. With
     ``keywords``, the input goes by keyword to a first layer ``"todict"`` (``x=``, a
     ``NoChunk`` mask of ones and a scale of 1: the plain model's numbers). With ``tie``
-    ``(a, b)``, layer ``b``'s weight is layer ``a``'s (see :func:`tied_model`)."""
+    ``(a, b)``, layer ``b``'s weight is layer ``a``'s (see :func:`tied_model`). With
+    ``fail_first``, a first step in which each ``"trap"`` layer raises in the backward
+    pass of its first graph (its error, or another rank's, as ``"failed"``), before the
+    steps. With ``infer``, then ``forward()`` in eval mode without grad on the share of the
+    last step's mini-batch (the output on the last partition's rank, None elsewhere)."""
     from __main__ import build, data  # the rank script's own models and data
 
     mesh = mesh_of(shape, names)
@@ -108,6 +114,21 @@ def case_mesh_steps(
 
         return call
 
+    failed = None
+    if fail_first:
+        from __main__ import Trap
+
+        traps = [layer for layer in pipe.modules() if isinstance(layer, Trap)]
+        for trap in traps:
+            trap.armed = ("backward", 0)
+        x, y = data(seed - 1, batch)
+        try:
+            pipe.step(x[part], y[part], nn.MSELoss(), schedule=schedule)
+        except Exception as error:
+            failed = f"{type(error).__name__}: {error}"
+        for trap in traps:
+            trap.armed = None
+        optimizer.zero_grad()
     results = []
     for k in range(steps):
         x, y = data(seed + k, batch)
@@ -143,7 +164,13 @@ def case_mesh_steps(
         optimizer.zero_grad()
         step["values"] = {name: full(p) for name, p in pipe.named_parameters()}
         results.append(step)
-    return {"steps": results, "drift": pipe.shared_drift()}
+    output = None
+    if infer:
+        pipe.eval()
+        with torch.no_grad():
+            output = pipe(x[part])
+        pipe.train()
+    return {"steps": results, "drift": pipe.shared_drift(), "failed": failed, "output": output}
 
 
 def case_mesh_error(rank: int, *, how: str) -> dict[str, Any]:

@@ -316,3 +316,45 @@ def test_a_weight_tied_across_ranks_stays_tied_over_three_steps(
     )
     check_mesh_steps(cases, results, spec, shape)
     assert all(result["drift"] == {"0.weight": 0.0} for result in results), results[0]["drift"]
+
+
+def test_after_a_failed_step_the_next_steps_are_the_plain_models(
+    cluster4: Any, cases: ModuleType
+) -> None:
+    """The last partition fails in the backward pass of micro-batch 0, its last of the
+    step, after micro-batch 1's (whose unsharded gradients FSDP holds, unreduced): every
+    rank raises, the held gradients are dropped, and the steps after it are exact."""
+    shape, names = SHARD
+    layers = ("linear", "stash", "tanh", "linear", "trap", "pop", "linear")
+    spec = {"layers": layers, "seed": 11, "batch": 8, "chunks": 2}
+    results = cluster4.results(
+        "mesh_steps", shape=shape, names=names, balance=[3, 4], checkpoint="never",
+        fail_first=True, **spec,
+    )  # fmt: skip
+    for rank, result in enumerate(results):
+        assert result["failed"] is not None, rank
+        assert "Fail: backward" in result["failed"], (rank, result["failed"])
+    check_mesh_steps(cases, results, spec, shape)
+
+
+def test_inference_on_a_mesh(cluster4: Any, cases: ModuleType) -> None:
+    """forward() in eval mode without grad: each data-parallel rank's share through the
+    sharded partitions, the output on the last partition's ranks."""
+    shape, names = SHARD
+    spec = {"layers": SKIP, "seed": 12, "batch": 8, "chunks": 2, "steps": 1}
+    results = cluster4.results(
+        "mesh_steps", shape=shape, names=names, balance=[3, 3], infer=True, **spec
+    )
+    check_mesh_steps(cases, results, spec, shape)
+    model = cases.build(SKIP, 12)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    x, y = cases.data(12, 8)
+    nn.MSELoss()(model(x), y).backward()
+    optimizer.step()
+    with torch.no_grad():
+        for rank, result in enumerate(results):
+            if rank // 2 == 0:  # the first partition's ranks
+                assert result["output"] is None, rank
+                continue
+            part = slice((rank % 2) * 4, (rank % 2 + 1) * 4)
+            torch.testing.assert_close(result["output"], model(x[part]), msg=f"rank {rank}")

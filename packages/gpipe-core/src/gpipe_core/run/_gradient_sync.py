@@ -17,9 +17,14 @@ and ``W``) runs FSDP's backward hooks in the input gradient, before the weight g
 exists, and the weight gradient runs outside FSDP's hooks. Then every ``I`` and ``W`` runs
 without reduction, the partition's parameters stay gathered for the whole step (a weight
 gradient may read them), and after its last ``W`` the partition reduces what its weight
-gradients accumulated, through FSDP's own post-backward (:meth:`GradientSync.reduce`): the
-one place that reaches into FSDP's private state, as ``torch.distributed.pipelining``'s
-stage does for the same reason.
+gradients accumulated, through FSDP's own post-backward (:meth:`GradientSync.reduce`),
+reaching into FSDP's private state as ``torch.distributed.pipelining``'s stage does for the
+same reason.
+
+A run that fails or is cancelled leaves FSDP holding the unsharded gradients of the
+micro-batches whose backward passes ended: :meth:`GradientSync.abandon` drops them (the
+step's gradients never reach ``.grad``), so the next step is the plain model's: FSDP's
+``reset_iter_state``, and the unsharded gradients it keeps, from FSDP's private state too.
 
 This module knows nothing of meshes or transports: it reads a partition's action lists and
 sets FSDP's flags on it.
@@ -91,6 +96,20 @@ class GradientSync:
             module.set_reshard_after_forward(self.reshards and not self.split)
         if last and self.split:
             self.reduce()
+
+    def abandon(self) -> None:
+        """After a run that failed or was cancelled: drop what FSDP holds of the run (the
+        unsharded gradients not reduced yet, its per-iteration state) and free the gathered
+        parameters (FSDP's ``reset_iter_state``), so that the next step starts afresh."""
+        module = self.module
+        module.reset_iter_state()
+        # reset_iter_state leaves the unsharded gradients: dropped here.
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.unsharded_accumulated_grad = None
+                if hasattr(fsdp_param, "_unsharded_param"):
+                    fsdp_param._unsharded_param.grad = None
+        module.set_reshard_after_forward(self.reshards)
 
     def reduce(self) -> None:
         """Reduce-scatter what the weight gradients accumulated, then free the gathered

@@ -358,9 +358,14 @@ def execute(
     # Deferred batch norms update their running statistics once, after all m
     # micro-batches (m may be less than chunks), and not at all if a micro-batch fails.
     with mini_batch(module) if description.deferred_batch_norm else nullcontext():
-        outputs = run(description, partitions, transport, pool, syncs)
-        if transport.cancelled:
-            raise Cancelled  # another rank failed: the session raises its error
+        try:
+            outputs = run(description, partitions, transport, pool, syncs)
+            if transport.cancelled:
+                raise Cancelled  # another rank failed: the session raises its error
+        except BaseException:
+            for sync in syncs.values():
+                sync.abandon()
+            raise
     return outputs
 
 
