@@ -67,10 +67,13 @@ def plain_steps(
             ]
         nn.MSELoss()(model(x), y).backward()
         grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        norm = None
+        if spec.get("clip") is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"]).item()
         optimizer.step()
         optimizer.zero_grad()
         values = {name: p.detach().clone() for name, p in model.named_parameters()}
-        steps.append({"losses": losses, "grads": grads, "values": values})
+        steps.append({"losses": losses, "grads": grads, "values": values, "norm": norm})
     return steps
 
 
@@ -86,6 +89,8 @@ def check_mesh_steps(
         for rank, result in enumerate(results):
             got = result["steps"][k]
             torch.testing.assert_close(got["losses"], want["losses"][rank % dp], msg=f"rank {rank}")
+            if want["norm"] is not None:
+                torch.testing.assert_close(got["norm"], want["norm"], msg=f"rank {rank}")
             for name, grad in got["grads"].items():
                 torch.testing.assert_close(grad, want["grads"][name], msg=f"{name}, step {k}")
                 torch.testing.assert_close(
@@ -160,9 +165,9 @@ def test_hsdp_with_two_partitions_on_the_one_pipeline_rank(
 ) -> None:
     """pp1 x dp_replicate2 x dp_shard2: both partitions on one rank (placement "loop"),
     each sharded over dp_shard and all-reduced over dp_replicate by FSDP: once per step
-    each."""
+    each. Each step clips the gradients by the whole model's norm."""
     shape, names = HSDP
-    spec = {"layers": SKIP, "seed": 5, "batch": 8, "chunks": 2}
+    spec = {"layers": SKIP, "seed": 5, "batch": 8, "chunks": 2, "clip": 0.1}
     results = cluster4.results(
         "mesh_steps", shape=shape, names=names, balance=[3, 3], placement="loop", count=True,
         checkpoint="always", **spec,
