@@ -149,8 +149,9 @@ class GPipe(FixedDevices, Decoding):
     Raises:
         TypeError: ``module`` is not an :class:`~torch.nn.Sequential`, its skippable
             layers do not pair up (see :func:`gpipe_skip.verify_skippables`), a
-            :class:`~gpipe_core.WithDevice` is nested in a layer, or ``init`` is not a
-            callable, a state dict or a list of them.
+            :class:`~gpipe_core.WithDevice` is nested in a layer, ``init`` is not a
+            callable, a state dict or a list of them, ``mesh`` is not a ``DeviceMesh``, or
+            with ``mesh`` a layer is wrapped with FSDP already.
         BalanceError: ``balance`` does not split ``module`` into non-empty partitions.
         ValueError: a ``mesh`` gpipe cannot run (without ``"pp"``, with another
             dimension, a ``"pp"`` size that is not the workers', ties across sharded

@@ -219,6 +219,10 @@ def case_mesh_error(rank: int, *, how: str) -> dict[str, Any]:
         balance, kwargs["placement"] = [1, 1, 1, 1], "v"
         model[3].weight = model[0].weight
         before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    elif how == "not_a_mesh":
+        mesh = ("pp", "dp_shard")  # type: ignore[assignment]
+    elif how == "order":
+        mesh = mesh_of((1, 2, 2), ("pp", "dp_shard", "dp_replicate"))
     elif how == "reshard_without_shard":
         mesh = mesh_of((2, 2), ("pp", "dp_replicate"))
         kwargs["reshard_after_forward"] = False

@@ -255,6 +255,8 @@ ERRORS = {
     "data_group": ("ValueError", "pass either mesh or data_group"),
     "tied": ("ValueError", "a tensor tied between partitions of one rank cannot be sharded"),
     "reshard_without_shard": ("ValueError", "reshard_after_forward applies to partitions"),
+    "not_a_mesh": ("TypeError", "mesh must be a torch.distributed.device_mesh.DeviceMesh"),
+    "order": ("ValueError", "mesh must have 'dp_replicate' before 'dp_shard'"),
 }
 
 
