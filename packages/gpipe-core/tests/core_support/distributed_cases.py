@@ -29,6 +29,7 @@ from torch import nn
 from core_support import meta_models
 from core_support.mesh_cases import (  # noqa: F401 (the cases)
     case_mesh_error,
+    case_mesh_load,
     case_mesh_steps,
     full,
     mesh_of,

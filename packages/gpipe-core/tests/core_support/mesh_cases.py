@@ -81,6 +81,7 @@ def case_mesh_steps(
     tie: tuple[int, int] | None = None,
     fail_first: bool = False,
     infer: bool = False,
+    save: str | None = None,
 ) -> dict[str, Any]:
     """``steps`` steps of AdamW on the pipeline over the mesh, each rank on its share of
     each mini-batch: per step its losses, the full gradients (gathered) and, after the
@@ -93,7 +94,8 @@ def case_mesh_steps(
     ``fail_first``, a first step in which each ``"trap"`` layer raises in the backward
     pass of its first graph (its error, or another rank's, as ``"failed"``), before the
     steps. With ``infer``, then ``forward()`` in eval mode without grad on the share of the
-    last step's mini-batch (the output on the last partition's rank, None elsewhere)."""
+    last step's mini-batch (the output on the last partition's rank, None elsewhere). With
+    ``save``, the state dict (DTensors) saved there by ``torch.distributed.checkpoint``."""
     from __main__ import build, data  # the rank script's own models and data
 
     mesh = mesh_of(shape, names)
@@ -164,6 +166,10 @@ def case_mesh_steps(
         optimizer.zero_grad()
         step["values"] = {name: full(p) for name, p in pipe.named_parameters()}
         results.append(step)
+    if save is not None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(pipe.state_dict(), checkpoint_id=save)
     output = None
     if infer:
         pipe.eval()
@@ -171,6 +177,33 @@ def case_mesh_steps(
             output = pipe(x[part])
         pipe.train()
     return {"steps": results, "drift": pipe.shared_drift(), "failed": failed, "output": output}
+
+
+def case_mesh_load(
+    rank: int,
+    *,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    layers: tuple[str, ...],
+    balance: list[int],
+    path: str,
+    placement: str | None = None,
+) -> dict[str, Any]:
+    """A pipeline on the mesh, its layers built on the meta device, loads the checkpoint
+    at ``path`` (``torch.distributed.checkpoint``, into its DTensors); its parameters,
+    gathered."""
+    import torch.distributed.checkpoint as dcp
+
+    from __main__ import build
+
+    with torch.device("meta"):
+        module = build(layers, 0)
+    pipe = GPipe(module, balance, chunks=2, mesh=mesh_of(shape, names), placement=placement,
+                 timeout=60)  # fmt: skip
+    state = pipe.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    pipe.load_state_dict(state)
+    return {"values": {name: full(p) for name, p in pipe.named_parameters()}}
 
 
 def case_mesh_error(rank: int, *, how: str) -> dict[str, Any]:

@@ -365,3 +365,45 @@ def test_inference_on_a_mesh(cluster4: Any, cases: ModuleType) -> None:
                 continue
             part = slice((rank % 2) * 4, (rank % 2 + 1) * 4)
             torch.testing.assert_close(result["output"], model(x[part]), msg=f"rank {rank}")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_checkpoint_from_the_mesh_loads_into_the_plain_model_pp4_and_another_mesh(
+    cluster4: Any, cases: ModuleType, tmp_path: Any
+) -> None:
+    """``torch.distributed.checkpoint`` saves the sharded state dict (DTensors) of
+    ``pp2 x dp_shard2`` after two steps; it loads into the plain model in this process,
+    into a pipeline of four ranks without a mesh, and into HSDP on ``pp1 x dp_replicate2 x
+    dp_shard2`` (built on the meta device): the trained parameters, whole."""
+    import torch.distributed.checkpoint as dcp
+
+    shape, names = SHARD
+    path = str(tmp_path / "checkpoint")
+    spec = {"layers": SKIP, "seed": 13, "batch": 8, "chunks": 2, "steps": 2}
+    results = cluster4.results(
+        "mesh_steps", shape=shape, names=names, balance=[3, 3], save=path, **spec
+    )
+    trained = {k: v for result in results for k, v in result["steps"][-1]["values"].items()}
+    plain = cases.build(SKIP, 99)
+    state = plain.state_dict()
+    assert state.keys() == trained.keys()
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    plain.load_state_dict(state)
+    for key, value in trained.items():
+        torch.testing.assert_close(plain.state_dict()[key], value, msg=key)
+    loaded = cluster4.results("load", layers=SKIP, balance=[2, 2, 1, 1], path=path, batch=6)
+    for result in loaded:
+        for key, value in result["state"].items():
+            torch.testing.assert_close(value, trained[key], msg=key)
+    x, _ = cases.data(1, 6)
+    torch.testing.assert_close(loaded[3]["output"], plain.eval()(x))
+    # Into another mesh: HSDP, both partitions on the one pipeline rank.
+    shape, names = HSDP
+    into = cluster4.results(
+        "mesh_load", shape=shape, names=names, layers=SKIP, balance=[3, 3], path=path,
+        placement="loop",
+    )  # fmt: skip
+    for result in into:
+        assert result["values"].keys() == trained.keys()
+        for key, value in result["values"].items():
+            torch.testing.assert_close(value, trained[key], msg=key)
