@@ -82,6 +82,9 @@ def case_mesh_steps(
     fail_first: bool = False,
     infer: bool = False,
     save: str | None = None,
+    save_all: str | None = None,
+    resume: str | None = None,
+    first_step: int = 0,
 ) -> dict[str, Any]:
     """``steps`` steps of AdamW on the pipeline over the mesh, each rank on its share of
     each mini-batch: per step its losses, the full gradients (gathered) and, after the
@@ -95,7 +98,10 @@ def case_mesh_steps(
     pass of its first graph (its error, or another rank's, as ``"failed"``), before the
     steps. With ``infer``, then ``forward()`` in eval mode without grad on the share of the
     last step's mini-batch (the output on the last partition's rank, None elsewhere). With
-    ``save``, the state dict (DTensors) saved there by ``torch.distributed.checkpoint``."""
+    ``save``, the state dict (DTensors) saved there by ``torch.distributed.checkpoint``;
+    with ``save_all``, the model's and the optimizer's (``get_state_dict``), which
+    ``resume`` loads before the steps (``set_state_dict``); the steps' data from step
+    ``first_step`` on."""
     from __main__ import build, data  # the rank script's own models and data
 
     mesh = mesh_of(shape, names)
@@ -104,6 +110,16 @@ def case_mesh_steps(
         placement=placement, mesh=mesh, timeout=60, reshard_after_forward=reshard_after_forward,
     )  # fmt: skip
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.05)
+    if resume is not None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optimizer_state = get_state_dict(pipe, optimizer)
+        both = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(both, checkpoint_id=resume)
+        set_state_dict(
+            pipe, optimizer, model_state_dict=both["model"], optim_state_dict=both["optimizer"]
+        )
     part = share(rank, shape, batch)
     kinds = ("reduce_scatter_single", "all_gather_single", "all_reduce")
     counts = dict.fromkeys(kinds, 0)
@@ -132,7 +148,7 @@ def case_mesh_steps(
             trap.armed = None
         optimizer.zero_grad()
     results = []
-    for k in range(steps):
+    for k in range(first_step, first_step + steps):
         x, y = data(seed + k, batch)
         if count:
             for kind in kinds:
@@ -170,6 +186,12 @@ def case_mesh_steps(
         import torch.distributed.checkpoint as dcp
 
         dcp.save(pipe.state_dict(), checkpoint_id=save)
+    if save_all is not None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(pipe, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=save_all)
     output = None
     if infer:
         pipe.eval()

@@ -407,3 +407,31 @@ def test_a_checkpoint_from_the_mesh_loads_into_the_plain_model_pp4_and_another_m
         assert result["values"].keys() == trained.keys()
         for key, value in result["values"].items():
             torch.testing.assert_close(value, trained[key], msg=key)
+
+
+def test_training_resumes_on_another_mesh_from_the_model_and_optimizer_state(
+    cluster4: Any, cases: ModuleType, tmp_path: Any
+) -> None:
+    """Two steps on ``pp2 x dp_shard2``, the model's and AdamW's state saved through
+    ``get_state_dict`` and ``torch.distributed.checkpoint``; on HSDP (another mesh, both
+    partitions on one rank) ``set_state_dict`` loads them and the third step is the plain
+    model's third."""
+    path = str(tmp_path / "resume")
+    spec = {"layers": SKIP, "seed": 14, "batch": 8, "chunks": 2}
+    shape, names = SHARD
+    cluster4.results(
+        "mesh_steps", shape=shape, names=names, balance=[3, 3], steps=2, save_all=path, **spec
+    )
+    shape, names = HSDP
+    results = cluster4.results(
+        "mesh_steps", shape=shape, names=names, balance=[3, 3], placement="loop", steps=1,
+        first_step=2, resume=path, **spec,
+    )  # fmt: skip
+    want = plain_steps(cases, {**spec, "steps": 3}, shape)[2]
+    for rank, result in enumerate(results):
+        got = result["steps"][0]
+        torch.testing.assert_close(got["losses"], want["losses"][rank], msg=f"rank {rank}")
+        assert got["grads"].keys() == want["grads"].keys()
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(grad, want["grads"][name], msg=name)
+            torch.testing.assert_close(got["values"][name], want["values"][name], msg=name)
