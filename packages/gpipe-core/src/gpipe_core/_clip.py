@@ -24,6 +24,8 @@ from numbers import Real
 import torch
 from torch import nn
 
+from ._mesh import is_dtensor
+
 __all__ = ["check_clip_arguments", "clip_by_norms", "combine", "gradient_norms"]
 
 
@@ -81,17 +83,13 @@ def gradient_norms(
     whole gradient's norm: DTensor's norm of its shards, reduced over the mesh (one
     collective per gradient, in the parameters' order, which every rank of the mesh's
     groups shares)."""
-    from torch.distributed.tensor import DTensor
-
     named = [(name, p) for name, p in named if p.grad is not None]
     norms: dict[str, tuple[float, str]] = {}
     for name, p in named:
         grad = p.grad
         assert grad is not None
-        if isinstance(grad, DTensor):
-            whole = torch.linalg.vector_norm(grad, norm_type)
-            assert isinstance(whole, DTensor)
-            norm = whole.full_tensor()
+        if is_dtensor(grad):
+            norm = torch.linalg.vector_norm(grad, norm_type).full_tensor()
         elif foreach is not False and grad.device.type in ("cpu", "cuda"):
             norm = torch._foreach_norm([grad], norm_type)[0]
         else:

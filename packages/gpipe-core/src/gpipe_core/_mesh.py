@@ -17,6 +17,7 @@ sharded from the partitions themselves (see :mod:`gpipe_core.run._gradient_sync`
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ __all__ = [
     "check_mesh",
     "check_mesh_layout",
     "check_not_sharded",
+    "is_dtensor",
     "shard_partitions",
 ]
 
@@ -273,3 +275,11 @@ def shard_partitions(partitions: Sequence[nn.Module], groups: MeshGroups) -> Non
         sharded.set_reshard_after_forward(groups.reshard_after_forward)
         # What the runs' gradient sync reads (see gpipe_core.run._gradient_sync).
         vars(partition)["_gpipe_reshard_after_forward"] = groups.reshard_after_forward
+
+
+def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a DTensor (a sharded parameter or gradient), without importing
+    ``torch.distributed.tensor`` where nothing has: a pipeline without a mesh does not
+    pay for it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)

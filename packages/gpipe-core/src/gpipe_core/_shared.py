@@ -51,6 +51,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._mesh import is_dtensor
+
 __all__ = ["Exchange", "Shared", "SharedReplicas", "Ties", "find_shared", "views"]
 
 #: Within a run: send tensors to some ranks of the pipeline's group, and receive what some
@@ -451,18 +453,17 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     mesh's ``"dp_shard"``), else the tensor itself. The replicas of a sharded parameter on
     the pipeline's ranks of one shard coordinate hold the same shard of it, so their shards
     are what they exchange and sum."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
 
 def _like(parameter: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
     """``shard`` as a gradient of ``parameter``: a DTensor of the parameter's mesh and
     placements where the parameter is one, else ``shard`` itself."""
+    if not is_dtensor(parameter):
+        return shard
     from torch.distributed.tensor import DTensor
 
-    if not isinstance(parameter, DTensor):
-        return shard
+    assert isinstance(parameter, DTensor)
     return DTensor.from_local(
         shard, parameter.device_mesh, parameter.placements, run_check=False,
         shape=parameter.shape, stride=parameter.stride(),

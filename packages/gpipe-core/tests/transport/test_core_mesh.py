@@ -435,3 +435,25 @@ def test_training_resumes_on_another_mesh_from_the_model_and_optimizer_state(
         for name, grad in got["grads"].items():
             torch.testing.assert_close(grad, want["grads"][name], msg=name)
             torch.testing.assert_close(got["values"][name], want["values"][name], msg=name)
+
+
+def test_a_pipeline_without_a_mesh_does_not_import_fsdp() -> None:
+    """FSDP and DTensor are imported where a mesh shards: a step and a clipping without
+    one, in a fresh process, leave them out."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from torch import nn\n"
+        "from gpipe_core import GPipe\n"
+        "model = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], chunks=2)\n"
+        "model.step(torch.randn(4, 2), torch.randn(4, 2), nn.MSELoss(), schedule='1f1b')\n"
+        "model.clip_grad_norm_(1.0)\n"
+        "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.tensor')"
+        " if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr

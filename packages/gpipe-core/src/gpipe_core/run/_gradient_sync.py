@@ -32,6 +32,7 @@ sets FSDP's flags on it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -72,9 +73,10 @@ class GradientSync:
         index: int, module: nn.Module, actions: Sequence[Sequence[Action]]
     ) -> GradientSync | None:
         """The gradient sync of partition ``index`` if ``module`` is sharded, else None."""
-        from torch.distributed.fsdp import FSDPModule
-
-        if not isinstance(module, FSDPModule):
+        # Without FSDP imported no module is sharded: a pipeline without a mesh does not
+        # import it.
+        fsdp = sys.modules.get("torch.distributed.fsdp")
+        if fsdp is None or not isinstance(module, fsdp.FSDPModule):
             return None
         return GradientSync(index, module, actions)
 
