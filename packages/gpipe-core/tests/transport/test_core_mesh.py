@@ -110,7 +110,9 @@ SCHEDULES = [
     ("interleaved-1f1b", "loop", [2, 2, 2, 2], SKIP4, "except_last"),
     ("gpipe", "v", [2, 2, 2, 2], SKIP4, "never"),
     ("1f1b", "v", [2, 2, 2, 2], SKIP4, "always"),
+    ("interleaved-1f1b", "loop", [2, 2, 2, 2], SKIP4, "always"),
     ("zb-h1", "loop", [2, 2, 2, 2], SKIP4, "except_last"),
+    ("zb-h1", "loop", [2, 2, 2, 2], SKIP4, "never"),
     ("zbv", "v", [2, 2, 2, 2], SKIP4, "always"),
     ("zbv", "v", [2, 2, 2, 2], SKIP4, "never"),
 ]
@@ -140,6 +142,20 @@ def test_pp2_dp_shard2_matches_plain_over_three_optimizer_steps(
         for name, local in result["steps"][0]["sharded"].items():
             assert local is not None and local[0] == 2, (name, local)
     check_mesh_steps(cases, results, spec, shape)
+
+
+def test_a_mesh_of_pp_alone_is_a_pipeline_across_its_ranks(
+    cluster4: Any, cases: ModuleType
+) -> None:
+    spec = {"layers": SKIP4, "seed": 15, "batch": 8, "chunks": 4}
+    results = cluster4.results(
+        "mesh_steps", shape=(4,), names=("pp",), balance=[2, 2, 2, 2], schedule="1f1b",
+        count=True, **spec,
+    )  # fmt: skip
+    for result in results:
+        assert all(local is None for local in result["steps"][0]["sharded"].values())
+        assert result["steps"][0]["counts"]["all_reduce"] == 0
+    check_mesh_steps(cases, results, spec, (4,))
 
 
 def test_pp2_dp_replicate2_averages_as_data_group_does(cluster4: Any, cases: ModuleType) -> None:
