@@ -81,7 +81,7 @@ def check_construction(arguments: Arguments) -> Arguments:
     deferred_batch_norm = arguments.deferred_batch_norm
     check_module(module)
     if arguments.mesh is not None:
-        check_not_sharded(module)
+        check_not_sharded(module, arguments.mesh.tensor_mesh)
     if not isinstance(deferred_batch_norm, bool):
         raise TypeError(
             f"deferred_batch_norm must be True or False (deferred_batch_norm: "

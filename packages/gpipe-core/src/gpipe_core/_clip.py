@@ -24,7 +24,7 @@ from numbers import Real
 import torch
 from torch import nn
 
-from ._mesh import is_dtensor
+from ._dtensor import is_dtensor
 
 __all__ = ["check_clip_arguments", "clip_by_norms", "combine", "gradient_norms"]
 

@@ -127,15 +127,15 @@ class GPipe(FixedDevices, Decoding):
             and the tensor (no silent NaN): a layer without ``reset_parameters()`` needs
             ``init``, and so does a non-persistent buffer, which no state dict holds (see
             :ref:`meta-device`). Layers not on the meta device are left as they are.
-        mesh: a :class:`~torch.distributed.device_mesh.DeviceMesh` whose dimensions are
-            named ``"pp"`` and any of ``"dp_replicate"``, ``"dp_shard"``, in place of
+        mesh: a :class:`~torch.distributed.device_mesh.DeviceMesh` with dimensions
+            ``"pp"`` and any of ``"dp_replicate"``, ``"dp_shard"``, ``"tp"``, in place of
             ``group`` and ``data_group`` (see :doc:`/mesh`): the partitions run across
-            ``mesh["pp"]`` as across ``group``, with one rank per worker; the replicas of
-            ``"dp_replicate"`` average their gradients as ``data_group``'s do; over
-            ``"dp_shard"`` each partition of this rank is sharded with torch's
-            :func:`~torch.distributed.fsdp.fully_shard` (with both: HSDP), its gradients
-            reduce-scattered once per step. Every data-parallel rank steps on its own
-            share of the mini-batch.
+            ``mesh["pp"]``, one rank per worker; ``"dp_replicate"``'s replicas average
+            their gradients as ``data_group``'s do; over ``"dp_shard"`` each partition of
+            this rank is sharded with torch's :func:`~torch.distributed.fsdp.fully_shard`
+            (HSDP with both), reduce-scattered once per step; ``"tp"``: the layers are
+            parallelized over ``mesh["tp"]`` (``parallelize_module``) before. Every
+            data-parallel rank steps on its own share of the mini-batch.
         reshard_after_forward: with ``"dp_shard"``, whether a sharded partition frees its
             gathered parameters after each micro-batch's forward (and backward) pass
             (``None``, default: True), or keeps them until the step's last backward pass.
@@ -151,11 +151,12 @@ class GPipe(FixedDevices, Decoding):
             layers do not pair up (see :func:`gpipe_skip.verify_skippables`), a
             :class:`~gpipe_core.WithDevice` is nested in a layer, ``init`` is not a
             callable, a state dict or a list of them, ``mesh`` is not a ``DeviceMesh``, or
-            with ``mesh`` a layer is wrapped with FSDP already.
+            with ``mesh`` a layer is wrapped with FSDP, or holds DTensors of another mesh
+            than ``mesh["tp"]``.
         BalanceError: ``balance`` does not split ``module`` into non-empty partitions.
         ValueError: a ``mesh`` gpipe cannot run (without ``"pp"``, with another
-            dimension, a ``"pp"`` size that is not the workers', ties across sharded
-            partitions, or with ``group``/``data_group``); too few devices, bad
+            dimension, a ``"pp"`` size that is not the workers', a tie between sharded
+            partitions of a rank, or with ``group``/``data_group``); too few devices, bad
             ``chunks``, ``checkpoint`` or ``timeout``, a
             buffer shared by partitions on different devices of this process, a
             :class:`~gpipe_core.WithDevice` layer in a partition on another device, or a

@@ -5,8 +5,11 @@ how each rank's partitions are sharded with torch's FSDP2
 
 The mesh's dimensions are torchtitan's names: ``"pp"`` (the pipeline: its group is what
 ``group=`` is without a mesh), ``"dp_replicate"`` (replicas that average their gradients
-after each step, as ``data_group=`` does) and ``"dp_shard"`` (each local partition sharded
-with ``fully_shard`` over it; with ``"dp_replicate"`` too, HSDP over both). :func:`check_mesh`
+after each step, as ``data_group=`` does), ``"dp_shard"`` (each local partition sharded
+with ``fully_shard`` over it; with ``"dp_replicate"`` too, HSDP over both) and ``"tp"``
+(the layers are the user's, parallelized over it with torch's ``parallelize_module``
+before the pipeline is built: their parameters are DTensors of ``mesh["tp"]``, and what
+crosses between partitions is what the layers return). :func:`check_mesh`
 refuses a mesh gpipe cannot run before anything changes, and returns a :class:`MeshGroups`;
 :func:`check_mesh_layout` refuses what only the placement and the module's ties show;
 :func:`shard_partitions` shards the partitions once they are built.
@@ -17,7 +20,6 @@ sharded from the partitions themselves (see :mod:`gpipe_core.run._gradient_sync`
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,15 +36,13 @@ __all__ = [
     "check_mesh",
     "check_mesh_layout",
     "check_not_sharded",
-    "is_dtensor",
     "shard_partitions",
 ]
 
 #: The dimension names gpipe runs a pipeline on.
-MESH_DIMENSIONS = ("pp", "dp_replicate", "dp_shard")
+MESH_DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "tp")
 #: torchtitan's names that gpipe does not run yet, refused by name.
 _NOT_YET = {
-    "tp": "tensor parallelism ('tp') is not supported yet",
     "cp": "context parallelism ('cp') is not supported yet",
     "ep": "expert parallelism ('ep') is not supported yet",
 }
@@ -65,6 +65,8 @@ class MeshGroups:
         reshard_after_forward: whether sharded partitions free their gathered parameters
             after each micro-batch's forward pass.
         device_type: the mesh's device type (``"cpu"``, ``"cuda"``).
+        tensor_mesh: ``mesh["tp"]``, the mesh the layers' DTensors are parallelized over
+            (None without ``"tp"``).
     """
 
     pipeline: dist.ProcessGroup
@@ -74,6 +76,7 @@ class MeshGroups:
     pp_size: int
     reshard_after_forward: bool
     device_type: str
+    tensor_mesh: DeviceMesh | None = None
 
     @property
     def averaged(self) -> dist.ProcessGroup | None:
@@ -97,7 +100,8 @@ def check_mesh(
             bool.
         ValueError: ``mesh`` together with ``group`` or ``data_group``; a mesh without
             ``"pp"``, with a dimension gpipe does not know or does not run yet
-            (``"tp"``), without names, or with ``"dp_shard"`` before ``"dp_replicate"``;
+            (``"cp"``, ``"ep"``), without names, or with ``"dp_shard"`` before
+            ``"dp_replicate"``;
             ``reshard_after_forward`` without ``"dp_shard"``.
     """
     if mesh is None:
@@ -176,14 +180,16 @@ def check_mesh(
         pp_size=mesh["pp"].size(),
         reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,
         device_type=mesh.device_type,
+        tensor_mesh=mesh["tp"] if "tp" in names else None,
     )
 
 
-def check_not_sharded(module: nn.Module) -> None:
+def check_not_sharded(module: nn.Module, tensor_mesh: DeviceMesh | None) -> None:
     """Refuse a ``module`` that torch's data parallelism wrapped already: FSDP1
     (``FullyShardedDataParallel``), FSDP2 (``fully_shard``), or parameters that are
-    DTensors (sharded or parallelized by hand). gpipe splits the plain layers, then shards
-    each partition itself (``mesh=``)."""
+    DTensors on another mesh than ``tensor_mesh`` (``mesh["tp"]``, which the layers are
+    parallelized over before the pipeline is built; without ``"tp"``, none). gpipe splits
+    the layers, then shards each partition itself over ``"dp_shard"``."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
 
@@ -204,10 +210,12 @@ def check_not_sharded(module: nn.Module) -> None:
                 "shards each partition itself"
             )
     for name, p in module.named_parameters():
-        if isinstance(p, DTensor):
+        if isinstance(p, DTensor) and (tensor_mesh is None or p.device_mesh != tensor_mesh):
             raise TypeError(
-                f"module must hold plain parameters, and {name!r} is a DTensor "
-                f"(placements: {p.placements}); tensor parallelism is not supported yet"
+                f"module must hold plain parameters, or DTensors of the layers parallelized "
+                f"over mesh['tp'], and {name!r} is a DTensor on another mesh (its mesh: "
+                f"{p.device_mesh}, mesh['tp']: {tensor_mesh}); parallelize the model with "
+                "parallelize_module(model, mesh['tp'], plan) before building the pipeline"
             )
 
 
@@ -275,11 +283,3 @@ def shard_partitions(partitions: Sequence[nn.Module], groups: MeshGroups) -> Non
         sharded.set_reshard_after_forward(groups.reshard_after_forward)
         # What the runs' gradient sync reads (see gpipe_core.run._gradient_sync).
         vars(partition)["_gpipe_reshard_after_forward"] = groups.reshard_after_forward
-
-
-def is_dtensor(tensor: object) -> bool:
-    """Whether ``tensor`` is a DTensor (a sharded parameter or gradient), without importing
-    ``torch.distributed.tensor`` where nothing has: a pipeline without a mesh does not
-    pay for it."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._mesh import is_dtensor
+from ._dtensor import gradient_like, local_part
 
 __all__ = ["Exchange", "Shared", "SharedReplicas", "Ties", "find_shared", "views"]
 
@@ -337,7 +337,7 @@ class SharedReplicas:
         with torch.no_grad():
             for found in self.sets:
                 for key, tensor in found.tensors.items():
-                    tensor = _local(tensor)
+                    tensor = local_part(tensor)
                     owner = self._from_owner(found, key, tensor, exchange)
                     if owner is not tensor:
                         tensor.copy_(owner)
@@ -378,7 +378,7 @@ class SharedReplicas:
         none): the step sums only what it adds, so that gradients accumulated over several
         steps are summed once."""
         return {
-            id(p): None if p.grad is None else _local(p.grad).detach().clone()
+            id(p): None if p.grad is None else local_part(p.grad).detach().clone()
             for found in self.sets
             for p in self._parameters(found)
         }
@@ -404,7 +404,11 @@ class SharedReplicas:
                 added = []
                 for p in same:
                     earlier = before.get(id(p))
-                    grad = _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))
+                    grad = (
+                        local_part(p.grad)
+                        if p.grad is not None
+                        else torch.zeros_like(local_part(p))
+                    )
                     added.append((grad if earlier is None else grad - earlier).reshape(-1))
                 # Then, for each parameter, 1 where this rank has a gradient: the sum
                 # counts the ranks that have one.
@@ -419,7 +423,7 @@ class SharedReplicas:
                 counts = flat[-len(same) :].tolist()
                 offset = 0
                 for p, count in zip(same, counts, strict=True):
-                    shard = _local(p)
+                    shard = local_part(p)
                     summed = flat[offset : offset + shard.numel()].view_as(shard)
                     offset += shard.numel()
                     if count == 0:
@@ -428,9 +432,9 @@ class SharedReplicas:
                     if earlier is not None:
                         summed = earlier + summed
                     if p.grad is None:
-                        p.grad = _like(p, summed.clone())
+                        p.grad = gradient_like(p, summed.clone())
                     else:
-                        _local(p.grad).copy_(summed)
+                        local_part(p.grad).copy_(summed)
 
     def drift(self, exchange: Exchange) -> dict[str, float]:
         """The largest absolute difference between each replica this process holds and the
@@ -440,31 +444,9 @@ class SharedReplicas:
         for found in self.sets:
             others = [r for r in found.ranks if r != self.rank]
             for key, tensor in found.tensors.items():
-                tensor = _local(tensor)
+                tensor = local_part(tensor)
                 owner = self._from_owner(found, key, tensor, exchange)
                 difference = (tensor.detach() - owner).abs().max().reshape(1).double().cpu()
                 theirs = exchange([difference], others, others, f"the drift of {key}")
                 drifts[key] = max([float(difference), *(float(t[0]) for t in theirs.values())])
         return drifts
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor``: a sharded one's shard (a DTensor's local tensor, on a
-    mesh's ``"dp_shard"``), else the tensor itself. The replicas of a sharded parameter on
-    the pipeline's ranks of one shard coordinate hold the same shard of it, so their shards
-    are what they exchange and sum."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
-
-
-def _like(parameter: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
-    """``shard`` as a gradient of ``parameter``: a DTensor of the parameter's mesh and
-    placements where the parameter is one, else ``shard`` itself."""
-    if not is_dtensor(parameter):
-        return shard
-    from torch.distributed.tensor import DTensor
-
-    assert isinstance(parameter, DTensor)
-    return DTensor.from_local(
-        shard, parameter.device_mesh, parameter.placements, run_check=False,
-        shape=parameter.shape, stride=parameter.stride(),
-    )  # fmt: skip

@@ -31,6 +31,7 @@ from core_support.mesh_cases import (  # noqa: F401 (the cases)
     case_mesh_error,
     case_mesh_load,
     case_mesh_steps,
+    data_share,
     full,
     mesh_of,
 )
@@ -1106,8 +1107,7 @@ def case_batch_mean(
     group, data_group, replica = dist.group.WORLD, None, (0, 1)
     on: dict[str, Any] = {}
     if mesh is not None:
-        dp = dist.get_world_size() // mesh[0][0]
-        group, data_group, replica = None, None, (rank % dp, dp)
+        group, data_group, replica = None, None, data_share(rank, *mesh)
         on["mesh"] = mesh_of(*mesh)
     elif data_parallel:
         pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]

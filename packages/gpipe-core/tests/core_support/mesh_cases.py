@@ -40,14 +40,27 @@ def full(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.detach().clone()
 
 
-def share(rank: int, shape: tuple[int, ...], batch: int) -> slice:
-    """The samples of a mini-batch of ``batch`` that ``rank`` passes: its data-parallel
-    share (the ranks of one pipeline rank ``rank // dp``, ``dp = shape[1:]``'s product)."""
-    dp = 1
-    for size in shape[1:]:
-        dp *= size
-    part = batch // dp
-    index = rank % dp
+def data_share(rank: int, shape: tuple[int, ...], names: tuple[str, ...]) -> tuple[int, int]:
+    """Which data-parallel share of each mini-batch ``rank`` passes, and of how many: its
+    coordinates along the mesh's ``"dp_"`` dimensions, in the mesh's order (the ranks of
+    one ``"tp"`` group pass the same)."""
+    coordinates = []
+    for size in reversed(shape):
+        coordinates.append(rank % size)
+        rank //= size
+    coordinates.reverse()
+    index, count = 0, 1
+    for name, size, coordinate in zip(names, shape, coordinates, strict=True):
+        if name.startswith("dp_"):
+            index, count = index * size + coordinate, count * size
+    return index, count
+
+
+def share(rank: int, shape: tuple[int, ...], names: tuple[str, ...], batch: int) -> slice:
+    """The samples of a mini-batch of ``batch`` that ``rank`` passes (see
+    :func:`data_share`)."""
+    index, count = data_share(rank, shape, names)
+    part = batch // count
     return slice(index * part, (index + 1) * part)
 
 
@@ -58,6 +71,28 @@ def tied_model(model: nn.Sequential, tie: tuple[int, int] | None) -> nn.Sequenti
         a, b = tie
         model[b].weight = model[a].weight
     return model
+
+
+def tp_model(seed: int) -> nn.Sequential:
+    """Two column- and row-parallel pairs (``4 -> 8 -> 4``, a tanh between), float64: one
+    pair per partition of ``[3, 3]``, parallelized with :data:`TP_PLAN`."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4), nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)
+    ).double()
+
+
+def parallelized(model: nn.Sequential, mesh: DeviceMesh) -> nn.Sequential:
+    """:func:`tp_model` with each pair column- then row-parallel over ``mesh["tp"]``."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel(),
+            "5": RowwiseParallel()}  # fmt: skip
+    return parallelize_module(model, mesh["tp"], plan)  # type: ignore[arg-type,return-value]
 
 
 def case_mesh_steps(
@@ -82,6 +117,7 @@ def case_mesh_steps(
     fail_first: bool = False,
     infer: bool = False,
     save: str | None = None,
+    tp: bool = False,
     save_all: str | None = None,
     resume: str | None = None,
     first_step: int = 0,
@@ -101,12 +137,14 @@ def case_mesh_steps(
     ``save``, the state dict (DTensors) saved there by ``torch.distributed.checkpoint``;
     with ``save_all``, the model's and the optimizer's (``get_state_dict``), which
     ``resume`` loads before the steps (``set_state_dict``); the steps' data from step
-    ``first_step`` on."""
+    ``first_step`` on. With ``tp``, the model is :func:`tp_model`, parallelized over
+    ``mesh["tp"]`` before the pipeline is built (``layers`` unused)."""
     from __main__ import build, data  # the rank script's own models and data
 
     mesh = mesh_of(shape, names)
+    model = parallelized(tp_model(seed), mesh) if tp else tied_model(build(layers, seed), tie)
     pipe = GPipe(
-        tied_model(build(layers, seed), tie), balance, chunks=chunks, checkpoint=checkpoint,  # type: ignore[arg-type]
+        model, balance, chunks=chunks, checkpoint=checkpoint,  # type: ignore[arg-type]
         placement=placement, mesh=mesh, timeout=60, reshard_after_forward=reshard_after_forward,
     )  # fmt: skip
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.05)
@@ -120,7 +158,7 @@ def case_mesh_steps(
         set_state_dict(
             pipe, optimizer, model_state_dict=both["model"], optim_state_dict=both["optimizer"]
         )
-    part = share(rank, shape, batch)
+    part = share(rank, shape, names, batch)
     kinds = ("reduce_scatter_single", "all_gather_single", "all_reduce")
     counts = dict.fromkeys(kinds, 0)
     real = {kind: getattr(dist, kind) for kind in kinds}
@@ -241,8 +279,13 @@ def case_mesh_error(rank: int, *, how: str) -> dict[str, Any]:
         mesh = mesh_of((4,), ("dp_shard",))
     elif how == "unknown":
         mesh = mesh_of((2, 2), ("pp", "fsdp"))
-    elif how == "tp":
-        mesh = mesh_of((2, 2), ("pp", "tp"))
+    elif how == "cp":
+        mesh = mesh_of((2, 2), ("pp", "cp"))
+    elif how == "dtensor_elsewhere":  # parallelized over a "tp" the mesh given lacks
+        model = parallelized(tp_model(1), mesh_of((2, 2), ("pp", "tp")))
+        before = {name: full(p) for name, p in model.named_parameters()}
+        balance = [3, 3]
+        mesh = mesh_of((2, 2), ("pp", "dp_shard"))
     elif how == "pp_size":
         mesh = mesh_of((2, 2), ("pp", "dp_shard"))
         balance = [1, 1, 1, 1]

@@ -37,18 +37,17 @@ def cluster4(new_cluster_module: Callable[[int], Any]) -> Any:
     return new_cluster_module(4)
 
 
-def plain_steps(
-    cases: ModuleType, spec: dict[str, Any], shape: tuple[int, ...]
-) -> list[dict[str, Any]]:
-    """The plain model's steps: each data-parallel share's micro-batch losses, and the
-    gradients of the whole mini-batch's mean loss and the parameters after AdamW's step."""
-    from core_support.mesh_cases import tied_model
+def plain_steps(cases: ModuleType, spec: dict[str, Any], dp: int) -> list[dict[str, Any]]:
+    """The plain model's steps: each of ``dp`` data-parallel shares' micro-batch losses, and
+    the gradients of the whole mini-batch's mean loss and the parameters after AdamW's
+    step."""
+    from core_support.mesh_cases import tied_model, tp_model
 
-    model = tied_model(cases.build(spec["layers"], spec["seed"]), spec.get("tie"))
+    if spec.get("tp"):
+        model = tp_model(spec["seed"])
+    else:
+        model = tied_model(cases.build(spec["layers"], spec["seed"]), spec.get("tie"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    dp = 1
-    for size in shape[1:]:
-        dp *= size
     steps = []
     for k in range(spec.get("steps", 3)):
         x, y = cases.data(spec["seed"] + k, spec["batch"])
@@ -78,17 +77,25 @@ def plain_steps(
 
 
 def check_mesh_steps(
-    cases: ModuleType, results: list[dict[str, Any]], spec: dict[str, Any], shape: tuple[int, ...]
+    cases: ModuleType,
+    results: list[dict[str, Any]],
+    spec: dict[str, Any],
+    shape: tuple[int, ...],
+    names: tuple[str, ...] | None = None,
 ) -> None:
-    """Every rank's losses (its share's), and the gradients and parameters of its
-    partitions (whole), equal the plain model's at every step; every parameter is on some
-    rank."""
-    dp = len(results) // shape[0]
-    for k, want in enumerate(plain_steps(cases, spec, shape)):
+    """Every rank's losses (its data-parallel share's), and the gradients and parameters of
+    its partitions (whole), equal the plain model's at every step; every parameter is on
+    some rank. ``names``: the mesh's (default: ``"pp"`` then data-parallel dimensions)."""
+    from core_support.mesh_cases import data_share
+
+    names = names or ("pp", *(f"dp_{k}" for k in range(len(shape) - 1)))
+    dp = data_share(0, shape, names)[1]
+    for k, want in enumerate(plain_steps(cases, spec, dp)):
         seen: set[str] = set()
         for rank, result in enumerate(results):
             got = result["steps"][k]
-            torch.testing.assert_close(got["losses"], want["losses"][rank % dp], msg=f"rank {rank}")
+            share = data_share(rank, shape, names)[0]
+            torch.testing.assert_close(got["losses"], want["losses"][share], msg=f"rank {rank}")
             if want["norm"] is not None:
                 torch.testing.assert_close(got["norm"], want["norm"], msg=f"rank {rank}")
             for name, grad in got["grads"].items():
@@ -263,7 +270,8 @@ def test_two_sharded_partitions_per_rank_reduce_scatter_once_each(
 ERRORS = {
     "no_pp": ("ValueError", "mesh must have a 'pp' dimension"),
     "unknown": ("ValueError", "mesh has dimension 'fsdp', which gpipe does not know"),
-    "tp": ("ValueError", "mesh has dimension 'tp', and tensor parallelism ('tp') is not"),
+    "cp": ("ValueError", "mesh has dimension 'cp', and context parallelism ('cp') is not"),
+    "dtensor_elsewhere": ("TypeError", "'0.weight' is a DTensor on another mesh"),
     "pp_size": ("ValueError", "mesh['pp'] must have one rank per worker of the partitions"),
     "fsdp1": ("TypeError", "module '2' is wrapped in FSDP1's FullyShardedDataParallel"),
     "fully_shard": ("TypeError", "module '2' is fully_shard-ed already"),
@@ -443,7 +451,7 @@ def test_training_resumes_on_another_mesh_from_the_model_and_optimizer_state(
         "mesh_steps", shape=shape, names=names, balance=[3, 3], placement="loop", steps=1,
         first_step=2, resume=path, **spec,
     )  # fmt: skip
-    want = plain_steps(cases, {**spec, "steps": 3}, shape)[2]
+    want = plain_steps(cases, {**spec, "steps": 3}, 4)[2]
     for rank, result in enumerate(results):
         got = result["steps"][0]
         torch.testing.assert_close(got["losses"], want["losses"][rank], msg=f"rank {rank}")
@@ -473,3 +481,49 @@ def test_a_pipeline_without_a_mesh_does_not_import_fsdp() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+TP = ((2, 2), ("pp", "tp"))
+
+
+def test_pp2_tp2_with_a_column_and_row_parallel_pair_matches_plain(
+    cluster4: Any, cases: ModuleType
+) -> None:
+    """Each partition a column-parallel and a row-parallel linear layer (parallelized over
+    mesh["tp"] before the pipeline is built); the ranks of a tensor-parallel group pass the
+    same data, and what crosses between partitions is what the row-parallel layer returns
+    (whole). Three AdamW steps on the DTensor parameters: the plain model's."""
+    shape, names = TP
+    spec = {"layers": (), "seed": 16, "batch": 8, "chunks": 2, "tp": True}
+    results = cluster4.results(
+        "mesh_steps", shape=shape, names=names, balance=[3, 3], schedule="1f1b", **spec
+    )
+    for result in results:  # each rank holds half of each weight (8 x 4 or 4 x 8)
+        step = result["steps"][0]
+        for name, local in step["sharded"].items():
+            if name.endswith("weight"):
+                assert local is not None and local[0] * local[1] == 16, (name, local)
+    check_mesh_steps(cases, results, spec, shape, names)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "checkpoint"),
+    [
+        (((1, 2, 2), ("pp", "dp_shard", "tp")), "always"),
+        (((1, 2, 2), ("pp", "dp_replicate", "tp")), "except_last"),
+    ],
+    ids=["dp_shard2-tp2", "dp_replicate2-tp2"],
+)
+def test_tensor_parallel_layers_with_data_parallel_replicas_or_shards(
+    cluster4: Any, cases: ModuleType, mesh: Any, checkpoint: str
+) -> None:
+    """pp1 x dp2 x tp2, both partitions on the one pipeline rank: over "dp_shard", FSDP
+    shards the tensor-parallel parameters again (2D); over "dp_replicate", gpipe averages
+    their local parts. Each step clips by the whole model's norm."""
+    shape, names = mesh
+    spec = {"layers": (), "seed": 17, "batch": 8, "chunks": 2, "tp": True, "clip": 0.1}
+    results = cluster4.results(
+        "mesh_steps", shape=shape, names=names, balance=[3, 3], placement="loop",
+        checkpoint=checkpoint, **spec,
+    )  # fmt: skip
+    check_mesh_steps(cases, results, spec, shape, names)

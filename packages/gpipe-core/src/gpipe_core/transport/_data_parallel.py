@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._dtensor import gradient_like, local_part
 from .._errors import add_note
 from ._collective import wait_collective
 
@@ -121,7 +122,7 @@ class Replicas:
         flats: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
         for dtype, group_parameters in sorted(by_dtype.items(), key=lambda item: str(item[0])):
             grads = [
-                torch.zeros_like(p) if failed or p.grad is None else p.grad
+                torch.zeros_like(local_part(p)) if failed or p.grad is None else local_part(p.grad)
                 for p in group_parameters
             ]
             flat = torch.cat(
@@ -148,10 +149,11 @@ class Replicas:
         for flat, group_parameters in flats:
             offset = 0
             for p in group_parameters:
-                count = p.numel()
-                averaged = flat[offset : offset + count].view_as(p) / size
+                shard = local_part(p)
+                count = shard.numel()
+                averaged = flat[offset : offset + count].view_as(shard) / size
                 if p.grad is None:
-                    p.grad = averaged
+                    p.grad = gradient_like(p, averaged)
                 else:
-                    p.grad.copy_(averaged)
+                    local_part(p.grad).copy_(averaged)
                 offset += count
