@@ -1,14 +1,18 @@
 """GPipe on a device mesh (``mesh=``): the pipeline over ``"pp"``, replicas over
-``"dp_replicate"``, each partition sharded with FSDP2 over ``"dp_shard"``.
+``"dp_replicate"``, each partition sharded with FSDP2 over ``"dp_shard"``, the layers'
+tensor parallelism over ``"tp"``.
 
 Four ranks (``cluster4``, started once for the module, its meshes made once per rank):
-``pp2 x dp_shard2`` on every schedule that does not split the backward pass, with a skip
-between the ranks' partitions, in every checkpoint mode the cases name; ``pp2 x
-dp_replicate2``; ``pp1 x dp_replicate2 x dp_shard2`` (HSDP, two partitions on the one
-pipeline rank). Each runs three steps of AdamW and is compared with the plain model trained
-on the whole mini-batch: losses, gathered gradients and parameters after each step, in
-float64. Then FSDP's collectives per step, ``clip_grad_norm_`` over sharded gradients, and
-the meshes and modules that are refused, with the module left as it was.
+``pp2 x dp_shard2`` on every schedule (the zero-bubble ones' split backward included) in
+the checkpoint modes the cases name, with a skip between partitions; ``pp2 x
+dp_replicate2``; HSDP (``pp1 x dp_replicate2 x dp_shard2``, two partitions on the one
+pipeline rank); ``pp2 x tp2`` and ``tp2`` with ``dp_shard2`` or ``dp_replicate2``; a weight
+tied across ranks; keyword inputs. Each runs AdamW steps and is compared with the plain
+model trained on the whole mini-batch: losses, gathered gradients and parameters after each
+step, in float64. Then FSDP's collectives per step, ``clip_grad_norm_`` and a
+``BatchMean`` over sharded gradients, a failed step, inference, checkpoints saved on one
+mesh and loaded into the plain model, a pipeline without a mesh and another mesh, and the
+meshes and modules that are refused, with the module left as it was.
 """
 
 from __future__ import annotations
