@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["gradient_like", "is_dtensor", "local_part"]
+__all__ = ["gradient_like", "is_dtensor", "local_part", "settled"]
 
 
 def _dtensor_type() -> Any:
@@ -46,3 +46,14 @@ def gradient_like(parameter: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
         part, parameter.device_mesh, parameter.placements, run_check=False,  # type: ignore[attr-defined]
         shape=parameter.shape, stride=parameter.stride(),
     )  # fmt: skip
+
+
+def settled(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with its data there: the result of a collective that a layer left to
+    finish (an ``AsyncCollectiveTensor``: a tensor-parallel layer's output, its input's
+    gradient) waited for and unwrapped, as an operator on it would; any other tensor as it
+    is. What crosses ranks as bytes must be one."""
+    module = sys.modules.get("torch.distributed._functional_collectives")
+    if module is not None and isinstance(tensor, module.AsyncCollectiveTensor):
+        return tensor.wait()  # type: ignore[no-any-return]
+    return tensor

@@ -500,14 +500,30 @@ def test_pp2_tp2_with_a_column_and_row_parallel_pair_matches_plain(
     shape, names = TP
     spec = {"layers": (), "seed": 16, "batch": 8, "chunks": 2, "tp": True}
     results = cluster4.results(
-        "mesh_steps", shape=shape, names=names, balance=[3, 3], schedule="1f1b", **spec
-    )
+        "mesh_steps", shape=shape, names=names, balance=[3, 3], schedule="1f1b", infer=True,
+        **spec,
+    )  # fmt: skip
     for result in results:  # each rank holds half of each weight (8 x 4 or 4 x 8)
         step = result["steps"][0]
         for name, local in step["sharded"].items():
             if name.endswith("weight"):
                 assert local is not None and local[0] * local[1] == 16, (name, local)
     check_mesh_steps(cases, results, spec, shape, names)
+    # Then inference: the last step's mini-batch through the trained model, whole on the
+    # last partition's ranks.
+    from core_support.mesh_cases import tp_model
+
+    model = tp_model(16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for k in range(3):
+        x, y = cases.data(16 + k, 8)
+        nn.MSELoss()(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        for rank, result in enumerate(results):
+            if rank >= 2:
+                torch.testing.assert_close(result["output"], model(x), msg=f"rank {rank}")
 
 
 @pytest.mark.parametrize(
