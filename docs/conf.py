@@ -87,7 +87,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(typing|typing_extensions|collections|collections\.abc|contextlib)\..*"),
     (r"py:.*", r"(_thread|types|threading|queue|enum|abc|dataclasses|functools|argparse)\..*"),
     (r"py:.*", r"(os|pathlib|matplotlib|datetime)(\..*)?"),
-    (r"py:.*", r"(Tensor|Module|Sequential|Stream|device|dtype|Generator)"),
+    (r"py:.*", r"(Tensor|Module|Sequential|Stream|device|dtype|Generator|DeviceMesh)"),
     (
         r"py:.*",
         r"(None|NoneType|Any|int|float|str|bool|bytes|object|type|tuple|list|dict|set"

@@ -21,6 +21,7 @@ from gpipe_microbatch import Device, check_chunks, check_module
 from gpipe_skip import verify_skippables
 
 from ._materialize import Init, check_init
+from ._mesh import MeshGroups, check_not_sharded
 from ._partition import balance_from_placement, placed_layers
 from ._placement import check_timeout
 from .run._threads import check_intra_op_threads
@@ -65,6 +66,9 @@ class Arguments(NamedTuple):
     placement: str | Sequence[int] | None
     #: How layers built on the meta device are initialised; a tuple of steps once checked.
     init: Init
+    #: The mesh's groups (``mesh=``, checked by :func:`~gpipe_core._mesh.check_mesh`;
+    #: ``group`` and ``data_group`` are then its own); None without a mesh.
+    mesh: MeshGroups | None = None
 
 
 def check_construction(arguments: Arguments) -> Arguments:
@@ -76,6 +80,8 @@ def check_construction(arguments: Arguments) -> Arguments:
     group, data_group, placement = arguments.group, arguments.data_group, arguments.placement
     deferred_batch_norm = arguments.deferred_batch_norm
     check_module(module)
+    if arguments.mesh is not None:
+        check_not_sharded(module, arguments.mesh.tensor_mesh)
     if not isinstance(deferred_batch_norm, bool):
         raise TypeError(
             f"deferred_batch_norm must be True or False (deferred_batch_norm: "

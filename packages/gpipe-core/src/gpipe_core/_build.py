@@ -22,6 +22,7 @@ from gpipe_skip import SkipLayout, inspect_skip_layout
 
 from ._arguments import Arguments, CheckpointMode, check_construction, check_data_group_devices
 from ._materialize import InitStep
+from ._mesh import check_mesh_layout, shard_partitions
 from ._partition import check_module_balance, check_split, layer_groups, placed_layers, split_module
 from ._placement import Placement
 from ._sequential import PipeSequential
@@ -99,6 +100,12 @@ def build(
     # The tensors that layers of several partitions share (tied weights), found before
     # a rank releases the other ranks' layers.
     shared = find_shared(layer_groups(module, balance))
+    mesh = checked.mesh
+    if mesh is not None:
+        check_mesh_layout(
+            mesh, placement.workers, placement_spec, [(s.key, s.partitions) for s in shared],
+            placement.ranks, placement.local_devices(),
+        )  # fmt: skip
     if construction is not None:
         fields = (
             ("the module's type", type(module).__qualname__),
@@ -123,7 +130,7 @@ def build(
         # Every rank of the group makes them, here: constructing the pipeline is
         # collective over the group, as its steps are.
         placement.connect(construction.tag)
-    replicas = Replicas(data_group, seconds)
+    replicas = Replicas(data_group, seconds, None if mesh is None else mesh.counted)
     if deferred_batch_norm:
         convert_deferred_batch_norm(module, checked.chunks)  # in place: module is a container
     # Deferred batch norms, converted here or by hand, see each forward call as one
@@ -143,6 +150,8 @@ def build(
     )
     if unpacks:
         partitions = [PipeSequential(OrderedDict(p._modules)) for p in partitions]
+    if mesh is not None:
+        shard_partitions([p for j, p in enumerate(partitions) if local[j]], mesh)
     layer_names = list(module._modules)
     parameter_names = [name for name, _ in placed_layers(module).named_parameters()]
     shared_replicas = SharedReplicas(shared, placement.ranks, partitions, group, seconds)

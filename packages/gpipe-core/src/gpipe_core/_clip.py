@@ -24,6 +24,8 @@ from numbers import Real
 import torch
 from torch import nn
 
+from ._dtensor import is_dtensor
+
 __all__ = ["check_clip_arguments", "clip_by_norms", "combine", "gradient_norms"]
 
 
@@ -75,13 +77,20 @@ def gradient_norms(
     named: Iterable[tuple[str, nn.Parameter]], norm_type: float, foreach: bool | None
 ) -> dict[str, tuple[float, str]]:
     """The norm of each gradient of ``named`` parameters (those with a gradient), under the
-    parameter's name, with the gradient's dtype (a Python float holds a norm exactly)."""
+    parameter's name, with the gradient's dtype (a Python float holds a norm exactly).
+
+    A gradient sharded over a mesh (a DTensor, ``mesh=`` with ``"dp_shard"``) is the
+    whole gradient's norm: DTensor's norm of its shards, reduced over the mesh (one
+    collective per gradient, in the parameters' order, which every rank of the mesh's
+    groups shares)."""
     named = [(name, p) for name, p in named if p.grad is not None]
     norms: dict[str, tuple[float, str]] = {}
     for name, p in named:
         grad = p.grad
         assert grad is not None
-        if foreach is not False and grad.device.type in ("cpu", "cuda"):
+        if is_dtensor(grad):
+            norm = torch.linalg.vector_norm(grad, norm_type).full_tensor()
+        elif foreach is not False and grad.device.type in ("cpu", "cuda"):
             norm = torch._foreach_norm([grad], norm_type)[0]
         else:
             norm = torch.linalg.vector_norm(grad, norm_type)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from gpipe_microbatch import Device
 from gpipe_skip import SkipLayout
@@ -33,6 +34,7 @@ from ._arguments import Arguments, CheckpointMode
 from ._build import Configuration, build
 from ._decoding import Decoding
 from ._materialize import Init
+from ._mesh import check_mesh
 from ._moves import FixedDevices
 from ._placement import DEFAULT_TIMEOUT, construction_for
 from ._state_dict import PartitionKeys, map_keys
@@ -125,6 +127,18 @@ class GPipe(FixedDevices, Decoding):
             and the tensor (no silent NaN): a layer without ``reset_parameters()`` needs
             ``init``, and so does a non-persistent buffer, which no state dict holds (see
             :ref:`meta-device`). Layers not on the meta device are left as they are.
+        mesh: a :class:`~torch.distributed.device_mesh.DeviceMesh` with dimensions
+            ``"pp"`` and any of ``"dp_replicate"``, ``"dp_shard"``, ``"tp"``, in place of
+            ``group`` and ``data_group`` (see :doc:`/mesh`): the partitions run across
+            ``mesh["pp"]``, one rank per worker; ``"dp_replicate"``'s replicas average
+            their gradients as ``data_group``'s do; over ``"dp_shard"`` each partition of
+            this rank is sharded with torch's :func:`~torch.distributed.fsdp.fully_shard`
+            (HSDP with both), reduce-scattered once per step; ``"tp"``: the layers are
+            parallelized over ``mesh["tp"]`` (``parallelize_module``) before. Every
+            data-parallel rank steps on its own share of the mini-batch.
+        reshard_after_forward: with ``"dp_shard"``, whether a sharded partition frees its
+            gathered parameters after each micro-batch's forward (and backward) pass
+            (``None``, default: True), or keeps them until the step's last backward pass.
 
     Across processes, the ranks compare what they build and, at every run, how they are
     called; where they differ, every rank raises the same
@@ -135,10 +149,15 @@ class GPipe(FixedDevices, Decoding):
     Raises:
         TypeError: ``module`` is not an :class:`~torch.nn.Sequential`, its skippable
             layers do not pair up (see :func:`gpipe_skip.verify_skippables`), a
-            :class:`~gpipe_core.WithDevice` is nested in a layer, or ``init`` is not a
-            callable, a state dict or a list of them.
+            :class:`~gpipe_core.WithDevice` is nested in a layer, ``init`` is not a
+            callable, a state dict or a list of them, ``mesh`` is not a ``DeviceMesh``, or
+            with ``mesh`` a layer is wrapped with FSDP, or holds DTensors of another mesh
+            than ``mesh["tp"]``.
         BalanceError: ``balance`` does not split ``module`` into non-empty partitions.
-        ValueError: too few devices, bad ``chunks``, ``checkpoint`` or ``timeout``, a
+        ValueError: a ``mesh`` gpipe cannot run (without ``"pp"``, with another
+            dimension, a ``"pp"`` size that is not the workers', a tie between sharded
+            partitions of a rank, or with ``group``/``data_group``); too few devices, bad
+            ``chunks``, ``checkpoint`` or ``timeout``, a
             buffer shared by partitions on different devices of this process, a
             :class:`~gpipe_core.WithDevice` layer in a partition on another device, or a
             NCCL ``data_group`` for partitions that are not on CUDA, or a ``placement``
@@ -200,11 +219,16 @@ class GPipe(FixedDevices, Decoding):
         intra_op_threads: int | None = None,
         placement: str | Sequence[int] | None = None,
         init: Init = None,
+        mesh: DeviceMesh | None = None,
+        reshard_after_forward: bool | None = None,
     ) -> None:
         super().__init__()
+        groups = check_mesh(mesh, group, data_group, reshard_after_forward)
+        if groups is not None:
+            group, data_group = groups.pipeline, groups.averaged
         arguments = Arguments(
             module, balance, devices, chunks, checkpoint, deferred_batch_norm,
-            group, data_group, timeout, intra_op_threads, placement, init,
+            group, data_group, timeout, intra_op_threads, placement, init, groups,
         )  # fmt: skip
         construction = construction_for(group)
         try:

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["PipeSequential", "call_partition"]
+__all__ = ["FirstLayerCall", "PipeSequential", "call_partition"]
 
 
 class PipeSequential(nn.Sequential):
@@ -53,6 +53,32 @@ class PipeSequential(nn.Sequential):
         return value
 
 
+class FirstLayerCall(nn.Sequential):
+    """An :class:`~torch.nn.Sequential` called as one module with its first layer's
+    arguments: ``partition(*args, **keywords)`` is ``first(*args, **keywords)``, then one
+    value from layer to layer, as :func:`call_partition` calls a plain ``nn.Sequential``
+    partition layer by layer. A partition whose own hooks must run on every call (FSDP's,
+    on a sharded partition) is one of these.
+
+    Example:
+        >>> import torch
+        >>> class Masked(nn.Module):
+        ...     def forward(self, x, mask=None):
+        ...         return x * mask
+        >>> FirstLayerCall(Masked(), nn.Identity())(torch.ones(2), mask=torch.zeros(2))
+        tensor([0., 0.])
+    """
+
+    def forward(self, *inputs: Any, **keywords: Any) -> Any:
+        if len(self) == 0:
+            return inputs[0] if len(inputs) == 1 else inputs  # the identity
+        layers = iter(self)
+        output: Any = next(layers)(*inputs, **keywords)
+        for layer in layers:
+            output = layer(output)
+        return output
+
+
 def call_partition(
     partition: nn.Sequential, value: object, unpack: bool, keywords: tuple[str, ...] = ()
 ) -> object:
@@ -82,7 +108,7 @@ def call_partition(
     if keywords:
         count = len(value) - len(keywords)
         args, named = value[:count], dict(zip(keywords, value[count:], strict=True))
-    if isinstance(partition, PipeSequential):
+    if isinstance(partition, (PipeSequential, FirstLayerCall)):
         return partition(*args, **named)
     layers = iter(partition)
     output = next(layers)(*args, **named)

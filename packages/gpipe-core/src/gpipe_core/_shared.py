@@ -51,6 +51,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._dtensor import gradient_like, local_part
+
 __all__ = ["Exchange", "Shared", "SharedReplicas", "Ties", "find_shared", "views"]
 
 #: Within a run: send tensors to some ranks of the pipeline's group, and receive what some
@@ -335,6 +337,7 @@ class SharedReplicas:
         with torch.no_grad():
             for found in self.sets:
                 for key, tensor in found.tensors.items():
+                    tensor = local_part(tensor)
                     owner = self._from_owner(found, key, tensor, exchange)
                     if owner is not tensor:
                         tensor.copy_(owner)
@@ -375,7 +378,7 @@ class SharedReplicas:
         none): the step sums only what it adds, so that gradients accumulated over several
         steps are summed once."""
         return {
-            id(p): None if p.grad is None else p.grad.detach().clone()
+            id(p): None if p.grad is None else local_part(p.grad).detach().clone()
             for found in self.sets
             for p in self._parameters(found)
         }
@@ -401,7 +404,11 @@ class SharedReplicas:
                 added = []
                 for p in same:
                     earlier = before.get(id(p))
-                    grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                    grad = (
+                        local_part(p.grad)
+                        if p.grad is not None
+                        else torch.zeros_like(local_part(p))
+                    )
                     added.append((grad if earlier is None else grad - earlier).reshape(-1))
                 # Then, for each parameter, 1 where this rank has a gradient: the sum
                 # counts the ranks that have one.
@@ -416,17 +423,18 @@ class SharedReplicas:
                 counts = flat[-len(same) :].tolist()
                 offset = 0
                 for p, count in zip(same, counts, strict=True):
-                    summed = flat[offset : offset + p.numel()].view_as(p)
-                    offset += p.numel()
+                    shard = local_part(p)
+                    summed = flat[offset : offset + shard.numel()].view_as(shard)
+                    offset += shard.numel()
                     if count == 0:
                         continue  # no rank has a gradient: none was computed
                     earlier = before.get(id(p))
                     if earlier is not None:
                         summed = earlier + summed
                     if p.grad is None:
-                        p.grad = summed.clone()
+                        p.grad = gradient_like(p, summed.clone())
                     else:
-                        p.grad.copy_(summed)
+                        local_part(p.grad).copy_(summed)
 
     def drift(self, exchange: Exchange) -> dict[str, float]:
         """The largest absolute difference between each replica this process holds and the
@@ -436,6 +444,7 @@ class SharedReplicas:
         for found in self.sets:
             others = [r for r in found.ranks if r != self.rank]
             for key, tensor in found.tensors.items():
+                tensor = local_part(tensor)
                 owner = self._from_owner(found, key, tensor, exchange)
                 difference = (tensor.detach() - owner).abs().max().reshape(1).double().cpu()
                 theirs = exchange([difference], others, others, f"the drift of {key}")

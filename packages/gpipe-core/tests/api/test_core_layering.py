@@ -16,7 +16,7 @@ import gpipe_core
 #: The layers from the top, each importing only those after it.
 LAYERS = ("api", "run", "transport", "trace", "schedule", "shared")
 #: The modules at the top that every layer may import.
-SHARED = ("_errors", "_stream", "_sequential")
+SHARED = ("_errors", "_stream", "_sequential", "_dtensor")
 ROOT = Path(gpipe_core.__file__).resolve().parent
 
 Edge = tuple[str, str, int]  # (importing module, imported module, line)

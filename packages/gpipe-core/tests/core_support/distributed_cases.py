@@ -27,6 +27,14 @@ import torch.distributed as dist
 from torch import nn
 
 from core_support import meta_models
+from core_support.mesh_cases import (  # noqa: F401 (the cases)
+    case_mesh_error,
+    case_mesh_load,
+    case_mesh_steps,
+    data_share,
+    full,
+    mesh_of,
+)
 from core_support.models import (
     DictToOutput,
     FromMapping,
@@ -1087,15 +1095,21 @@ def case_batch_mean(
     checkpoint: str = "except_last",
     data_parallel: bool = False,
     bad_rank: int | None = None,
+    mesh: tuple[tuple[int, ...], tuple[str, ...]] | None = None,
 ) -> dict[str, Any]:
     """A step of :func:`classifier` with :func:`ignored_targets` and the :class:`BatchMean`
     of :func:`mean_losses`, on two ranks (four partitions with a ``placement``, else two).
     With ``data_parallel``, on four ranks: pipelines {0, 1} and {2, 3}, each on its half of
     a batch twice as large, replicas {0, 2} and {1, 3}. With ``bad_rank``, a first step in
     which that rank's target is one sample short (each rank's error as ``"failed"``), then
-    the step."""
+    the step. With ``mesh`` (a shape and names, ``"pp"`` first), on the mesh of every rank:
+    rank ``r`` passes data-parallel share ``r % dp``; the gradients are gathered whole."""
     group, data_group, replica = dist.group.WORLD, None, (0, 1)
-    if data_parallel:
+    on: dict[str, Any] = {}
+    if mesh is not None:
+        group, data_group, replica = None, None, data_share(rank, *mesh)
+        on["mesh"] = mesh_of(*mesh)
+    elif data_parallel:
         pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         group, data_group, replica = pipelines[rank // 2], replicas[rank % 2], (rank // 2, 2)
@@ -1103,7 +1117,7 @@ def case_batch_mean(
         balance = [2, 1, 1, 1] if placement else [3, 2]
     pipe = GPipe(
         classifier(seed), balance, chunks=chunks, group=group, data_group=data_group,
-        placement=placement, checkpoint=checkpoint, timeout=60,  # type: ignore[arg-type]
+        placement=placement, checkpoint=checkpoint, timeout=60, **on,  # type: ignore[arg-type]
     )  # fmt: skip
     x, y = ignored_targets(seed, batch * replica[1], ignored)
     part = slice(replica[0] * batch, (replica[0] + 1) * batch)
@@ -1121,7 +1135,7 @@ def case_batch_mean(
         "failed": failed,
         "reduced": losses.reduced().item(),
         "counts": losses.counts,
-        "grads": {k: v.clone() if v is not None else None for k, v in local_grads(pipe).items()},
+        "grads": {k: full(v) for k, v in local_grads(pipe).items()},
     }
 
 

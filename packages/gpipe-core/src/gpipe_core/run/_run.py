@@ -36,6 +36,7 @@ from ..transport._agreement import Fields
 from ..transport._transport import Cancelled, Plan, Transport
 from ._description import RunDescription
 from ._draws import SelfCheckpointing, draws_nothing
+from ._gradient_sync import GradientSync
 from ._inputs import CountMean, RunInputs, forward_inputs, step_inputs
 from ._lanes import DecodeRun, Feedback
 from ._losses import Losses, Reduction
@@ -341,6 +342,13 @@ def execute(
         None if layers is None else PartitionRun(j, description, streams[j])
         for j, layers in enumerate(description.partitions)
     ]
+    # FSDP's gradient reduction once per step, where a step's partition is sharded.
+    syncs = {
+        j: sync
+        for j, run_ in enumerate(partitions)
+        if run_ is not None and description.grad and not description.autograd_backward
+        and (sync := GradientSync.of(j, run_.partition, description.actions)) is not None
+    }  # fmt: skip
     decode = description.decode
     # A decode run's micro-batches share their lane's copy streams.
     held = _copy_streams(
@@ -350,9 +358,14 @@ def execute(
     # Deferred batch norms update their running statistics once, after all m
     # micro-batches (m may be less than chunks), and not at all if a micro-batch fails.
     with mini_batch(module) if description.deferred_batch_norm else nullcontext():
-        outputs = run(description, partitions, transport, pool)
-        if transport.cancelled:
-            raise Cancelled  # another rank failed: the session raises its error
+        try:
+            outputs = run(description, partitions, transport, pool, syncs)
+            if transport.cancelled:
+                raise Cancelled  # another rank failed: the session raises its error
+        except BaseException:
+            for sync in syncs.values():
+                sync.abandon()
+            raise
     return outputs
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from functools import partial
 from types import TracebackType
@@ -60,6 +60,7 @@ from ..schedule._action import Action, Phase
 from ..schedule._simulate import simulate
 from ..transport._transport import Cancelled, Message, MessageKey, Transport, outgoing
 from ._description import RunDescription
+from ._gradient_sync import GradientSync
 from ._lanes import DecodeRun, Stopped
 from ._order import serial_order
 from ._partition_run import PartitionRun
@@ -138,6 +139,7 @@ def run(
     partitions: Sequence[PartitionRun | None],
     transport: Transport,
     pool: WorkerPool,
+    syncs: Mapping[int, GradientSync] | None = None,
 ) -> list[Batch | None]:
     """Run each worker's actions of the run (``description``) and return the last
     partition's output per micro-batch (with its graph) where autograd drives the backward
@@ -152,6 +154,7 @@ def run(
             process, whose actions that process runs.
         transport: carries messages between them.
         pool: the worker threads, one per worker of this process.
+        syncs: the gradient sync of each sharded partition of this process (by index).
     """
     actions, inputs, threaded = description.actions, description.batches, description.threaded
     workers, state = description.workers, description.state
@@ -172,7 +175,7 @@ def run(
     share = ThreadShare(intra_op_threads, torch.get_num_threads()) if threaded else NO_SHARE
     where = list(range(len(partitions))) if workers is None else list(workers)
     executor = _Executor(
-        partitions, transport, turns, inputs, outputs, failure, share, where, decode
+        partitions, transport, turns, inputs, outputs, failure, share, where, decode, syncs or {}
     )  # fmt: skip
     local = sorted({where[j] for j, partition in enumerate(partitions) if partition is not None})
     try:
@@ -281,8 +284,11 @@ class _Executor:
         share: ThreadShare = NO_SHARE,
         workers: Sequence[int] | None = None,
         decode: DecodeRun | None = None,
+        syncs: Mapping[int, GradientSync] | None = None,
     ) -> None:
         self.partitions = partitions
+        #: FSDP's gradient reduction of each sharded partition (see _gradient_sync).
+        self.syncs = syncs or {}
         #: What a decode run adds (None: a forward or a step).
         self.decode = decode
         self.lanes = None if decode is None else decode.lanes
@@ -433,7 +439,7 @@ class _Executor:
             if action.kind is Phase.FORWARD:
                 self.forward(j, action.microbatch)
             elif action.kind is Phase.WEIGHT_GRADIENT:
-                with self.computing(j, Phase.WEIGHT_GRADIENT):
+                with self.computing(j, action.kind), self.synced(j, action.microbatch, action.kind):
                     self.partition(j).backward_weight(action.microbatch)
             else:
                 self.backward(j, action.microbatch, split=action.kind is Phase.INPUT_GRADIENT)
@@ -444,6 +450,12 @@ class _Executor:
             where = f"(in {action.kind} of micro-batch {action.microbatch} on partition {j})"
             add_note(error, where)
             raise
+
+    def synced(self, j: int, i: int, kind: Phase) -> AbstractContextManager[object]:
+        """Around partition ``j``'s backward task of ``kind`` on micro-batch ``i``: FSDP's
+        gradient reduction where the partition is sharded (see ``_gradient_sync``)."""
+        sync = self.syncs.get(j)
+        return nullcontext() if sync is None else sync.backward(i, kind)
 
     def computing(self, j: int, kind: str) -> _Computing:
         """Around partition ``j``'s computation of an action of ``kind`` (its messages
@@ -536,7 +548,8 @@ class _Executor:
         for target, keys in partition.stashes.items():
             message = self.receive(MessageKey("skip-gradients", i, target, j))
             skip_grads.update(zip(keys, cast(list[Tensor | None], message.values()), strict=True))
-        with self.computing(j, Phase.INPUT_GRADIENT if split else Phase.BACKWARD):
+        kind = Phase.INPUT_GRADIENT if split else Phase.BACKWARD
+        with self.computing(j, kind), self.synced(j, i, kind):
             if split:
                 input_grads, popped = partition.backward_input(i, grads, skip_grads)
             else:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._dtensor import gradient_like, local_part
 from .._errors import add_note
 from ._collective import wait_collective
 
@@ -30,15 +31,24 @@ class Replicas:
     """The data-parallel replicas of a pipeline's partitions in this process.
 
     Args:
-        group: the process group of the replicas (None: no replicas; the steps are
-            unchanged).
+        group: the process group of the replicas whose gradients are averaged here (None:
+            none; the steps are unchanged).
         timeout: the seconds the average may wait for the other replicas (None: no
             bound).
+        counted: the process groups over which :meth:`mean` takes its mean, one after the
+            other (default: ``group``'s alone). On a mesh, every data-parallel dimension's,
+            also those whose gradients FSDP reduces itself (``"dp_shard"``).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, timeout: float | None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        timeout: float | None,
+        counted: Sequence[dist.ProcessGroup] | None = None,
+    ) -> None:
         self.group = group
         self.timeout = timeout
+        self.counted = tuple(counted) if counted is not None else (group,) if group else ()
 
     @contextmanager
     def averaging(self, parameters: Callable[[], Iterable[nn.Parameter]]) -> Iterator[None]:
@@ -68,22 +78,27 @@ class Replicas:
 
     def mean(self, value: float | None, device: torch.device) -> float:
         """The mean of ``value`` over the replicas (``value`` itself without them), by one
-        ``all_reduce`` on ``device``; None: this replica failed before it had a value, and
+        ``all_reduce`` on ``device`` per counted group (the sum and the failures over the
+        first, then over the next); None: this replica failed before it had a value, and
         tells the others.
 
         Raises:
             RuntimeError: another replica failed before it had its value.
             TimeoutError: the replicas did not all take part within the timeout.
         """
-        group = self.group
-        if group is None:
+        if not self.counted:
             return 0.0 if value is None else value
         flat = torch.tensor(
             [0.0 if value is None else value, 1.0 if value is None else 0.0],
             dtype=torch.float64, device=device,
         )  # fmt: skip
-        work = dist.all_reduce(flat, group=group, async_op=True)
-        wait_collective(work, self.timeout, "the data-parallel replicas did not all begin the step")
+        size = 1
+        for group in self.counted:
+            work = dist.all_reduce(flat, group=group, async_op=True)
+            wait_collective(
+                work, self.timeout, "the data-parallel replicas did not all begin the step"
+            )
+            size *= group.size()
         total, failures = flat.tolist()
         if value is None:
             return 0.0  # this replica raises its own error
@@ -91,7 +106,7 @@ class Replicas:
             raise RuntimeError(
                 f"{int(failures)} data-parallel replica(s) failed before the step's losses"
             )
-        return float(total) / group.size()
+        return float(total) / size
 
     def average(self, parameters: Iterable[nn.Parameter], *, failed: bool) -> None:
         """Average the gradients of ``parameters`` over the replicas (``failed``: this
@@ -107,7 +122,7 @@ class Replicas:
         flats: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
         for dtype, group_parameters in sorted(by_dtype.items(), key=lambda item: str(item[0])):
             grads = [
-                torch.zeros_like(p) if failed or p.grad is None else p.grad
+                torch.zeros_like(local_part(p)) if failed or p.grad is None else local_part(p.grad)
                 for p in group_parameters
             ]
             flat = torch.cat(
@@ -134,10 +149,11 @@ class Replicas:
         for flat, group_parameters in flats:
             offset = 0
             for p in group_parameters:
-                count = p.numel()
-                averaged = flat[offset : offset + count].view_as(p) / size
+                shard = local_part(p)
+                count = shard.numel()
+                averaged = flat[offset : offset + count].view_as(shard) / size
                 if p.grad is None:
-                    p.grad = averaged
+                    p.grad = gradient_like(p, averaged)
                 else:
-                    p.grad.copy_(averaged)
+                    local_part(p.grad).copy_(averaged)
                 offset += count

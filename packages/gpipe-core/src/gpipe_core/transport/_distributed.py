@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._dtensor import settled
 from .._errors import Failure
 from . import _wire
 from ._agreement import Differs, compare, disagreement
@@ -399,7 +400,7 @@ class DistributedTransport(Links, Transport):
             return
         if self.cancelled:
             return  # the run is over: nobody waits for it
-        tensors = message.tensors.tensors
+        tensors = [settled(tensor) for tensor in message.tensors.tensors]
         _wire.check_strided(key, tensors)
         meta = ("data", key, message.atomic, message.present, message.requires_grad)
         self._post(target, (*meta, message.others, message.container), tensors)

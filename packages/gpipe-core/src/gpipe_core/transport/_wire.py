@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._dtensor import is_dtensor
 from ._transport import MessageKey
 
 __all__ = [
@@ -268,6 +269,14 @@ def check_strided(key: MessageKey, tensors: Sequence[Tensor]) -> None:
         TypeError: such a tensor, named by the partition that sends it and its layout.
     """
     for k, tensor in enumerate(tensors):
+        if is_dtensor(tensor):
+            raise TypeError(
+                f"{describe(key)} hold a DTensor, which cannot be sent to another rank as "
+                "it is; return local tensors from the partition (a tensor-parallel layer's "
+                "use_local_output=True, or .to_local() / .full_tensor()) "
+                f"(tensor {k} of the message: placements {tensor.placements}, shape "  # type: ignore[attr-defined]
+                f"{tuple(tensor.shape)})"
+            )
         if tensor.layout != torch.strided:
             raise TypeError(
                 f"{describe(key)} hold a tensor of layout {tensor.layout}, which cannot be "

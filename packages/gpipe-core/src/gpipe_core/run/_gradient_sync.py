@@ -1,0 +1,128 @@
+"""FSDP2's gradient reduction once per step: a partition sharded with
+:func:`torch.distributed.fsdp.fully_shard` (``GPipe(..., mesh=mesh)`` with ``"dp_shard"``)
+reduce-scatters its gradients once per step, after its last micro-batch's backward pass.
+
+FSDP reduces a unit's gradients at the end of every backward pass through it. A step runs
+one backward pass per micro-batch, so around each, :class:`GradientSync` tells the unit
+whether it is the step's last for the partition: in the others, FSDP keeps the unsharded
+gradients and adds the next micro-batch's to them, without any collective; in the last, it
+reduce-scatters their sum (over ``"dp_shard"``, and all-reduces over ``"dp_replicate"``
+with HSDP) once, and waits for it. Between micro-batches the gathered parameters are freed
+after each backward pass when they are freed after each forward pass
+(``reshard_after_forward=True``), else kept until the last; a checkpointed micro-batch's
+recomputation keeps what it gathers for the backward pass that follows.
+
+A backward pass split in two (the zero-bubble schedules' input and weight gradients, ``I``
+and ``W``) runs FSDP's backward hooks in the input gradient, before the weight gradient
+exists, and the weight gradient runs outside FSDP's hooks. Then every ``I`` and ``W`` runs
+without reduction, the partition's parameters stay gathered for the whole step (a weight
+gradient may read them), and after its last ``W`` the partition reduces what its weight
+gradients accumulated, through FSDP's own post-backward (:meth:`GradientSync.reduce`),
+reaching into FSDP's private state as ``torch.distributed.pipelining``'s stage does for the
+same reason.
+
+A run that fails or is cancelled leaves FSDP holding the unsharded gradients of the
+micro-batches whose backward passes ended: :meth:`GradientSync.abandon` drops them (the
+step's gradients never reach ``.grad``), so the next step is the plain model's: FSDP's
+``reset_iter_state``, and the unsharded gradients it keeps, from FSDP's private state too.
+
+This module knows nothing of meshes or transports: it reads a partition's action lists and
+sets FSDP's flags on it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+
+from ..schedule._action import Action, Phase
+
+__all__ = ["GradientSync"]
+
+_BACKWARD_KINDS = (Phase.BACKWARD, Phase.INPUT_GRADIENT, Phase.WEIGHT_GRADIENT)
+
+
+class GradientSync:
+    """When partition ``index`` (``module``, sharded with ``fully_shard``) reduces its
+    gradients in a run of ``actions`` (each worker's list)."""
+
+    def __init__(self, index: int, module: Any, actions: Sequence[Sequence[Action]]) -> None:
+        #: The partition, an ``FSDPModule``.
+        self.module = module
+        #: The kind and micro-batch of the partition's last backward task in the run.
+        self.last: tuple[Phase, int] | None = None
+        #: Whether the run splits the partition's backward passes (``I`` and ``W``).
+        self.split = False
+        for row in actions:
+            for action in row:
+                if action.partition == index and action.kind in _BACKWARD_KINDS:
+                    self.last = (action.kind, action.microbatch)
+                    self.split = self.split or action.kind is not Phase.BACKWARD
+        #: Whether the pipeline frees the gathered parameters after each forward pass (see
+        #: :func:`~gpipe_core._mesh.shard_partitions`).
+        self.reshards = bool(vars(module).get("_gpipe_reshard_after_forward", True))
+        # Split: gathered from the first forward pass to the reduction.
+        module.set_reshard_after_forward(self.reshards and not self.split)
+
+    @staticmethod
+    def of(
+        index: int, module: nn.Module, actions: Sequence[Sequence[Action]]
+    ) -> GradientSync | None:
+        """The gradient sync of partition ``index`` if ``module`` is sharded, else None."""
+        # Without FSDP imported no module is sharded: a pipeline without a mesh does not
+        # import it.
+        fsdp = sys.modules.get("torch.distributed.fsdp")
+        if fsdp is None or not isinstance(module, fsdp.FSDPModule):
+            return None
+        return GradientSync(index, module, actions)
+
+    @contextmanager
+    def backward(self, i: int, kind: Phase) -> Iterator[None]:
+        """Around micro-batch ``i``'s backward task of ``kind`` (``B``, ``I`` or ``W``): the
+        gradients reduced in it, or after it (split), only if it is the run's last."""
+        module = self.module
+        last = (kind, i) == self.last
+        reduces = last and not self.split
+        module.set_requires_gradient_sync(reduces)
+        module.set_is_last_backward(reduces)
+        # Freed after every backward pass where they are after every forward pass.
+        module.set_reshard_after_backward(reduces or (self.reshards and not self.split))
+        module.set_reshard_after_forward(False)  # a recomputation keeps them for its backward
+        try:
+            yield
+        finally:
+            module.set_reshard_after_forward(self.reshards and not self.split)
+        if last and self.split:
+            self.reduce()
+
+    def abandon(self) -> None:
+        """After a run that failed or was cancelled: drop what FSDP holds of the run (the
+        unsharded gradients not reduced yet, its per-iteration state) and free the gathered
+        parameters (FSDP's ``reset_iter_state``), so that the next step starts afresh."""
+        module = self.module
+        module.reset_iter_state()
+        # reset_iter_state leaves the unsharded gradients: dropped here.
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.unsharded_accumulated_grad = None
+                if hasattr(fsdp_param, "_unsharded_param"):
+                    fsdp_param._unsharded_param.grad = None
+        module.set_reshard_after_forward(self.reshards)
+
+    def reduce(self) -> None:
+        """Reduce-scatter what the weight gradients accumulated, then free the gathered
+        parameters, through FSDP's post-backward and its end-of-backward callback (which
+        waits for the reduction), as a backward pass through FSDP's hooks would end."""
+        module = self.module
+        module.set_requires_gradient_sync(True)
+        module.set_is_last_backward(True)
+        module.set_reshard_after_backward(True)
+        state = module._get_fsdp_state()
+        for group in state._fsdp_param_groups:
+            group.post_backward()
+        state._root_post_backward_final_callback()
+        module.set_reshard_after_forward(self.reshards)
