@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from gpipe_core import BatchMean, CheckpointMode, GPipe, Init, Losses, NoChunk
 
@@ -66,12 +67,27 @@ def _even(layers: int, parts: int) -> list[int]:
 
 
 def _partition_count(
-    devices: Sequence[Any] | None, group: dist.ProcessGroup | None, placement: object
+    devices: Sequence[Any] | None,
+    group: dist.ProcessGroup | None,
+    placement: object,
+    mesh: DeviceMesh | None = None,
 ) -> int:
     if isinstance(placement, Sequence) and not isinstance(placement, str):
         return len(placement)
-    workers = group.size() if group is not None else len(devices) if devices is not None else 1
+    pp = _pp_size(mesh)
+    workers = (
+        pp if pp is not None
+        else group.size() if group is not None
+        else len(devices) if devices is not None
+        else 1
+    )  # fmt: skip
     return workers * 2 if placement in ("loop", "v") else workers
+
+
+def _pp_size(mesh: object) -> int | None:
+    """The size of ``mesh``'s ``"pp"`` dimension (None: no such mesh; GPipe refuses it)."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return mesh["pp"].size() if isinstance(mesh, DeviceMesh) and "pp" in names else None
 
 
 def _sequence_balance(balance: object, layers: int, parts: int, name: str) -> list[int]:
@@ -121,10 +137,11 @@ class CausalLMPipe(GPipe):
     _honoured: frozenset[str]
     """The keywords the pipeline passes on to the base model's forward."""
     _group: dist.ProcessGroup | None
-    """The ranks of the pipeline (its ``group``; None: one process), which
-    :meth:`save_pretrained` writes across."""
-    _data_group: dist.ProcessGroup | None
-    """The pipeline's replicas (its ``data_group``), of which the first writes in
+    """The ranks of the pipeline (its ``group``, or its mesh's ``"pp"``; None: one
+    process), which :meth:`save_pretrained` writes across."""
+    _data_groups: tuple[dist.ProcessGroup, ...]
+    """The pipeline's data-parallel groups (its ``data_group``, or its mesh's
+    ``"dp_replicate"`` and ``"dp_shard"``), of which the first ranks write in
     :meth:`save_pretrained`."""
     _tally: Tally | LayoutError | None
     """The router loss's tally of a mixture-of-experts model (see :mod:`._router`), or why
@@ -145,8 +162,8 @@ class CausalLMPipe(GPipe):
             raise router
         super().__init__(module, balance, **options)
         self._honoured = _honoured(layout)
-        self._group = options.get("group")
-        self._data_group = options.get("data_group")
+        self._group = self._config.placement.group
+        self._data_groups = self._config.replicas.counted
         _free_remote(module, [piece for partition in self._partition_list() for piece in partition])
         #: The model's loss: the next-token cross entropy, averaged over the non-ignored
         #: labels of the whole mini-batch.
@@ -155,7 +172,7 @@ class CausalLMPipe(GPipe):
         if isinstance(router, Router):
             # The router loss's tally, which the pieces count in.
             self._tally = tally = Tally(
-                router, layout.layers_path, self._group, self._data_group, self._config.timeout
+                router, layout.layers_path, self._group, self._data_groups, self._config.timeout
             )
             for partition in self._partition_list():
                 for piece in partition:
@@ -173,7 +190,7 @@ class CausalLMPipe(GPipe):
         ``AutoModelForCausalLM.from_pretrained(path)`` and :func:`from_pretrained` load:
         called on every rank of the pipeline's ``group`` (a collective), each writes its
         own tensors; see :func:`gpipe_transformers.save_pretrained`."""
-        save_weights(self, self.causal_lm, path, self._group, self._data_group)
+        save_weights(self, self.causal_lm, path, self._group, self._data_groups)
 
     def _renaming(self) -> ModelNames:
         return self._names
@@ -483,6 +500,8 @@ def pipeline(
     placement: str | Sequence[int] | None = None,
     timeout: float | datetime.timedelta | object | None = ...,
     init: Init = None,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | None = None,
 ) -> CausalLMPipe:
     """A pipeline of the Hugging Face causal LM ``model``'s own modules.
 
@@ -499,8 +518,9 @@ def pipeline(
             partitions (one per device, or per rank of ``group``). A balance of the whole
             :func:`sequence` (two more layers, as
             :func:`~gpipe_balance.balance_by_time` gives) is taken as it is.
-        chunks, checkpoint, devices, group, data_group, placement, timeout, init: as
-            :class:`~gpipe_core.GPipe`'s (``init`` initialises the layers of a model built
+        chunks, checkpoint, devices, group, data_group, placement, timeout, init, mesh,
+            reshard_after_forward: as :class:`~gpipe_core.GPipe`'s (``mesh``: see
+            :doc:`/mesh`) (``init`` initialises the layers of a model built
             on the meta device; :func:`from_pretrained` gives it; its state dicts have the
             model's own keys, as ``model.state_dict()`` gives them).
 
@@ -538,7 +558,7 @@ def pipeline(
     name = type(model).__name__
     if init is None:
         _no_meta(model, name)
-    parts = _partition_count(devices, group, placement)
+    parts = _partition_count(devices, group, placement, mesh)
     counts = _sequence_balance(balance, len(layout.layers), parts, name)
     options: dict[str, Any] = {
         "devices": devices, "chunks": chunks, "checkpoint": checkpoint, "group": group,
@@ -546,6 +566,8 @@ def pipeline(
     }  # fmt: skip
     if timeout is not ...:
         options["timeout"] = timeout
+    if mesh is not None or reshard_after_forward is not None:
+        options["mesh"], options["reshard_after_forward"] = mesh, reshard_after_forward
     if init is not None:
         options["init"] = _init_keys(init, layout)
     return CausalLMPipe(layout, _sequence(layout), counts, **options)

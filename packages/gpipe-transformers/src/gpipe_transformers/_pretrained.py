@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from gpipe_core import CheckpointMode
 
@@ -41,6 +42,8 @@ def from_pretrained(
     dtype: torch.dtype | str | None = "auto",
     attn_implementation: str | None = None,
     experts_implementation: str | None = None,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | None = None,
 ) -> CausalLMPipe:
     """A pipeline of the causal LM saved in the directory ``path``, each rank building and
     reading only its own layers.
@@ -62,8 +65,10 @@ def from_pretrained(
     Args:
         path: a directory written by ``model.save_pretrained(path)`` or
             :meth:`CausalLMPipe.save_pretrained`.
-        balance, chunks, checkpoint, devices, group, data_group, placement, timeout: as
-            :func:`pipeline`'s (``checkpoint`` is the checkpoint mode).
+        balance, chunks, checkpoint, devices, group, data_group, placement, timeout, mesh,
+            reshard_after_forward: as :func:`pipeline`'s (``checkpoint`` is the checkpoint
+            mode; on a ``mesh``, each rank reads its partitions' tensors whole, then
+            shards them).
         dtype: the model's dtype, as ``AutoModelForCausalLM.from_pretrained``'s:
             ``"auto"`` (the default; None is the same) builds it in the configuration's
             ``dtype`` (which :func:`save_pretrained` writes), or without one in the
@@ -132,7 +137,8 @@ def from_pretrained(
         return pipeline(
             model, balance=balance, chunks=chunks, checkpoint=checkpoint, devices=devices,
             group=group, data_group=data_group, placement=placement, timeout=timeout,
-            init=Loader(model, conversions),
+            init=Loader(model, conversions), mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
         )  # fmt: skip
     finally:
         files.close()

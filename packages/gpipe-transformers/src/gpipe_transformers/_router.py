@@ -22,9 +22,10 @@ the pipeline begins and ends a step's tally and gives each piece its tally.
 from __future__ import annotations
 
 import datetime
+import math
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, cast
@@ -255,7 +256,9 @@ class _Term(torch.autograd.Function):
 
 class Tally:
     """The router statistics of one step on this process (every local partition's), and
-    their sums over the pipeline's ranks (``group``) and replicas (``data_group``).
+    their sums over the pipeline's ranks (``group``) and its data-parallel ranks (its
+    ``data_group``, or its mesh's data-parallel dimensions: ``data_groups``), each of which
+    passes its own share of the mini-batch.
 
     A step :meth:`begin` s it with how many decoder layers this process holds; each
     decoder layer's forward pass :meth:`collecting` s its routers' logits and
@@ -270,11 +273,11 @@ class Tally:
         router: Router,
         layers_path: str,
         group: dist.ProcessGroup | None,
-        data_group: dist.ProcessGroup | None,
+        data_groups: Sequence[dist.ProcessGroup],
         timeout: float | None,
     ) -> None:
         self.router, self.layers_path = router, layers_path
-        self.group, self.data_group, self.timeout = group, data_group, timeout
+        self.group, self.data_groups, self.timeout = group, tuple(data_groups), timeout
         self.active = False
         self.chunks = 0
         self._lock = threading.Lock()
@@ -371,9 +374,9 @@ class Tally:
             total = self._sums
             if self.group is not None:
                 self._wait(self._work, "the pipeline's ranks")
-            if self.data_group is not None:
-                work = dist.all_reduce(total, group=self.data_group, async_op=True)
-                self._wait(work, "the data-parallel replicas")
+            for data_group in self.data_groups:
+                work = dist.all_reduce(total, group=data_group, async_op=True)
+                self._wait(work, "the data-parallel ranks")
             if total[-1].item():
                 raise RuntimeError("another rank failed before it counted its routers")
             self._total = total
@@ -398,7 +401,7 @@ class Tally:
         are averaged)."""
         total = self._summed()
         counts, rows = total[: self.router.experts], total[-2]
-        replicas = 1 if self.data_group is None else self.data_group.size()
+        replicas = math.prod(data_group.size() for data_group in self.data_groups)
         return self.router.coefficient * self.router.experts * replicas * counts / rows**2
 
     def end(self, failed: bool) -> Tensor | None:

@@ -36,6 +36,7 @@ import contextlib
 import copy
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -411,8 +412,15 @@ def saved_dtype(config: Any, files: WeightFiles) -> torch.dtype:
 
 def _local_state(pipe: nn.Module) -> dict[str, Tensor]:
     """This rank's tensors, under the model's names (``model.layers.0...``): what it
-    writes (the pipeline's state dict, less what it does not hold)."""
-    return {key: value for key, value in pipe.state_dict().items() if not value.is_meta}
+    writes (the pipeline's state dict, less what it does not hold), each sharded one
+    (a DTensor, on a mesh) gathered whole: a collective of the ranks that shard it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    sharded = getattr(module, "DTensor", ())
+    return {
+        key: value.full_tensor() if isinstance(value, sharded) else value
+        for key, value in pipe.state_dict().items()
+        if not value.is_meta
+    }
 
 
 def _everyone(value: Any, group: dist.ProcessGroup | None, count: int) -> list[Any]:
@@ -429,18 +437,20 @@ def save_weights(
     model: Any,
     path: str | os.PathLike[str],
     group: dist.ProcessGroup | None,
-    data_group: dist.ProcessGroup | None,
+    data_groups: Sequence[dist.ProcessGroup] = (),
 ) -> None:
     """Write the causal LM ``model`` to the directory ``path`` as transformers does, with
-    the tensors this rank holds of ``pipe`` (its state dict, under the model's names), in
-    the layout transformers' ``save_pretrained`` writes (its ``revert_weight_conversion``:
-    a fused mixture of experts as one tensor per expert): a collective over ``group``'s
-    ranks; of ``data_group``'s replicas, the first writes (see
-    :func:`gpipe_transformers.save_pretrained`)."""
+    the tensors this rank holds of ``pipe`` (its state dict, under the model's names,
+    sharded tensors gathered whole), in the layout transformers' ``save_pretrained``
+    writes (its ``revert_weight_conversion``: a fused mixture of experts as one tensor per
+    expert): a collective over ``group``'s ranks and the ``data_groups``' (its
+    ``data_group``, or its mesh's data-parallel dimensions), of whose ranks the first
+    write (see :func:`gpipe_transformers.save_pretrained`)."""
     from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
 
-    if data_group is not None and dist.get_rank(data_group) != 0:
+    mine = _local_state(pipe)
+    if any(dist.get_rank(data_group) != 0 for data_group in data_groups):
         return
     rank = dist.get_rank(group) if group is not None else 0
     count = dist.get_world_size(group) if group is not None else 1
@@ -449,7 +459,6 @@ def save_weights(
         folder.mkdir(parents=True, exist_ok=True)
         for old in (SINGLE, INDEX, *(p.name for p in folder.glob("model-*-of-*.safetensors"))):
             (folder / old).unlink(missing_ok=True)
-    mine = _local_state(pipe)
     owner: dict[str, int] = {}
     for holder, found in enumerate(_everyone(list(mine), group, count)):
         for key in found:

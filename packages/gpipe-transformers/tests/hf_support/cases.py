@@ -425,3 +425,109 @@ def router_recovers(rank: int, world: int) -> dict[str, Any]:
     found["loss"] = abs(losses.reduced().item() - loss.item())
     found["grad"] = largest_grad_difference(built, plain)
     return found
+
+
+# Pipelines on a device mesh (test_transformers_mesh.py).
+
+
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _whole_grad_difference(pipe: Any, plain: Any) -> float:
+    """The largest difference of this rank's gradients, each gathered whole (a DTensor's
+    ``full_tensor()``: a collective of the ranks that shard it), from ``plain``'s."""
+    from torch.distributed.tensor import DTensor
+
+    theirs = dict(plain.named_parameters(remove_duplicate=False))
+    largest = 0.0
+    for name, parameter in pipe.named_parameters():
+        grad = parameter.grad
+        if grad is None:
+            continue
+        whole = grad.full_tensor() if isinstance(grad, DTensor) else grad
+        largest = max(largest, (whole - theirs[name].grad).abs().max().item())
+    return largest
+
+
+def mesh_exact(rank: int, world: int, *, folder: str, router: bool = False) -> dict[str, Any]:
+    """A causal LM on a ``pp`` x ``dp_shard`` mesh of 2 x 2 (each pipeline stage's layers
+    sharded with FSDP2 over two ranks, each stepping on its half of the batch): the loss
+    and the gathered gradients against the plain model's on the whole batch, twice (with
+    AdamW between, on both); then ``save_pretrained(folder)`` (the model as transformers
+    loads it) and ``from_pretrained(folder, mesh=...)``'s first loss. ``router``: a
+    mixture of experts training to its router loss too."""
+    from hf_support.models import experts_model
+
+    mesh = _mesh((2, 2), ("pp", "dp_shard"))
+    share = mesh["dp_shard"].get_local_rank()
+    if router:
+        built = experts_model("mixtral", router_aux_loss_coef=0.5, output_router_logits=True)
+    else:
+        built = model("llama")
+    data = batch(2, size=8)
+    half = {key: value[share * 4 : share * 4 + 4] for key, value in data.items()}
+    plain = copy_of(built)  # before the pipeline shards the model's own modules
+    pipe = pipeline(built, chunks=2, mesh=mesh)
+    found: dict[str, Any] = {"loss": [], "grad": []}
+    optimizers = (
+        torch.optim.AdamW(pipe.parameters(), lr=0.01),
+        torch.optim.AdamW(plain.parameters(), lr=0.01),
+    )
+    for _ in range(2):
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        loss = _reference_step(plain, data, half, router)
+        losses = pipe.step(**half)
+        found["loss"].append(abs(losses.reduced().item() - loss.item()))
+        found["grad"].append(_whole_grad_difference(pipe, plain))
+        for optimizer in optimizers:
+            optimizer.step()
+    pipe.save_pretrained(folder)
+    dist.barrier()
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager")
+    found["saved"] = max(
+        (value - plain.state_dict()[key]).abs().max().item()
+        for key, value in loaded.state_dict().items()
+    )
+    again = from_pretrained_mesh(folder, mesh)
+    found["reloaded"] = again.step(**half).reduced().item()
+    found["reloaded off"] = abs(
+        found["reloaded"] - _reference_step(plain, data, half, router).item()
+    )
+    return found
+
+
+def _reference_step(
+    plain: Any, data: dict[str, torch.Tensor], half: dict[str, torch.Tensor], router: bool
+) -> torch.Tensor:
+    """The plain model's backward on the whole batch (its float64 labels loss, plus its
+    router loss with ``router``), and the loss a replica stepping on ``half`` reports: its
+    own labels loss (plus the whole batch's router loss)."""
+    from hf_support.models import reference_loss
+
+    inputs = {"input_ids": data["input_ids"], "attention_mask": data["attention_mask"]}
+    out = plain(**inputs, output_router_logits=True) if router else plain(**inputs)
+    extra = 0.5 * out.aux_loss.double() if router else torch.zeros((), dtype=torch.float64)
+    (reference_loss(out.logits, data["labels"]) + extra).backward()
+    with torch.no_grad():
+        logits = plain(input_ids=half["input_ids"], attention_mask=half["attention_mask"]).logits
+    return reference_loss(logits, half["labels"]) + extra.detach()
+
+
+def copy_of(built: Any) -> Any:
+    import copy
+
+    return copy.deepcopy(built)
+
+
+def from_pretrained_mesh(folder: str, mesh: Any) -> Any:
+    from gpipe_transformers import from_pretrained
+
+    pipe = from_pretrained(folder, chunks=2, mesh=mesh, experts_implementation="eager")
+    pipe.train()
+    return pipe
