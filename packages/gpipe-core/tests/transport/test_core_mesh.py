@@ -2,7 +2,8 @@
 ``"dp_replicate"``, each partition sharded with FSDP2 over ``"dp_shard"``, the layers'
 tensor parallelism over ``"tp"``.
 
-Four ranks (``cluster4``, started once for the module, its meshes made once per rank):
+Four ranks (``cluster4``, started once for the module, its meshes made once per rank),
+and eight once (``pp2 x dp_shard2 x tp2``):
 ``pp2 x dp_shard2`` on every schedule (the zero-bubble ones' split backward included) in
 the checkpoint modes the cases name, with a skip between partitions; ``pp2 x
 dp_replicate2``; HSDP (``pp1 x dp_replicate2 x dp_shard2``, two partitions on the one
@@ -545,5 +546,23 @@ def test_tensor_parallel_layers_with_data_parallel_replicas_or_shards(
     results = cluster4.results(
         "mesh_steps", shape=shape, names=names, balance=[3, 3], placement="loop",
         checkpoint=checkpoint, **spec,
+    )  # fmt: skip
+    check_mesh_steps(cases, results, spec, shape, names)
+
+
+@pytest.fixture(scope="module")
+def cluster8(new_cluster_module: Callable[[int], Any]) -> Any:
+    return new_cluster_module(8)
+
+
+def test_pp2_dp_shard2_tp2_on_eight_ranks(cluster8: Any, cases: ModuleType) -> None:
+    """The three dimensions at once, once (eight ranks): each pipeline rank's
+    tensor-parallel layers sharded again by FSDP over "dp_shard", two AdamW steps equal
+    to the plain model's."""
+    shape, names = (2, 2, 2), ("pp", "dp_shard", "tp")
+    spec = {"layers": (), "seed": 18, "batch": 8, "chunks": 2, "tp": True, "steps": 2}
+    results = cluster8.results(
+        "mesh_steps", shape=shape, names=names, balance=[3, 3], checkpoint="except_last",
+        **spec,
     )  # fmt: skip
     check_mesh_steps(cases, results, spec, shape, names)
