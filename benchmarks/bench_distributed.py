@@ -30,7 +30,11 @@ barrier and is timed from there to the last rank's end. Cases (the models of
 - an MLP and a transformer-block stack at 2 processes, M4: ratios to ``plain``, and gpipe's
   ``dist`` ways relative to pipelining's with the same schedule;
 - a tiny model (one ``Linear(4, 4)`` per partition) at 2 processes, M32: the overhead per
-  task, ``(time - plain) / (n * m)`` in microseconds.
+  task, ``(time - plain) / (n * m)`` in microseconds;
+- pipelines on a device mesh at 4 processes (``_mesh_bench.py``): a transformer of 8 layers
+  in ``pp4``, ``pp2 x dp_replicate2`` and ``pp2 x dp_shard2`` (FSDP2), against
+  ``torch.distributed.pipelining`` with each stage ``fully_shard``-ed on the same mesh: the
+  step time and each rank's bytes of parameters, gradients and optimizer state.
 
 Times are medians over the timed steps, after two warm-up steps per way. The targets are
 printed at the end as PASS or FAIL lines; a FAIL does not change the exit status (a loaded
@@ -53,6 +57,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _mesh_bench import measure_mesh, report
 from _step_models import (
     RANK_WAYS,
     UNCHECKED_WAYS,
@@ -79,7 +84,7 @@ from _step_models import (
 )
 
 SCHEDULES = ("gpipe", "1f1b")
-CASES = ("fixed-time", "mlp", "transformer", "tiny")
+CASES = ("fixed-time", "mlp", "transformer", "tiny", "mesh")
 WAYS = ("plain", "plain mb", "step gpipe", "step 1f1b", *RANK_WAYS)
 #: Seconds any wait for a rank may last (a step, the start of the processes).
 TIMEOUT = 120.0
@@ -294,6 +299,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for way, value in r.items()
         if isinstance(value, str)
     }
+    mesh_checks: list[Check] = []
+    if "mesh" in chosen:
+        found = measure_mesh(args.quick, max(3, rounds // 2))
+        mesh_checks = report(found)
+        if isinstance(found, str):
+            problems["mesh"] = found
     print_unrun(problems)
 
     # Targets -----------------------------------------------------------------------------------
@@ -325,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 5.0,
             )
         )
+    checks += mesh_checks
     return finish(checks, problems, ways)
 
 
