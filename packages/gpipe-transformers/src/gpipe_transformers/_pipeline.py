@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from gpipe_core import BatchMean, CheckpointMode, GPipe, Init, Losses, NoChunk
 
+from ._balance import partition_count, sequence_balance
 from ._generate import generate
 from ._layout import Layout, LayoutError, find_layout
 from ._names import EMBED, HEAD, ModelNames, layer_name
@@ -59,70 +60,6 @@ _REFUSED = {
 _LOSS = ("shift_labels", "num_items_in_batch")
 # GPipe.step's own keywords.
 _STEP = ("schedule", "reduction", "target", "loss_fn")
-
-
-def _even(layers: int, parts: int) -> list[int]:
-    share, extra = divmod(layers, parts)
-    return [share + (k < extra) for k in range(parts)]
-
-
-def _partition_count(
-    devices: Sequence[Any] | None,
-    group: dist.ProcessGroup | None,
-    placement: object,
-    mesh: DeviceMesh | None = None,
-) -> int:
-    if isinstance(placement, Sequence) and not isinstance(placement, str):
-        return len(placement)
-    pp = _pp_size(mesh)
-    workers = (
-        pp if pp is not None
-        else group.size() if group is not None
-        else len(devices) if devices is not None
-        else 1
-    )  # fmt: skip
-    return workers * 2 if placement in ("loop", "v") else workers
-
-
-def _pp_size(mesh: object) -> int | None:
-    """The size of ``mesh``'s ``"pp"`` dimension (None: no such mesh; GPipe refuses it)."""
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    return mesh["pp"].size() if isinstance(mesh, DeviceMesh) and "pp" in names else None
-
-
-def _sequence_balance(balance: object, layers: int, parts: int, name: str) -> list[int]:
-    """The sequence's balance for ``balance`` decoder layers per partition (None: even)."""
-    if balance is None:
-        if parts > layers:
-            raise ValueError(
-                f"a pipeline of {parts} partitions needs at least {parts} decoder layers; "
-                f"give balance, or fewer devices or ranks (model: {name}, decoder layers: "
-                f"{layers})"
-            )
-        counts = _even(layers, parts)
-    else:
-        if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
-            raise TypeError(f"balance must be a sequence of ints (balance: {balance!r})")
-        counts = list(balance)
-        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
-            raise ValueError(f"balance must hold non-negative ints (balance: {counts})")
-        if sum(counts) == layers + 2:
-            return counts  # the sequence's own balance (balance_by_time's)
-        if sum(counts) != layers:
-            raise ValueError(
-                "balance counts decoder layers per partition and must sum to the model's "
-                f"{layers} decoder layers (balance: {counts}, sum: {sum(counts)}; a balance "
-                f"of the whole sequence sums to {layers + 2})"
-            )
-    if not all(counts[1:-1]):
-        raise ValueError(
-            "balance must give every partition but the first and the last a decoder layer "
-            f"(the first holds the embeddings, the last the head) (balance: {counts})"
-        )
-    counts = list(counts)
-    counts[0] += 1
-    counts[-1] += 1
-    return counts
 
 
 class CausalLMPipe(GPipe):
@@ -518,11 +455,14 @@ def pipeline(
             partitions (one per device, or per rank of ``group``). A balance of the whole
             :func:`sequence` (two more layers, as
             :func:`~gpipe_balance.balance_by_time` gives) is taken as it is.
-        chunks, checkpoint, devices, group, data_group, placement, timeout, init, mesh,
-            reshard_after_forward: as :class:`~gpipe_core.GPipe`'s (``mesh``: see
-            :doc:`/mesh`) (``init`` initialises the layers of a model built
+        chunks, checkpoint, devices, group, data_group, placement, timeout, init: as
+            :class:`~gpipe_core.GPipe`'s (``init`` initialises the layers of a model built
             on the meta device; :func:`from_pretrained` gives it; its state dicts have the
             model's own keys, as ``model.state_dict()`` gives them).
+        mesh: a :class:`~torch.distributed.device_mesh.DeviceMesh` to run on instead of
+            ``group`` (see :doc:`/mesh`): each data-parallel rank steps on its own share of
+            the mini-batch.
+        reshard_after_forward: as :class:`~gpipe_core.GPipe`'s, with ``mesh``.
 
     Returns:
         The pipeline: ``pipe(input_ids=..., attention_mask=...)`` gives the logits,
@@ -558,8 +498,8 @@ def pipeline(
     name = type(model).__name__
     if init is None:
         _no_meta(model, name)
-    parts = _partition_count(devices, group, placement, mesh)
-    counts = _sequence_balance(balance, len(layout.layers), parts, name)
+    parts = partition_count(devices, group, placement, mesh)
+    counts = sequence_balance(balance, len(layout.layers), parts, name)
     options: dict[str, Any] = {
         "devices": devices, "chunks": chunks, "checkpoint": checkpoint, "group": group,
         "data_group": data_group, "placement": placement,

@@ -65,10 +65,10 @@ def from_pretrained(
     Args:
         path: a directory written by ``model.save_pretrained(path)`` or
             :meth:`CausalLMPipe.save_pretrained`.
-        balance, chunks, checkpoint, devices, group, data_group, placement, timeout, mesh,
-            reshard_after_forward: as :func:`pipeline`'s (``checkpoint`` is the checkpoint
-            mode; on a ``mesh``, each rank reads its partitions' tensors whole, then
-            shards them).
+        balance, chunks, checkpoint, devices, group, data_group, placement, timeout: as
+            :func:`pipeline`'s (``checkpoint`` is the checkpoint mode).
+        mesh, reshard_after_forward: as :func:`pipeline`'s: on a ``mesh``, each rank reads
+            its partitions' tensors whole, then shards them.
         dtype: the model's dtype, as ``AutoModelForCausalLM.from_pretrained``'s:
             ``"auto"`` (the default; None is the same) builds it in the configuration's
             ``dtype`` (which :func:`save_pretrained` writes), or without one in the
