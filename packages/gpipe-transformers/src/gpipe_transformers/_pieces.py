@@ -350,8 +350,8 @@ class Decoder(nn.Module):
             args = tuple(_from(carry, value) for value in args)
             kwargs = {name: _from(carry, value) for name, value in kwargs.items()}
         hidden = carry[HIDDEN]
-        tally = self.tally
-        if tally is None or not tally.active:
+        tally = self.tally if self.tally is not None and self.tally.active else None
+        if tally is None:
             output = self.layer(hidden, *args, **kwargs)
         else:
             with tally.collecting(self.layer, self.index) as logits:
@@ -360,7 +360,7 @@ class Decoder(nn.Module):
         # Older families' layers return (hidden, ...) or [hidden, ...].
         if self.outputs or isinstance(output, tuple):
             output = output[0]
-        if tally is not None and tally.active:
+        if tally is not None:
             output = tally.add(output, logits, carry[MASK], carry[CHUNKS])
         if self.last:
             return output if KEEP not in carry else {HIDDEN: output, KEEP: carry[KEEP]}

@@ -105,16 +105,18 @@ class CausalLMPipe(GPipe):
         #: The model's loss: the next-token cross entropy, averaged over the non-ignored
         #: labels of the whole mini-batch.
         self.loss = BatchMean(causal_lm_total, causal_lm_count)
-        self._tally = router if not isinstance(router, Router) else None
-        if isinstance(router, Router):
-            # The router loss's tally, which the pieces count in.
-            self._tally = tally = Tally(
-                router, layout.layers_path, self._group, self._data_groups, self._config.timeout
-            )
-            for partition in self._partition_list():
-                for piece in partition:
-                    if isinstance(piece, (Embed, Decoder)):
-                        piece.tally = tally
+        self._tally = router if not isinstance(router, Router) else self._counting(router)
+
+    def _counting(self, router: Router) -> Tally:
+        """The router loss's tally, given to the pieces that count in it."""
+        tally = Tally(
+            router, self._layout.layers_path, self._group, self._data_groups, self._config.timeout
+        )
+        for partition in self._partition_list():
+            for piece in partition:
+                if isinstance(piece, (Embed, Decoder)):
+                    piece.tally = tally
+        return tally
 
     @property
     def causal_lm(self) -> nn.Module:
