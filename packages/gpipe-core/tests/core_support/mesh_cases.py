@@ -95,6 +95,28 @@ def parallelized(model: nn.Sequential, mesh: DeviceMesh) -> nn.Sequential:
     return parallelize_module(model, mesh["tp"], plan)  # type: ignore[arg-type,return-value]
 
 
+def fsdp_in_tasks(profiler: Any) -> dict[str, list[str]]:
+    """Each FSDP collective event of a profile (its name: ``FSDP::all_gather``,
+    ``FSDP::post_backward_reduce``) and the gpipe task labels (``gpipe/...``) of the same
+    thread whose interval holds it: what the trace shows of the collectives."""
+    events = profiler.events()
+    tasks = [e for e in events if e.name.startswith("gpipe/")]
+    found: dict[str, list[str]] = {}
+    for event in events:
+        if event.name not in ("FSDP::all_gather", "FSDP::post_backward_reduce"):
+            continue
+        start, end = event.time_range.start, event.time_range.end
+        around = [
+            task.name
+            for task in tasks
+            if task.thread == event.thread
+            and task.time_range.start <= start
+            and end <= task.time_range.end
+        ]
+        found.setdefault(event.name, []).append(",".join(sorted(around)))
+    return found
+
+
 def case_mesh_steps(
     rank: int,
     *,
@@ -112,6 +134,7 @@ def case_mesh_steps(
     reshard_after_forward: bool | None = None,
     clip: float | None = None,
     count: bool = False,
+    profiled: bool = False,
     keywords: bool = False,
     tie: tuple[int, int] | None = None,
     fail_first: bool = False,
@@ -191,6 +214,9 @@ def case_mesh_steps(
         if count:
             for kind in kinds:
                 setattr(dist, kind, counted(kind))
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        if profiled:
+            profiler.start()
         try:
             if keywords:
                 ones = NoChunk(torch.ones(x.shape[1], dtype=x.dtype))
@@ -203,6 +229,8 @@ def case_mesh_steps(
         finally:
             for kind in kinds:
                 setattr(dist, kind, real[kind])
+            if profiled:
+                profiler.stop()
         step: dict[str, Any] = {
             "losses": [loss.item() for loss in losses],
             "grads": {name: full(p.grad) for name, p in pipe.named_parameters()},
@@ -212,6 +240,8 @@ def case_mesh_steps(
                 for name, p in pipe.named_parameters()
             },
         }
+        if profiled:
+            step["collectives"] = fsdp_in_tasks(profiler)
         counts.update(dict.fromkeys(kinds, 0))
         if clip is not None:
             step["norm"] = pipe.clip_grad_norm_(clip).item()

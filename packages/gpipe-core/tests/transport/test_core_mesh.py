@@ -232,6 +232,27 @@ def test_gradients_are_reduce_scattered_once_per_step_per_partition(
     check_mesh_steps(cases, results, spec, shape)
 
 
+def test_a_profile_shows_each_collective_inside_the_task_that_issues_it(
+    cluster4: Any, cases: ModuleType
+) -> None:
+    # torch.profiler's trace of a step: FSDP's all-gathers inside the partition's forward
+    # tasks (once per micro-batch with resharding, chunks=2, no checkpointing), and its
+    # one reduction inside the partition's last backward task of the step.
+    shape, names = SHARD
+    spec = {"layers": SKIP, "seed": 6, "batch": 8, "chunks": 2, "checkpoint": "never", "steps": 1}
+    results = cluster4.results(
+        "mesh_steps", shape=shape, names=names, balance=[3, 3], profiled=True, **spec
+    )
+    for rank, result in enumerate(results):
+        j = rank // 2  # mesh (pp, dp_shard): ranks 0 and 1 hold partition 0
+        shown = result["steps"][0]["collectives"]
+        tasks = [f"gpipe/{phase}/p{j}/mb{i}" for phase in ("backward", "forward") for i in (0, 1)]
+        assert sorted(shown["FSDP::all_gather"]) == tasks, (rank, shown)
+        # GPipe's schedule runs the backward passes last micro-batch first: mb0's is last.
+        assert shown["FSDP::post_backward_reduce"] == [f"gpipe/backward/p{j}/mb0"], (rank, shown)
+    check_mesh_steps(cases, results, spec, shape)
+
+
 def test_clip_grad_norm_over_sharded_gradients_is_the_plain_models(
     cluster4: Any, cases: ModuleType
 ) -> None:
