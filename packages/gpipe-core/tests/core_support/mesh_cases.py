@@ -214,8 +214,9 @@ def case_mesh_steps(
         if count:
             for kind in kinds:
                 setattr(dist, kind, counted(kind))
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        if profiled:
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        profiler = torch.profiler.profile(activities=cpu) if profiled else None
+        if profiler is not None:
             profiler.start()
         try:
             if keywords:
@@ -229,7 +230,7 @@ def case_mesh_steps(
         finally:
             for kind in kinds:
                 setattr(dist, kind, real[kind])
-            if profiled:
+            if profiler is not None:
                 profiler.stop()
         step: dict[str, Any] = {
             "losses": [loss.item() for loss in losses],
@@ -240,7 +241,7 @@ def case_mesh_steps(
                 for name, p in pipe.named_parameters()
             },
         }
-        if profiled:
+        if profiler is not None:
             step["collectives"] = fsdp_in_tasks(profiler)
         counts.update(dict.fromkeys(kinds, 0))
         if clip is not None:

@@ -236,8 +236,8 @@ def test_a_profile_shows_each_collective_inside_the_task_that_issues_it(
     cluster4: Any, cases: ModuleType
 ) -> None:
     # torch.profiler's trace of a step: FSDP's all-gathers inside the partition's forward
-    # tasks (once per micro-batch with resharding, chunks=2, no checkpointing), and its
-    # one reduction inside the partition's last backward task of the step.
+    # and backward tasks (one in each, with resharding; chunks=2, no checkpointing), and
+    # its one reduction inside the partition's last backward task of the step.
     shape, names = SHARD
     spec = {"layers": SKIP, "seed": 6, "batch": 8, "chunks": 2, "checkpoint": "never", "steps": 1}
     results = cluster4.results(
