@@ -85,7 +85,7 @@ def test_a_family_whose_scaling_were_lost_would_be_seen() -> None:
     # model inside Gemma 3's multimodal wrapper; Llama 4's text model; Mamba's state-space
     # layers; HunYuan-V4's layers, which hand the next one a pair (hidden states, top-k
     # indices); Gemma 4's head, which reads the inputs' length; DeepSeek-V4's hc_head
-    # between the last layer and the norm.
+    # between the last layer and the norm; X-MOD's layers, given the language's ids.
     [
         "opt",
         "falcon",
@@ -99,6 +99,7 @@ def test_a_family_whose_scaling_were_lost_would_be_seen() -> None:
         "hy_v4",
         "gemma4_text",
         "deepseek_v4",
+        "xmod",
     ],
 )
 def test_a_family_without_a_plan_trains_to_its_own_numbers(model_type: str) -> None:
@@ -129,10 +130,24 @@ def test_a_family_whose_base_model_computes_more_after_its_layers_is_refused_by_
     assert "it computes more than their calls" in message
 
 
-def test_a_family_that_skips_layers_is_refused_by_name() -> None:
-    # Mllama's cross-attention layers are skipped without images.
-    message = _refusal("mllama")
-    assert "its layers were called in the order [0, 1, 2]" in message
+@pytest.mark.parametrize(
+    ("skipped", "balance"), [([3], (2, 2)), ([1], (1, 3)), ([1], (2, 2)), ([0, 3], (1, 3))]
+)
+def test_layers_the_family_passes_over_are_passed_over(
+    skipped: list[int], balance: tuple[int, ...]
+) -> None:
+    # Mllama's forward passes over its cross-attention layers without images: first, last,
+    # in the middle, at a partition's edge.
+    from hf_support.sweep import outcome
+
+    result = outcome("mllama", balance, cross_attention_layers=skipped)
+    assert result.kind == "exact", result.detail
+
+
+def test_a_family_that_calls_its_layers_out_of_order_is_refused_by_name() -> None:
+    # Dory's forward runs its layers in a loop, more than once each.
+    message = _refusal("dory")
+    assert "not each at most once in order" in message, message
 
 
 def test_a_model_without_one_list_of_layers_is_refused_saying_what_was_looked_for() -> None:

@@ -295,6 +295,30 @@ def test_families_the_code_does_not_name_generate_the_models_tokens(
     assert torch.equal(pipe.generate(**data, **options), expected)
 
 
+@pytest.mark.parametrize(("balance", "chunks"), [([1, 3], 2), ([2, 2], 1), ([3, 1], 3)])
+def test_a_family_that_passes_over_layers_generates_the_models_tokens(
+    balance: list[int], chunks: int
+) -> None:
+    # Mllama's text model passes over its cross-attention layer (1) without images: its
+    # cache holds no positions for it, the pipeline's neither.
+    import transformers
+
+    from hf_support.sweep import tiny_config
+
+    made = tiny_config("mllama")
+    made.cross_attention_layers = [1]
+    torch.manual_seed(0)
+    built = transformers.MllamaForCausalLM._from_config(
+        made, dtype=torch.float64, attn_implementation="sdpa"
+    ).eval()
+    data = prompts(3)
+    options = {"max_new_tokens": 10, "do_sample": False}
+    with torch.no_grad():
+        expected = built.generate(**data, **options)
+    pipe = pipeline(built, balance=balance, chunks=chunks)
+    assert torch.equal(pipe.generate(**data, **options), expected)
+
+
 def test_three_ranks_generate_the_models_tokens() -> None:
     # Each lane's next input goes from the last rank to the first past the middle one.
     from hf_support.ranks import close, run

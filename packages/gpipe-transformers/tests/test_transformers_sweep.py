@@ -22,9 +22,10 @@ REASONS = {
     "not a sequence of its layers": r"\w+'s forward does not run as a sequence of its decoder",
     "not in pieces": r"\w+'s code around its decoder layers does not run in pieces",
 }
-#: The families exact with transformers 5.24 were 173 of 196 when this test was last
-#: changed; a floor, so that a newer transformers' families count too.
-EXACT_AT_LEAST = 172
+#: The families exact with transformers 5.25 were 178 of 200 when this test was last
+#: changed (173 of 196 with 5.24); a floor, so that a newer transformers' families count
+#: too.
+EXACT_AT_LEAST = 177
 
 
 @pytest.mark.timeout(300)

@@ -124,7 +124,7 @@ def find_layout(model: object) -> Layout:
         TypeError: ``model`` is not a Hugging Face ``PreTrainedModel``.
         LayoutError: it is an encoder-decoder model or has no head; no single
             ``ModuleList`` of its decoder layers is found; its forward does not run as a
-            sequence of its layers (it calls them other than once each in order, its
+            sequence of its layers (it calls them other than at most once each in order, its
             layers hand the next one more than their hidden states, its base model does
             more after its last layer than calling modules on the hidden states); or it
             has a mixture-of-experts auxiliary loss. The message names what was looked
@@ -418,10 +418,12 @@ def _trace(model: nn.Module, layers_path: str, outputs: int) -> _Seen:
 def _read(log: list[Any], layers_path: str, count: int, outputs: int, probe: Probe) -> _Seen:
     """The base and tail the probe's log shows, or why the forward is not a sequence."""
     order = [event[1] for event in log if event[0] == "layer"]
-    if order != list(range(count)):
+    # Each layer at most once, in order: a layer the family's forward passes over (Mllama's
+    # cross-attention layers without images) is passed over in the pipeline too.
+    if not order or order != sorted(set(order)):
         raise _Unlike(
-            f"its layers were called in the order {order[:12]}, not each once in order "
-            f"(0 to {count - 1})"
+            f"its layers were called in the order {order[:12]}, not each at most once in "
+            f"order (0 to {count - 1})"
         )
     handed = [event[2] for event in log if event[0] == "layer"]
     first = handed[0]
@@ -432,14 +434,15 @@ def _read(log: list[Any], layers_path: str, count: int, outputs: int, probe: Pro
             f"the probe's {_PROBE_BATCH} samples in their first dimension (a pipeline splits "
             "the batch there)"
         )
-    for index in range(1, count):
-        if handed[index] is not handed[index - 1]:
+    for call in range(1, len(order)):
+        before, index = order[call - 1], order[call]
+        if handed[call] is not handed[call - 1]:
             raise _Unlike(
-                f"layer {index} was not given the hidden states layer {index - 1} returned "
+                f"layer {index} was not given the hidden states layer {before} returned "
                 "(its layers hand the next one more than their hidden states, or the "
                 "forward changes them between layers)"
             )
-    handed_on = _handed(log, count)
+    handed_on = _handed(log)
     calls = [event[1] for event in log if event[0] == "call"]
     ways = [c for c in calls if c.path and _under(layers_path, c.path) and c.path != layers_path]
     if not ways:
@@ -481,28 +484,30 @@ def _read(log: list[Any], layers_path: str, count: int, outputs: int, probe: Pro
     return _Seen(base.path, paths, tuple(casts), outputs, handed_on, probe)
 
 
-def _handed(log: list[Any], count: int) -> tuple[tuple[int, int | str], ...]:
-    """Where each layer's arguments hold what the layer before it returned besides its
-    hidden states: the same for every layer, or the refusal."""
-    given = [(event[3], event[4]) for event in log if event[0] == "layer"]
+def _handed(log: list[Any]) -> tuple[tuple[int, int | str], ...]:
+    """Where each layer's arguments hold what the layer called before it returned besides
+    its hidden states: the same for every layer, or the refusal."""
+    given = [(event[1], event[3], event[4]) for event in log if event[0] == "layer"]
     found: set[tuple[int, int | str]] = set()
-    for index, (args, kwargs) in enumerate(given):
+    for call, (index, args, kwargs) in enumerate(given):
+        before = given[call - 1][0] if call else -1
         seen: set[tuple[int, int | str]] = set()
         places: list[tuple[int | str, object]] = [*enumerate(args), *kwargs.items()]
         for where, value in places:
             if isinstance(value, Handed):
-                if value.layer != index - 1:
+                if value.layer != before:
                     raise _Unlike(
                         f"layer {index} was given what layer {value.layer} returned, not "
-                        f"only what the layer before it did"
+                        f"only what the layer called before it did"
                     )
                 seen.add((value.position, where))
-        if index == 1:
+        if call == 1:
             found = seen
-        elif index > 1 and seen != found:
+        elif call > 1 and seen != found:
             raise _Unlike(
                 f"layer {index} was given other items of what the layer before returned "
-                f"than layer 1 ({sorted(map(str, seen))}, not {sorted(map(str, found))})"
+                f"than layer {given[1][0]} ({sorted(map(str, seen))}, not "
+                f"{sorted(map(str, found))})"
             )
     return tuple(sorted(found, key=str))
 

@@ -10,8 +10,10 @@ model's own but for a few, replaced for the call:
 - :class:`Embed` calls the base model's forward with each decoder layer replaced by a
   :class:`~._layout.Passer`, which notes the arguments the forward gives that layer (the
   attention mask the family built for it, its rotary position embeddings, its position ids)
-  and passes the hidden states on; the last layer's stops the call. Its output is the first
-  layer's hidden states and every layer's arguments (a :class:`Carry`).
+  and passes the hidden states on; the last layer's stops the call (or, where the forward
+  passes over the last layers, the first module after them). Its output is the first
+  layer's hidden states and every layer's arguments (a :class:`Carry`), None for a layer
+  the forward passed over, which :class:`Decoder` then passes over too.
 - :class:`Decoder` calls its decoder layer with the hidden states and the arguments noted
   for it.
 - :class:`Head` calls the modules the base model's forward calls on the hidden states
@@ -82,6 +84,10 @@ def _unflatten(value: object, table: Mapping[str, object]) -> Any:
     return value
 
 
+#: A decoder layer's arguments after its hidden states: positional and keyword.
+_Call = tuple[tuple[Any, ...], dict[str, Any]]
+
+
 @dataclass(frozen=True)
 class _Structure:
     """The structure of every decoder layer's other arguments, their tensors replaced by
@@ -96,10 +102,9 @@ class Carry:
     every decoder layer's other arguments, and their tensors (``t0``, ``t1``, ...)."""
 
     @staticmethod
-    def make(
-        hidden: Tensor, calls: list[tuple[tuple[object, ...], dict[str, object]]]
-    ) -> dict[str, object]:
-        """The carry of ``hidden`` and each layer's other arguments ``calls``."""
+    def make(hidden: Tensor, calls: list[_Call | None]) -> dict[str, object]:
+        """The carry of ``hidden`` and each layer's other arguments ``calls`` (None for a
+        layer passed over)."""
         tensors: dict[int, int] = {}
         table: list[Tensor] = []
         structure = _Structure(tuple(_flatten(call, tensors, table) for call in calls))
@@ -108,13 +113,15 @@ class Carry:
         return carry
 
     @staticmethod
-    def arguments(
-        carry: Mapping[str, object], index: int
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The other arguments of decoder layer ``index``."""
+    def arguments(carry: Mapping[str, object], index: int) -> _Call | None:
+        """The other arguments of decoder layer ``index`` (None: the family's forward
+        passed over it)."""
         structure = carry[ARGUMENTS]
         assert isinstance(structure, _Structure)
-        args, kwargs = _unflatten(structure.calls[index], carry)
+        call = structure.calls[index]
+        if call is None:
+            return None
+        args, kwargs = _unflatten(call, carry)
         return args, kwargs
 
 
@@ -194,6 +201,7 @@ class Embed(nn.Module):
     _layers: list[nn.Module]
     _base_path: str
     _layers_path: str
+    _tail_paths: tuple[str, ...]
     _outputs: int
     _cache_name: str
 
@@ -219,6 +227,7 @@ class Embed(nn.Module):
         self._layers = list(layers)
         self._base_path = base_path
         self._layers_path = layers_path
+        self._tail_paths = tail_paths
         self._outputs = outputs
         self._cache_name = cache_argument(model.get_submodule(base_path))
         #: In a step that trains to the router loss as well, its tally (see _router).
@@ -226,23 +235,36 @@ class Embed(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, object]:
         keep = kwargs.pop(KEEP, None)  # the causal LM's, for the head
-        calls: list[tuple[tuple[object, ...], dict[str, object]]] = []
-        first: list[Tensor] = []
         count = len(self._layers)
+        # The arguments of each layer the forward calls (None: one it passes over).
+        calls: list[_Call | None] = [None] * count
+        first: list[Tensor] = []
+        called: list[int] = []
 
         def note(
             index: int, hidden: Tensor, args: tuple[object, ...], kwargs: dict[str, object]
         ) -> None:
-            # The arguments of each layer, the first layer's hidden states; the last layer
-            # ends the forward.
+            # The arguments of each layer, the first layer's hidden states; the last layer,
+            # or the first module after the layers, ends the forward.
+            if called and index <= called[-1]:
+                raise RuntimeError(
+                    f"{type(self._model).__name__}'s forward called its decoder layer "
+                    f"{index} after layer {called[-1]}: a pipeline runs each layer at most "
+                    "once, in order"
+                )
             if not first:
                 first.append(hidden)
-            calls.append((args, kwargs))
+            called.append(index)
+            calls[index] = (args, kwargs)
             if index == count - 1:
                 raise _Stop
 
         passers = [Passer(layer, k, self._outputs, note) for k, layer in enumerate(self._layers)]
-        base = stand_ins(self._model, self.training, {self._layers_path: passers})[self._base_path]
+        # After a last layer the forward passes over, the tail's first module ends it.
+        replaced: dict[str, object] = {self._layers_path: passers}
+        for path in self._tail_paths:
+            replaced[path] = _Stopper(self._model.get_submodule(path), called)
+        base = stand_ins(self._model, self.training, replaced)[self._base_path]
         # In a lane of a decode run (generation), the base model builds its masks from a
         # cache that knows how many positions each layer holds (see _advance); the
         # layers get their own partition's cache instead.
@@ -260,25 +282,26 @@ class Embed(nn.Module):
         except _Stop:
             pass
         else:
+            if self._tail_paths:
+                raise RuntimeError(
+                    f"{type(base).__name__}.forward returned without calling its last "
+                    f"decoder layer or {self._tail_paths[0]}: a pipeline runs each layer "
+                    "at most once, in order, then what follows them"
+                )
+        if not first:
             raise RuntimeError(
-                f"{type(base).__name__}.forward returned without calling its last decoder "
-                "layer: a pipeline runs each layer once"
-            )
-        if len(calls) != count or not first:
-            raise RuntimeError(
-                f"{type(base).__name__}.forward called {len(calls)} of its {count} decoder "
-                "layers: a pipeline runs each layer once"
+                f"{type(base).__name__}.forward called none of its {count} decoder layers"
             )
         if masks is not None:
-            for index, call in enumerate(calls):
-                calls[index], found = _with_slots(call, masks)
+            for index in called:
+                calls[index], found = _with_slots(calls[index], masks)
                 if not found:
                     raise ValueError(
                         f"{type(base).__name__}.forward gives its decoder layer {index} no "
                         "cache, which generation needs: generate with the model itself on "
                         "one device"
                     )
-            _advance(masks, first[0], count)
+            _advance(masks, first[0], called)
         carry = Carry.make(first[0], calls)
         if keep is not None:
             carry[KEEP] = keep
@@ -294,15 +317,35 @@ class Embed(nn.Module):
         return carry
 
 
-def _advance(masks: Any, hidden: Tensor, layers: int) -> None:
+def _advance(masks: Any, hidden: Tensor, called: list[int]) -> None:
     """Let the masks' cache hold as many positions as the layers' caches after this
-    call: each layer of it takes the call's positions with keys and values of one sample,
-    one head and one channel (transformers' cache counts no position in an empty
-    tensor), so that it answers the mask sizes (sliding windows included) as the layers'
-    own caches would, at a cost of one number per position."""
+    call: each layer of it the forward ``called`` takes the call's positions with keys and
+    values of one sample, one head and one channel (transformers' cache counts no position
+    in an empty tensor), so that it answers the mask sizes (sliding windows included) as
+    the layers' own caches would, at a cost of one number per position; a layer passed over
+    holds none, as its own cache."""
     tiny = hidden.new_zeros((1, 1, hidden.shape[1], 1))
-    for index in range(layers):
+    for index in called:
         masks.update(tiny, tiny, index)
+
+
+class _Stopper:
+    """Stands for the first module after the layers in :class:`Embed`'s call: ends the
+    forward once a layer has been called (the last one being passed over), else is the
+    module."""
+
+    __slots__ = ("called", "module")
+
+    def __init__(self, module: nn.Module, called: list[int]) -> None:
+        self.module, self.called = module, called
+
+    def __call__(self, *args: object, **kwargs: object) -> Any:
+        if self.called:
+            raise _Stop
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
 
 
 class Decoder(nn.Module):
@@ -339,7 +382,10 @@ class Decoder(nn.Module):
         self.tally: Tally | None = None
 
     def forward(self, carry: dict[str, object]) -> object:
-        args, kwargs = Carry.arguments(carry, self.index)
+        call = Carry.arguments(carry, self.index)
+        if call is None:  # a layer the family's forward passed over in this call
+            return _passed_over(carry) if self.last else carry
+        args, kwargs = call
         lane = lane_state(self._config) if self._config is not None else None
         if lane is not None:
             cache = lane.get("cache")
@@ -363,7 +409,7 @@ class Decoder(nn.Module):
         if tally is not None:
             output = tally.add(output, logits, carry[MASK], carry[CHUNKS])
         if self.last:
-            return output if KEEP not in carry else {HIDDEN: output, KEEP: carry[KEEP]}
+            return _passed_over({**carry, HIDDEN: output})
         handed = {f"{_HANDED}{position}": items[position] for position, _ in self.handed}
         return {**carry, HIDDEN: output, **handed}
 
@@ -372,6 +418,13 @@ class Decoder(nn.Module):
 
 
 _HANDED = "handed"
+
+
+def _passed_over(carry: Mapping[str, object]) -> object:
+    """What the last decoder layer returns of ``carry``: the hidden states (with the causal
+    LM's ``logits_to_keep``, where given)."""
+    hidden = carry[HIDDEN]
+    return hidden if KEEP not in carry else {HIDDEN: hidden, KEEP: carry[KEEP]}
 
 
 def _from(carry: Mapping[str, object], value: object) -> object:

@@ -200,6 +200,12 @@ def _shrunk(values: dict[str, Any]) -> dict[str, Any]:
         elif value is None and _UNSET.search(name):
             changed[name] = _small(name, 1 << 30)  # a size the family reads, left unset
     _keep_grouping(values, changed)
+    for name, value in values.items():
+        # A choice the family's forward needs that its default leaves unset (X-MOD's
+        # default_language): the first of the ones its configuration lists.
+        options = values.get(name.removeprefix("default_") + "s")
+        if value is None and name.startswith("default_") and isinstance(options, (list, tuple)):
+            changed[name] = options[0] if options else value
     for offset, name in enumerate(_SPECIAL):
         value = values.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value >= IDS:
@@ -252,10 +258,13 @@ def _causal_class(model_type: str) -> Any:
 _FLOAT64: dict[str, Any] = {"dtype": torch.float64, "experts_implementation": "eager"}
 
 
-def build(model_type: str, seed: int = 0) -> nn.Module:
+def build(model_type: str, seed: int = 0, **overrides: object) -> nn.Module:
     """The tiny ``model_type`` causal LM (``AutoModelForCausalLM``'s) in float64 (sdpa, or
-    eager where the family has no sdpa), in training mode without dropout."""
+    eager where the family has no sdpa), in training mode without dropout; ``overrides``
+    set fields of its configuration."""
     config = tiny_config(model_type)
+    for name, value in overrides.items():
+        setattr(config, name, value)
     causal = _causal_class(model_type)
     for name, value in list(vars(config).items()):
         if ("dropout" in name or name.endswith("_pdrop")) and isinstance(value, float):
@@ -308,12 +317,13 @@ def _grads(model: nn.Module) -> dict[str, Tensor]:
     }
 
 
-def outcome(model_type: str) -> Outcome:
-    """Build ``model_type`` tiny, pipeline it, and compare it with the plain model."""
+def outcome(model_type: str, balance: tuple[int, ...] = (2, 2), **overrides: object) -> Outcome:
+    """Build ``model_type`` tiny (``overrides`` set fields of its configuration), pipeline
+    it over ``balance``, and compare it with the plain model."""
     from gpipe_transformers import LayoutError, pipeline
 
     try:
-        built = build(model_type)
+        built = build(model_type, **overrides)
         # A family whose forward takes no attention mask (xLSTM) gets no padding.
         data = padded_batch(pad="attention_mask" in inspect.signature(built.forward).parameters)
         inputs = {k: v for k, v in data.items() if k != "labels"}
@@ -329,7 +339,7 @@ def outcome(model_type: str) -> Outcome:
         return Outcome("plain fails", f"{type(error).__name__}: {error}"[:300])
     whole = _grads(plain)
     try:
-        pipe = pipeline(built, balance=[2, 2], chunks=CHUNKS)
+        pipe = pipeline(built, balance=list(balance), chunks=CHUNKS)
     except (LayoutError, ValueError, TypeError) as error:
         return Outcome("refused", f"{type(error).__name__}: {error}")
     try:
