@@ -286,12 +286,18 @@ def test_families_the_code_does_not_name_generate_the_models_tokens(
     torch.manual_seed(0)
     built = transformers.AutoModelForCausalLM.from_config(
         made, dtype=torch.float64, attn_implementation="sdpa"
-    ).eval()
+    )
+    assert_generates_as_the_model(built.eval(), [1, 3], 2)
+
+
+def assert_generates_as_the_model(built: nn.Module, balance: list[int], chunks: int) -> None:
+    """Ten tokens greedily from three left-padded prompts, through a pipeline of ``built``
+    over ``balance`` at ``chunks``: the model's own."""
     data = prompts(3)
     options = {"max_new_tokens": 10, "do_sample": False}
     with torch.no_grad():
         expected = built.generate(**data, **options)
-    pipe = pipeline(built, balance=[1, 3], chunks=2)
+    pipe = pipeline(built, balance=balance, chunks=chunks)
     assert torch.equal(pipe.generate(**data, **options), expected)
 
 
@@ -310,13 +316,8 @@ def test_a_family_that_passes_over_layers_generates_the_models_tokens(
     torch.manual_seed(0)
     built = transformers.MllamaForCausalLM._from_config(
         made, dtype=torch.float64, attn_implementation="sdpa"
-    ).eval()
-    data = prompts(3)
-    options = {"max_new_tokens": 10, "do_sample": False}
-    with torch.no_grad():
-        expected = built.generate(**data, **options)
-    pipe = pipeline(built, balance=balance, chunks=chunks)
-    assert torch.equal(pipe.generate(**data, **options), expected)
+    )
+    assert_generates_as_the_model(built.eval(), balance, chunks)
 
 
 def test_three_ranks_generate_the_models_tokens() -> None:

@@ -384,7 +384,7 @@ class Decoder(nn.Module):
     def forward(self, carry: dict[str, object]) -> object:
         call = Carry.arguments(carry, self.index)
         if call is None:  # a layer the family's forward passed over in this call
-            return _passed_over(carry) if self.last else carry
+            return _last_output(carry) if self.last else carry
         args, kwargs = call
         lane = lane_state(self._config) if self._config is not None else None
         if lane is not None:
@@ -409,7 +409,7 @@ class Decoder(nn.Module):
         if tally is not None:
             output = tally.add(output, logits, carry[MASK], carry[CHUNKS])
         if self.last:
-            return _passed_over({**carry, HIDDEN: output})
+            return _last_output({**carry, HIDDEN: output})
         handed = {f"{_HANDED}{position}": items[position] for position, _ in self.handed}
         return {**carry, HIDDEN: output, **handed}
 
@@ -420,9 +420,10 @@ class Decoder(nn.Module):
 _HANDED = "handed"
 
 
-def _passed_over(carry: Mapping[str, object]) -> object:
-    """What the last decoder layer returns of ``carry``: the hidden states (with the causal
-    LM's ``logits_to_keep``, where given)."""
+def _last_output(carry: Mapping[str, object]) -> object:
+    """What the last decoder layer returns, its hidden states in ``carry`` (whether it ran
+    or was passed over): them alone, or with the causal LM's ``logits_to_keep`` where
+    given."""
     hidden = carry[HIDDEN]
     return hidden if KEEP not in carry else {HIDDEN: hidden, KEEP: carry[KEEP]}
 
