@@ -9,6 +9,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpipe_transformers import LayoutError, pipeline
 from hf_support.models import (
@@ -130,18 +132,33 @@ def test_a_family_whose_base_model_computes_more_after_its_layers_is_refused_by_
     assert "it computes more than their calls" in message
 
 
-@pytest.mark.parametrize(
-    ("skipped", "balance"), [([3], (2, 2)), ([1], (1, 3)), ([1], (2, 2)), ([0, 3], (1, 3))]
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    skipped=st.sets(st.integers(0, 3), max_size=4),
+    balance=st.sampled_from([(2, 2), (1, 3), (3, 1), (1, 1, 2), (2, 1, 1), (1, 2, 1)]),
 )
 def test_layers_the_family_passes_over_are_passed_over(
-    skipped: list[int], balance: tuple[int, ...]
+    skipped: set[int], balance: tuple[int, ...]
 ) -> None:
-    # Mllama's forward passes over its cross-attention layers without images: first, last,
-    # in the middle, at a partition's edge.
+    # Mllama's forward passes over its cross-attention layers without images (any of them:
+    # first, last, in the middle, at a partition's edge, a whole partition's); one that
+    # passes over every layer is refused before anything runs.
     from hf_support.sweep import outcome
 
-    result = outcome("mllama", balance, cross_attention_layers=skipped)
-    assert result.kind == "exact", result.detail
+    result = outcome("mllama", balance, cross_attention_layers=sorted(skipped))
+    if len(skipped) == 4:
+        assert result.kind == "refused", result
+        assert "it called none of its 4 layers" in result.detail, result.detail
+    else:
+        assert result.kind == "exact", result.detail
+
+
+def test_two_layers_passed_over_are_exact_and_all_of_them_refused() -> None:
+    # The examples above are drawn at random; these two always run.
+    from hf_support.sweep import outcome
+
+    assert outcome("mllama", (2, 2), cross_attention_layers=[1, 2]).kind == "exact"
+    assert outcome("mllama", (2, 2), cross_attention_layers=[0, 1, 2, 3]).kind == "refused"
 
 
 def test_a_family_that_calls_its_layers_out_of_order_is_refused_by_name() -> None:

@@ -420,7 +420,9 @@ def _read(log: list[Any], layers_path: str, count: int, outputs: int, probe: Pro
     order = [event[1] for event in log if event[0] == "layer"]
     # Each layer at most once, in order: a layer the family's forward passes over (Mllama's
     # cross-attention layers without images) is passed over in the pipeline too.
-    if not order or order != sorted(set(order)):
+    if not order:
+        raise _Unlike(f"it called none of its {count} layers")
+    if order != sorted(set(order)):
         raise _Unlike(
             f"its layers were called in the order {order[:12]}, not each at most once in "
             f"order (0 to {count - 1})"
