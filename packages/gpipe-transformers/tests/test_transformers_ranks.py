@@ -48,6 +48,22 @@ def test_two_ranks_several_partitions_each(
             assert loss < TOLERANCE and grad < TOLERANCE, (rank, schedule, loss, grad)
 
 
+@pytest.mark.parametrize(("skipped", "balance"), [([1], [2, 2]), ([2, 3], [3, 1])])
+def test_two_ranks_pass_over_the_layers_the_family_passes_over(
+    skipped: list[int], balance: list[int]
+) -> None:
+    # Mllama's cross-attention layers, without images: one in the middle of the first
+    # rank's partition; the last rank's whole partition and the layer before it. Its head
+    # casts the logits to float32, so the loss (a sum over micro-batches) differs from the
+    # whole batch's at float32's rounding; the gradients are float64's.
+    results = run("passed_over", skipped=skipped, balance=balance)
+    for rank, found in enumerate(results):
+        for schedule in ("gpipe", "1f1b"):
+            loss, grad, unlike = found[schedule]
+            assert loss < 1e-6 and grad < TOLERANCE, (rank, schedule, loss, grad)
+            assert unlike == [], (rank, schedule, unlike)
+
+
 def test_data_parallel_replicas_average_over_the_whole_batchs_labels() -> None:
     # The replicas' label counts differ; the step's gradients are the whole batch's token
     # mean's only if the count is summed over the replicas before any gradient is scaled.

@@ -51,6 +51,38 @@ def exact(
     return found
 
 
+def passed_over(rank: int, world: int, *, skipped: list[int], balance: list[int]) -> dict[str, Any]:
+    """Mllama's text model, its layers ``skipped`` (cross-attention layers, which its
+    forward passes over without images), pipelined over the ranks: for each schedule, the
+    difference of the loss from the float64 labels loss of the plain model's logits, of
+    this rank's gradients from the plain model's, and the names of this rank's parameters
+    whose gradient is None in one of them but not the other."""
+    import copy
+
+    from hf_support.sweep import build, labels_loss, padded_batch
+
+    built = build("mllama", cross_attention_layers=skipped)
+    data = padded_batch()
+    plain = copy.deepcopy(built)
+    inputs = {k: v for k, v in data.items() if k != "labels"}
+    loss = labels_loss(plain(**inputs, use_cache=False).logits, data["labels"])
+    loss.backward()
+    theirs = dict(plain.named_parameters())
+    pipe = pipeline(built, balance=balance, chunks=4, group=dist.group.WORLD)
+    found: dict[str, Any] = {}
+    for schedule in ("gpipe", "1f1b"):
+        pipe.zero_grad(set_to_none=True)
+        losses = pipe.step(**data, schedule=schedule)
+        held = [(n, q.grad, theirs[n].grad) for n, q in pipe.named_parameters()]
+        found[schedule] = (
+            abs(losses.reduced().item() - loss.item()),
+            max((abs(a - b).max().item() for _, a, b in held if a is not None and b is not None),
+                default=0.0),
+            sorted(n for n, a, b in held if (a is None) != (b is None)),
+        )  # fmt: skip
+    return found
+
+
 def names(rank: int, world: int, *, family: str) -> dict[str, Any]:
     """This rank's names of parameters and state-dict keys, the model's names of the
     tensors it holds (not on the meta device), how many elements it holds against the
