@@ -167,6 +167,38 @@ def test_a_family_that_calls_its_layers_out_of_order_is_refused_by_name() -> Non
     assert "not each at most once in order" in message, message
 
 
+def test_a_module_after_the_layers_that_also_runs_between_them_is_refused() -> None:
+    # The embeddings end a forward that passes over its last layers at the first module
+    # after them: one that also runs between the layers (here the norm, on a side value
+    # after layer 0) would end it early and pass over the rest, so it is refused.
+    from transformers import LlamaForCausalLM, LlamaModel
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    class SideNorm(LlamaModel):
+        def forward(self, input_ids: torch.Tensor, **kwargs: object) -> BaseModelOutputWithPast:
+            hidden = self.embed_tokens(input_ids)
+            positions = torch.arange(hidden.shape[1])[None]
+            rotary = self.rotary_emb(hidden, positions)
+            for index, layer in enumerate(self.layers):
+                hidden = layer(hidden, position_embeddings=rotary, position_ids=positions)
+                if index == 0:
+                    self.norm(hidden)  # a side value, not the hidden states' way
+            return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
+
+    class SideNormForCausalLM(LlamaForCausalLM):
+        def __init__(self, config: object) -> None:
+            super().__init__(config)
+            self.model = SideNorm(config)
+
+    torch.manual_seed(0)
+    built = SideNormForCausalLM(any_config("llama", attn_implementation="sdpa"))
+    with pytest.raises(LayoutError) as info:
+        pipeline(built, balance=[2, 2], chunks=2)
+    assert "its modules after the last layer (model.norm) also run between its layers" in str(
+        info.value
+    )
+
+
 def test_a_model_without_one_list_of_layers_is_refused_saying_what_was_looked_for() -> None:
     # XLM keeps its layers' parts in four parallel lists.
     message = _refusal("xlm")

@@ -126,7 +126,8 @@ def find_layout(model: object) -> Layout:
             ``ModuleList`` of its decoder layers is found; its forward does not run as a
             sequence of its layers (it calls them other than at most once each in order, its
             layers hand the next one more than their hidden states, its base model does
-            more after its last layer than calling modules on the hidden states); or it
+            more after its last layer than calling modules on the hidden states, or also
+            calls those modules between its layers); or it
             has a mixture-of-experts auxiliary loss. The message names what was looked
             for and seen, and what to do.
     """
@@ -483,6 +484,16 @@ def _read(log: list[Any], layers_path: str, count: int, outputs: int, probe: Pro
             f"the last layer ({names}) give: it computes more than their calls"
         )
     paths = tuple(call.path for call in tail)
+    # A pipeline's embeddings end the forward at the first module after the layers where
+    # it passes over its last layers (see _pieces.Embed): none may run between them.
+    first_layer = next(k for k, event in enumerate(log) if event[0] == "layer")
+    between = sorted(
+        {e[1].path for e in log[first_layer:last] if e[0] == "call" and e[1].path in paths}
+    )
+    if between:
+        raise _Unlike(
+            f"its modules after the last layer ({', '.join(between)}) also run between its layers"
+        )
     return _Seen(base.path, paths, tuple(casts), outputs, handed_on, probe)
 
 

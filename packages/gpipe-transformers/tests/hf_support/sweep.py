@@ -205,7 +205,7 @@ def _shrunk(values: dict[str, Any]) -> dict[str, Any]:
         # default_language): the first of the ones its configuration lists.
         options = values.get(name.removeprefix("default_") + "s")
         if value is None and name.startswith("default_") and isinstance(options, (list, tuple)):
-            changed[name] = options[0] if options else value
+            changed.update({name: options[0]} if options else {})
     for offset, name in enumerate(_SPECIAL):
         value = values.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value >= IDS:
