@@ -65,8 +65,24 @@ class GradientSync:
         #: Whether the pipeline frees the gathered parameters after each forward pass (see
         #: :func:`~gpipe_core._mesh.shard_partitions`).
         self.reshards = bool(vars(module).get("_gpipe_reshard_after_forward", True))
+        #: The FSDP units in the partition (itself, and any the user made inside it), found
+        #: once: FSDP's setters walk every submodule on each call, several times a task.
+        fsdp = sys.modules["torch.distributed.fsdp"]
+        self.units = [unit for unit in module.modules() if isinstance(unit, fsdp.FSDPModule)]
+        #: Whether the units free the gathered parameters after a forward pass now.
+        self.after_forward = self.reshards and not self.split
         # Split: gathered from the first forward pass to the reduction.
-        module.set_reshard_after_forward(self.reshards and not self.split)
+        self._set("set_reshard_after_forward", self.after_forward)
+
+    def _set(self, setter: str, value: bool) -> None:
+        """Call FSDP's ``setter`` with ``value`` on each unit (not recursing: each is one)."""
+        for unit in self.units:
+            getattr(unit, setter)(value, recurse=False)
+
+    def _reshard_after_forward(self, value: bool) -> None:
+        if value != self.after_forward:
+            self._set("set_reshard_after_forward", value)
+            self.after_forward = value
 
     @staticmethod
     def of(
@@ -84,18 +100,17 @@ class GradientSync:
     def backward(self, i: int, kind: Phase) -> Iterator[None]:
         """Around micro-batch ``i``'s backward task of ``kind`` (``B``, ``I`` or ``W``): the
         gradients reduced in it, or after it (split), only if it is the run's last."""
-        module = self.module
         last = (kind, i) == self.last
         reduces = last and not self.split
-        module.set_requires_gradient_sync(reduces)
-        module.set_is_last_backward(reduces)
+        self._set("set_requires_gradient_sync", reduces)
+        self.module.set_is_last_backward(reduces)
         # Freed after every backward pass where they are after every forward pass.
-        module.set_reshard_after_backward(reduces or (self.reshards and not self.split))
-        module.set_reshard_after_forward(False)  # a recomputation keeps them for its backward
+        self._set("set_reshard_after_backward", reduces or (self.reshards and not self.split))
+        self._reshard_after_forward(False)  # a recomputation keeps them for its backward
         try:
             yield
         finally:
-            module.set_reshard_after_forward(self.reshards and not self.split)
+            self._reshard_after_forward(self.reshards and not self.split)
         if last and self.split:
             self.reduce()
 
@@ -111,18 +126,20 @@ class GradientSync:
                 fsdp_param.unsharded_accumulated_grad = None
                 if hasattr(fsdp_param, "_unsharded_param"):
                     fsdp_param._unsharded_param.grad = None
-        module.set_reshard_after_forward(self.reshards)
+        self._set("set_reshard_after_forward", self.reshards)
+        self.after_forward = self.reshards
 
     def reduce(self) -> None:
         """Reduce-scatter what the weight gradients accumulated, then free the gathered
         parameters, through FSDP's post-backward and its end-of-backward callback (which
         waits for the reduction), as a backward pass through FSDP's hooks would end."""
         module = self.module
-        module.set_requires_gradient_sync(True)
+        self._set("set_requires_gradient_sync", True)
         module.set_is_last_backward(True)
-        module.set_reshard_after_backward(True)
+        self._set("set_reshard_after_backward", True)
         state = module._get_fsdp_state()
         for group in state._fsdp_param_groups:
             group.post_backward()
         state._root_post_backward_final_callback()
-        module.set_reshard_after_forward(self.reshards)
+        self._set("set_reshard_after_forward", self.reshards)
+        self.after_forward = self.reshards
