@@ -243,6 +243,8 @@ def case_mesh_steps(
         }
         if profiler is not None:
             step["collectives"] = fsdp_in_tasks(profiler)
+            labels = [e for e in profiler.events() if e.name.startswith("gpipe/")]
+            step["labels"] = [e.name for e in sorted(labels, key=lambda e: e.time_range.start)]
         counts.update(dict.fromkeys(kinds, 0))
         if clip is not None:
             step["norm"] = pipe.clip_grad_norm_(clip).item()

@@ -237,7 +237,8 @@ def test_a_profile_shows_each_collective_inside_the_task_that_issues_it(
 ) -> None:
     # torch.profiler's trace of a step: FSDP's all-gathers inside the partition's forward
     # and backward tasks (one in each, with resharding; chunks=2, no checkpointing), and
-    # its one reduction inside the partition's last backward task of the step.
+    # its one reduction in a range of its own, after the partition's last backward task
+    # (whose gradient is sent first).
     shape, names = SHARD
     spec = {"layers": SKIP, "seed": 6, "batch": 8, "chunks": 2, "checkpoint": "never", "steps": 1}
     results = cluster4.results(
@@ -248,8 +249,10 @@ def test_a_profile_shows_each_collective_inside_the_task_that_issues_it(
         shown = result["steps"][0]["collectives"]
         tasks = [f"gpipe/{phase}/p{j}/mb{i}" for phase in ("backward", "forward") for i in (0, 1)]
         assert sorted(shown["FSDP::all_gather"]) == tasks, (rank, shown)
+        assert shown["FSDP::post_backward_reduce"] == [f"gpipe/reduce/p{j}"], (rank, shown)
         # GPipe's schedule runs the backward passes last micro-batch first: mb0's is last.
-        assert shown["FSDP::post_backward_reduce"] == [f"gpipe/backward/p{j}/mb0"], (rank, shown)
+        labels = result["steps"][0]["labels"]
+        assert labels[-2:] == [f"gpipe/backward/p{j}/mb0", f"gpipe/reduce/p{j}"], (rank, labels)
     check_mesh_steps(cases, results, spec, shape)
 
 

@@ -3,23 +3,25 @@
 reduce-scatters its gradients once per step, after its last micro-batch's backward pass.
 
 FSDP reduces a unit's gradients at the end of every backward pass through it. A step runs
-one backward pass per micro-batch, so around each, :class:`GradientSync` tells the unit
-whether it is the step's last for the partition: in the others, FSDP keeps the unsharded
-gradients and adds the next micro-batch's to them, without any collective; in the last, it
-reduce-scatters their sum (over ``"dp_shard"``, and all-reduces over ``"dp_replicate"``
-with HSDP) once, and waits for it. Between micro-batches the gathered parameters are freed
-after each backward pass when they are freed after each forward pass
-(``reshard_after_forward=True``), else kept until the last; a checkpointed micro-batch's
-recomputation keeps what it gathers for the backward pass that follows.
+one backward pass per micro-batch, so around each, :class:`GradientSync` turns that off:
+FSDP keeps the unsharded gradients and adds the next micro-batch's to them, without any
+collective. After the partition's last backward task of the step, once that task has sent
+its gradient to the partition before it (so that the reduction keeps no other partition
+waiting, as ``torch.distributed.pipelining`` reduces after its last send), the runner has
+FSDP reduce-scatter their sum (over ``"dp_shard"``, and all-reduce over ``"dp_replicate"``
+with HSDP) once, and wait for it (:meth:`GradientSync.reduce`). Between micro-batches the
+gathered parameters are freed after each backward pass when they are freed after each
+forward pass (``reshard_after_forward=True``), else kept until the reduction; a
+checkpointed micro-batch's recomputation keeps what it gathers for the backward pass that
+follows.
 
 A backward pass split in two (the zero-bubble schedules' input and weight gradients, ``I``
 and ``W``) runs FSDP's backward hooks in the input gradient, before the weight gradient
 exists, and the weight gradient runs outside FSDP's hooks. Then every ``I`` and ``W`` runs
-without reduction, the partition's parameters stay gathered for the whole step (a weight
-gradient may read them), and after its last ``W`` the partition reduces what its weight
-gradients accumulated, through FSDP's own post-backward (:meth:`GradientSync.reduce`),
-reaching into FSDP's private state as ``torch.distributed.pipelining``'s stage does for the
-same reason.
+without reduction too, the partition's parameters stay gathered for the whole step (a
+weight gradient may read them), and the reduction comes after its last ``W``. Either way it
+runs through FSDP's own post-backward, reaching into FSDP's private state as
+``torch.distributed.pipelining``'s stage does for the same reason.
 
 A run that fails or is cancelled leaves FSDP holding the unsharded gradients of the
 micro-batches whose backward passes ended: :meth:`GradientSync.abandon` drops them (the
@@ -98,21 +100,25 @@ class GradientSync:
 
     @contextmanager
     def backward(self, i: int, kind: Phase) -> Iterator[None]:
-        """Around micro-batch ``i``'s backward task of ``kind`` (``B``, ``I`` or ``W``): the
-        gradients reduced in it, or after it (split), only if it is the run's last."""
-        last = (kind, i) == self.last
-        reduces = last and not self.split
-        self._set("set_requires_gradient_sync", reduces)
-        self.module.set_is_last_backward(reduces)
+        """Around micro-batch ``i``'s backward task of ``kind`` (``B``, ``I`` or ``W``): its
+        gradients accumulated, not reduced (:meth:`after` reduces them, after the run's
+        last task, once its messages are sent)."""
+        self._set("set_requires_gradient_sync", False)
+        self.module.set_is_last_backward(False)
         # Freed after every backward pass where they are after every forward pass.
-        self._set("set_reshard_after_backward", reduces or (self.reshards and not self.split))
+        self._set("set_reshard_after_backward", self.reshards and not self.split)
         self._reshard_after_forward(False)  # a recomputation keeps them for its backward
         try:
             yield
         finally:
             self._reshard_after_forward(self.reshards and not self.split)
-        if last and self.split:
-            self.reduce()
+
+    def reduces_after(self, i: int, kind: Phase) -> bool:
+        """Whether :meth:`reduce` comes after micro-batch ``i``'s backward task of ``kind``:
+        the partition's last in the run. It comes once the task's messages are sent, so that
+        the partitions waiting for them wait no longer (as ``torch.distributed.pipelining``
+        reduces after its last send)."""
+        return (kind, i) == self.last
 
     def abandon(self) -> None:
         """After a run that failed or was cancelled: drop what FSDP holds of the run (the

@@ -441,6 +441,7 @@ class _Executor:
             elif action.kind is Phase.WEIGHT_GRADIENT:
                 with self.computing(j, action.kind), self.synced(j, action.microbatch, action.kind):
                     self.partition(j).backward_weight(action.microbatch)
+                self.reduced(j, action.microbatch, action.kind)
             else:
                 self.backward(j, action.microbatch, split=action.kind is Phase.INPUT_GRADIENT)
         except Cancelled:
@@ -456,6 +457,15 @@ class _Executor:
         gradient reduction where the partition is sharded (see ``_gradient_sync``)."""
         sync = self.syncs.get(j)
         return nullcontext() if sync is None else sync.backward(i, kind)
+
+    def reduced(self, j: int, i: int, kind: Phase) -> None:
+        """After partition ``j``'s backward task of ``kind`` on micro-batch ``i``, its
+        messages sent: FSDP's gradient reduction if it was the partition's last in the run
+        (see ``_gradient_sync``)."""
+        sync = self.syncs.get(j)
+        if sync is not None and sync.reduces_after(i, kind):
+            with self.partition(j).reducing():
+                sync.reduce()
 
     def computing(self, j: int, kind: str) -> _Computing:
         """Around partition ``j``'s computation of an action of ``kind`` (its messages
@@ -559,6 +569,7 @@ class _Executor:
         for source, keys in partition.pops.items():
             values = [popped.get(key) for key in keys]
             self.send(MessageKey("skip-gradients", i, j, source), values)
+        self.reduced(j, i, kind)
 
     def send(
         self,

@@ -62,6 +62,18 @@ def task_label(phase: Phase | str, partition: int, microbatch: int) -> str:
     return f"gpipe/{Phase(phase).value}/p{partition}/mb{microbatch}"
 
 
+def reduction_label(partition: int) -> str:
+    """The :func:`torch.profiler.record_function` label of a sharded partition's gradient
+    reduction, once per step after its last backward task (see
+    :mod:`gpipe_core.run._gradient_sync`): ``gpipe/reduce/p<partition>``.
+
+    Example:
+        >>> reduction_label(1)
+        'gpipe/reduce/p1'
+    """
+    return f"gpipe/reduce/p{partition}"
+
+
 def theoretical_bubble(partitions: int, microbatches: int) -> float:
     """The idle fraction of the fill-drain schedule with equal tasks: ``(n - 1) / (m + n - 1)``.
 

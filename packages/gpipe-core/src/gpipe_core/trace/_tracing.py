@@ -23,7 +23,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from typing import Any, TypeVar
 
@@ -243,6 +243,13 @@ class Tracer:
         if self.recorder is not None and span.start is not None:
             end = _stamp(stream)
             self.recorder.add(phase, j, i, self.run_index, span.start, end, str(device), backward)
+
+    def labelled(self, label: str) -> AbstractContextManager[object]:
+        """A :func:`torch.profiler.record_function` range ``label`` around work of the run
+        that is no task (a partition's gradient reduction), where the run is profiled."""
+        if self.profile and self._active():
+            return record_function(label)
+        return nullcontext()
 
     def task(
         self,
