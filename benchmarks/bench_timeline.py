@@ -28,7 +28,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 import torch
 from torch import nn
 
-import gpipe_core._gpipe as gpipe_module
+import gpipe_core.run._run as run_module
 from gpipe_core import GPipe
 from gpipe_core.trace import _tracing as tracing
 
@@ -42,12 +42,12 @@ def mlp(width: int, partitions: int) -> nn.Sequential:
 
 @contextmanager
 def no_hook() -> Iterator[None]:
-    real = gpipe_module.tracer_for
-    gpipe_module.tracer_for = lambda module, microbatches: None  # type: ignore[assignment]
+    real = run_module.tracer_for  # where a run looks its tracer up
+    run_module.tracer_for = lambda module, microbatches: None  # type: ignore[assignment]
     try:
         yield
     finally:
-        gpipe_module.tracer_for = real
+        run_module.tracer_for = real
 
 
 def all_threads_profiler() -> AbstractContextManager[object]:
