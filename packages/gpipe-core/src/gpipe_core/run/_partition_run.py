@@ -54,7 +54,7 @@ from gpipe_skip import SkipKey
 
 from .._sequential import call_partition
 from .._stream import AbstractStream
-from ..trace._timeline import Phase, reduction_label
+from ..trace._timeline import Phase
 from ._dependency import fork, join
 from ._description import RunDescription
 from ._draws import calls_plainly
@@ -183,15 +183,6 @@ class PartitionRun:
         if self.tracer is None:
             return function()
         return self.tracer.task(phase, i, self.index, self.device, self.stream, backward, function)
-
-    def reducing(self) -> AbstractContextManager[object]:
-        """Around the partition's gradient reduction (a sharded partition's, after its last
-        backward task): labelled for the profiler where the run is profiled."""
-        return (
-            nullcontext()
-            if self.tracer is None
-            else self.tracer.labelled(reduction_label(self.index))
-        )
 
     # -- what a run learns about the partition -------------------------------------------
 

@@ -453,18 +453,16 @@ class _Executor:
             raise
 
     def synced(self, j: int, i: int, kind: Phase) -> AbstractContextManager[object]:
-        """Around partition ``j``'s backward task of ``kind`` on micro-batch ``i``: FSDP's
-        gradient reduction where the partition is sharded (see ``_gradient_sync``)."""
+        """Around a sharded partition ``j``'s backward task: its gradients accumulate."""
         sync = self.syncs.get(j)
         return nullcontext() if sync is None else sync.backward(i, kind)
 
     def reduced(self, j: int, i: int, kind: Phase) -> None:
-        """After partition ``j``'s backward task of ``kind`` on micro-batch ``i``, its
-        messages sent: FSDP's gradient reduction if it was the partition's last in the run
-        (see ``_gradient_sync``)."""
-        sync = self.syncs.get(j)
+        """After partition ``j``'s backward task of ``kind`` on micro-batch ``i`` and its sends:
+        FSDP's gradient reduction, if it was the partition's last (see ``_gradient_sync``)."""
+        sync, tracer = self.syncs.get(j), self.partition(j).tracer
         if sync is not None and sync.reduces_after(i, kind):
-            with self.partition(j).reducing():
+            with nullcontext() if tracer is None else tracer.reducing(j):
                 sync.reduce()
 
     def computing(self, j: int, kind: str) -> _Computing:

@@ -37,7 +37,7 @@ from gpipe_checkpoint import is_checkpointing, is_differentiable, is_recomputing
 from gpipe_microbatch import Batch, get_phony
 
 from .._stream import AbstractStream
-from ._timeline import Phase, TaskEvent, Timeline, task_label
+from ._timeline import Phase, TaskEvent, Timeline, reduction_label, task_label
 
 __all__ = ["Tracer", "record", "tracer_for"]
 
@@ -244,11 +244,11 @@ class Tracer:
             end = _stamp(stream)
             self.recorder.add(phase, j, i, self.run_index, span.start, end, str(device), backward)
 
-    def labelled(self, label: str) -> AbstractContextManager[object]:
-        """A :func:`torch.profiler.record_function` range ``label`` around work of the run
-        that is no task (a partition's gradient reduction), where the run is profiled."""
+    def reducing(self, j: int) -> AbstractContextManager[object]:
+        """Around partition ``j``'s gradient reduction (a sharded partition's, after its last
+        backward task): its :func:`reduction_label` range, where the run is profiled."""
         if self.profile and self._active():
-            return record_function(label)
+            return record_function(reduction_label(j))
         return nullcontext()
 
     def task(
