@@ -101,8 +101,8 @@ class GradientSync:
     @contextmanager
     def backward(self, i: int, kind: Phase) -> Iterator[None]:
         """Around micro-batch ``i``'s backward task of ``kind`` (``B``, ``I`` or ``W``): its
-        gradients accumulated, not reduced (:meth:`after` reduces them, after the run's
-        last task, once its messages are sent)."""
+        gradients accumulated, not reduced (:meth:`reduce` comes after the partition's last
+        task of the run, once its messages are sent: :meth:`reduces_after`)."""
         self._set("set_requires_gradient_sync", False)
         self.module.set_is_last_backward(False)
         # Freed after every backward pass where they are after every forward pass.
@@ -136,7 +136,7 @@ class GradientSync:
         self.after_forward = self.reshards
 
     def reduce(self) -> None:
-        """Reduce-scatter what the weight gradients accumulated, then free the gathered
+        """Reduce-scatter what the step's backward tasks accumulated, then free the gathered
         parameters, through FSDP's post-backward and its end-of-backward callback (which
         waits for the reduction), as a backward pass through FSDP's hooks would end."""
         module = self.module
